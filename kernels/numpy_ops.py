@@ -1,0 +1,125 @@
+"""The numpy reference implementation of every op the model forward uses.
+
+This is the cpu backend's compute and the specification the CUDA kernels are tested
+against, so each op is written for clarity first: float32 in, float32 out, accumulation in
+float32 (BLAS), no in-place tricks that hide what is computed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.batch import ForwardBatch
+from loader.config import Activation, RopeStyle
+
+_GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+
+
+class NumpyOps:
+    """Ops over numpy arrays. Activations are `[tokens, features]` float32."""
+
+    name = "cpu"
+
+    # -- elementwise and norms --------------------------------------------------------
+
+    def embed(self, table: np.ndarray, ids: np.ndarray, scale: float) -> np.ndarray:
+        x = table[ids]
+        return x * np.float32(scale) if scale != 1.0 else x.copy()
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """x / sqrt(mean(x^2) + eps) * w over the last axis (also per head for QK-norm)."""
+        ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+        return (x / np.sqrt(ms + np.float32(eps))) * w
+
+    def add_rms_norm(self, residual: np.ndarray, x: np.ndarray, w: np.ndarray,
+                     eps: float) -> tuple[np.ndarray, np.ndarray]:
+        """residual + x, and its RMS norm: the fused step between two sub-layers."""
+        h = residual + x
+        return h, self.rms_norm(h, w, eps)
+
+    def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        """x @ w^T with w stored (out_features, in_features), as GGUF stores it."""
+        y = x @ w.T
+        return y + bias if bias is not None else y
+
+    def gated_ffn_act(self, gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
+        if act is Activation.SWIGLU:
+            return gate / (np.float32(1.0) + np.exp(-gate)) * up
+        g3 = gate * gate * gate
+        return np.float32(0.5) * gate * (
+            np.float32(1.0) + np.tanh(_GELU_C * (gate + np.float32(0.044715) * g3))) * up
+
+    def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
+        return np.tanh(x / np.float32(cap)) * np.float32(cap)
+
+    def rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return x[rows]
+
+    # -- rotary embedding ------------------------------------------------------------
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, *, style: RopeStyle, rope_dim: int,
+             base: float, scale: float, freq_factors: np.ndarray | None = None) -> np.ndarray:
+        """Rotate the first `rope_dim` dims of each head of x `[T, heads, head_dim]`.
+
+        Angle of pair i at position p: p * scale * base^(-2i / rope_dim) / factor_i.
+        """
+        half = rope_dim // 2
+        inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / rope_dim)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.astype(np.float64)
+        theta = positions.astype(np.float64)[:, None] * scale * inv_freq[None, :]
+        cos = np.cos(theta).astype(np.float32)[:, None, :]
+        sin = np.sin(theta).astype(np.float32)[:, None, :]
+        out = x.copy()
+        if style is RopeStyle.NEOX:
+            a, b = x[..., :half], x[..., half:rope_dim]
+            out[..., :half] = a * cos - b * sin
+            out[..., half:rope_dim] = a * sin + b * cos
+        else:
+            a, b = x[..., 0:rope_dim:2], x[..., 1:rope_dim:2]
+            out[..., 0:rope_dim:2] = a * cos - b * sin
+            out[..., 1:rope_dim:2] = a * sin + b * cos
+        return out
+
+    # -- KV cache and attention ------------------------------------------------------
+
+    def kv_append(self, batch: ForwardBatch, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Write this batch's K and V `[T, kv_heads, head_dim]` at their positions."""
+        for s in batch.seqs:
+            s.kv.k(layer)[s.n_past:s.n_total] = k[s.start:s.end]
+            s.kv.v(layer)[s.n_past:s.n_total] = v[s.start:s.end]
+
+    def attention(self, batch: ForwardBatch, layer: int, q: np.ndarray, *, scale: float,
+                  window: int) -> np.ndarray:
+        """Causal GQA attention of q `[T, heads, head_dim]` over each session's cache.
+
+        A key at position j is visible from position p when j <= p and, with a sliding
+        window, p - j < window. Returns `[T, heads * head_dim]`.
+        """
+        n_tok, n_heads, hd = q.shape
+        out = np.empty((n_tok, n_heads, hd), dtype=np.float32)
+        for s in batch.seqs:
+            first = s.n_past
+            lo = max(0, first - window + 1) if window else 0
+            keys = s.kv.k(layer)[lo:s.n_total]  # [L, kv, hd]
+            vals = s.kv.v(layer)[lo:s.n_total]
+            n_kv = keys.shape[1]
+            g = n_heads // n_kv
+            n = s.n_new
+            qs = q[s.start:s.end].reshape(n, n_kv, g, hd).transpose(1, 2, 0, 3)
+            qs = qs.reshape(n_kv, g * n, hd) * np.float32(scale)
+            scores = qs @ keys.transpose(1, 2, 0)  # [kv, g*n, L]
+            qpos = np.arange(first, s.n_total)[:, None]
+            kpos = np.arange(lo, s.n_total)[None, :]
+            visible = kpos <= qpos
+            if window:
+                visible &= (qpos - kpos) < window
+            scores = scores.reshape(n_kv, g, n, -1)
+            scores = np.where(visible[None, None], scores, np.float32(-np.inf))
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            o = p.reshape(n_kv, g * n, -1) @ vals.transpose(1, 0, 2)  # [kv, g*n, hd]
+            out[s.start:s.end] = o.reshape(n_kv, g, n, hd).transpose(2, 0, 1, 3).reshape(
+                n, n_heads, hd)
+        return out.reshape(n_tok, n_heads * hd)

@@ -1,0 +1,291 @@
+"""Token sampling: the numpy reference that the GPU sampler kernel must reproduce.
+
+Two decisions shape this file.
+
+**Filter order (llama.cpp's default chain).** llama.cpp's `common_params_sampling.samplers`
+defaults to penalties -> DRY -> top-n-sigma -> top-k -> typical-p -> top-p -> min-p -> XTC
+-> temperature, then the final draw. Of those we implement top-k, top-p and min-p, in that
+order, and apply the temperature *after* them, to the survivors only. So the candidate set
+depends on the model's own (temperature-1) distribution, and temperature only reshapes the
+probabilities among candidates; a high temperature cannot let junk tokens in. (HF
+transformers applies temperature first; its results differ whenever a filter is active.)
+
+  1. top-k: keep the k largest logits (k = 0 or k >= vocab: off).
+  2. top-p: softmax over the survivors, sort by probability, keep the shortest prefix whose
+     cumulative probability reaches `top_p` (at least one token).
+  3. min-p: keep tokens with p >= min_p * p_max, computed as llama.cpp does, in logit space:
+     logit >= max_logit + log(min_p). The ratio p/p_max does not change when earlier
+     filters renormalise, and the max token always survives.
+  4. temperature T: survivors get weight exp((logit - max_logit) / T).
+  5. draw with the uniform u of step "Draw" below.
+
+Ties are broken by lower token id everywhere (greedy argmax, the top-k boundary, the top-p
+sort), so the kept set is a function of the logits alone, not of a sort's whims.
+
+**Counter-based randomness.** The uniform number for a row is a pure function of the
+request's seed and the row's position, so a token does not depend on which other requests
+share the batch or how many rounds ran before, and a CUDA kernel can compute the same
+number with no generator state. With all arithmetic modulo 2**64::
+
+    mix64(z):  z ^= z >> 30; z *= 0xBF58476D1CE4E5B9
+               z ^= z >> 27; z *= 0x94D049BB133111EB
+               z ^= z >> 31; return z                      # splitmix64's finaliser
+    bits = mix64(mix64(seed) + (position + 1) * 0x9E3779B97F4A7C15)
+    u    = (bits >> 11) * 2**-53                           # double in [0, 1)
+
+that is, output number `position + 1` of a splitmix64 stream whose state starts at
+mix64(seed) (hashing the seed keeps seeds s and s + gamma from giving shifted streams).
+
+Draw: order the surviving tokens by ascending id, accumulate their weights in float64, and
+return the first token whose running sum exceeds u * (total weight).
+
+`seed=None` means "random": the caller gives each request a seed once, with
+`SamplingParams.resolve_seed()` (or `fresh_seed()`), before its first round, so all of a
+request's rounds draw from one stream and a logged seed reproduces the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_STOP_STRINGS = 16
+SEED_LIMIT = 1 << 64
+POSITION_LIMIT = 1 << 63  # positions travel as int64 on the device
+
+_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_2 = np.uint64(0x94D049BB133111EB)
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+# The first top-p candidate set tried when no top-k bounds it; it grows 16x until it holds
+# the nucleus, so typical nuclei cost one partition instead of a full 262k-entry sort.
+_NUCLEUS_FIRST_GUESS = 64
+_NUCLEUS_GROWTH = 16
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling parameter is out of range; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field} {message}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. Validated on construction, so a bad request fails
+    when it is submitted rather than inside a round shared with other requests."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int | None = None  # None = random; resolve before the first round
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def fail(field: str, allowed: str) -> None:
+            raise InvalidSamplingParams(field, f"must be {allowed}, got {getattr(self, field)!r}")
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            fail("max_tokens", "an int >= 1")
+        if not _is_real(self.temperature) or not (math.isfinite(self.temperature)
+                                                 and self.temperature >= 0):
+            fail("temperature", "a finite number >= 0 (0 means greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            fail("top_k", "an int >= 0 (0 disables top-k)")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            fail("top_p", "a number in (0, 1] (1 disables top-p)")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            fail("min_p", "a number in [0, 1] (0 disables min-p)")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            fail("seed", "None or an int in [0, 2**64)")
+        if isinstance(self.stop, (str, bytes)) or not isinstance(self.stop, (tuple, list)):
+            fail("stop", f"a tuple of at most {MAX_STOP_STRINGS} non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidSamplingParams(
+                "stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidSamplingParams(
+                    "stop", f"must contain only non-empty strings, got {s!r}")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            fail("ignore_eos", "a bool")
+        # Canonical types, so equal parameters compare and hash equal.
+        for name, kind in (("max_tokens", int), ("temperature", float), ("top_k", int),
+                           ("top_p", float), ("min_p", float), ("ignore_eos", bool)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def resolve_seed(self) -> SamplingParams:
+        """These parameters with a concrete seed: unchanged if one is set, else a fresh one."""
+        return self if self.seed is not None else dataclasses.replace(self, seed=fresh_seed())
+
+
+def fresh_seed() -> int:
+    """A random 64-bit seed for a request that did not ask for one."""
+    return secrets.randbits(64)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * _MIX_1
+    z = (z ^ (z >> np.uint64(27))) * _MIX_2
+    return z ^ (z >> np.uint64(31))
+
+
+def draw_uniform(seeds: Sequence[int] | np.ndarray,
+                 positions: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The counter-based uniform in [0, 1) for each (seed, position); see the module doc."""
+    seed = np.asarray(seeds, dtype=np.uint64)
+    pos = np.asarray(positions, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # wrapping modulo 2**64 is the point
+        bits = _mix64(_mix64(seed) + (pos + np.uint64(1)) * _GAMMA)
+    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def _top_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest logits, ordered by (logit descending, id ascending).
+
+    A partition finds the k-th value; ties at that value are resolved toward lower ids, so
+    the set is deterministic (np.argpartition alone leaves boundary ties unspecified).
+    """
+    kth = np.partition(logits, logits.size - k)[logits.size - k]
+    above = np.flatnonzero(logits > kth)
+    ties = np.flatnonzero(logits == kth)[: k - above.size]
+    ids = np.concatenate([above, ties])
+    return ids[np.argsort(-logits[ids], kind="stable")]
+
+
+def _nucleus(logits: np.ndarray, max_logit: float, ids: np.ndarray | None,
+             top_p: float) -> np.ndarray:
+    """The top-p prefix of `ids` (or of the whole vocabulary when `ids` is None)."""
+    if ids is not None:
+        cumulative = np.cumsum(np.exp(logits[ids] - max_logit))
+        target = top_p * float(cumulative[-1])
+    else:
+        weights = np.exp(logits - max_logit)
+        target = top_p * float(weights.sum())
+        k = _NUCLEUS_FIRST_GUESS
+        while True:
+            ids = _top_ids(logits, k) if k < logits.size else np.argsort(-logits, kind="stable")
+            cumulative = np.cumsum(weights[ids])
+            if k >= logits.size or cumulative[-1] >= target:
+                break
+            k *= _NUCLEUS_GROWTH
+    # Shortest prefix reaching the target; if rounding leaves it unreached, keep them all.
+    keep = int(np.searchsorted(cumulative, target, side="left")) + 1
+    return ids[:keep]
+
+
+def _check_row(logits: np.ndarray, row: int) -> float:
+    max_logit = float(logits.max())
+    if not math.isfinite(max_logit):
+        raise ValueError(f"logits row {row} has no finite maximum (NaN, +inf or all -inf)")
+    return max_logit
+
+
+def filter_candidates(logits: np.ndarray, params: SamplingParams, *, row: int = 0) -> np.ndarray:
+    """Token ids, ascending, that survive top-k -> top-p -> min-p for one row of logits.
+
+    Greedy parameters keep exactly the argmax. Exposed so a device kernel can be checked
+    against the reference set by set, not only token by token.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    max_logit = _check_row(logits, row)
+    if params.greedy:
+        return np.array([int(np.argmax(logits))], dtype=np.int64)
+    ids: np.ndarray | None = None  # None: the whole vocabulary
+    if 0 < params.top_k < logits.size:
+        ids = _top_ids(logits, params.top_k)
+    if params.top_p < 1.0:
+        ids = _nucleus(logits, max_logit, ids, params.top_p)
+    if params.min_p > 0.0:
+        threshold = max_logit + math.log(params.min_p)
+        ids = np.flatnonzero(logits >= threshold) if ids is None else ids[
+            logits[ids] >= threshold]
+    return np.arange(logits.size) if ids is None else np.sort(ids)
+
+
+def _sample_row(logits: np.ndarray, params: SamplingParams, u: float, row: int) -> int:
+    logits = logits.astype(np.float64)
+    ids = filter_candidates(logits, params, row=row)
+    if ids.size == 1:
+        return int(ids[0])
+    max_logit = float(logits.max())
+    candidate_logits = logits if ids.size == logits.size else logits[ids]
+    weights = np.exp((candidate_logits - max_logit) / params.temperature)
+    cumulative = np.cumsum(weights)
+    j = int(np.searchsorted(cumulative, u * cumulative[-1], side="right"))
+    if j >= ids.size:  # u * total rounded up to total: take the last token with weight
+        j = int(np.flatnonzero(weights)[-1])
+    return int(ids[j])
+
+
+def sample(logits: np.ndarray, params: Sequence[SamplingParams],
+           positions: Sequence[int]) -> np.ndarray:
+    """One token per row of `logits` [n, vocab]; row i uses params[i] and positions[i].
+
+    `positions[i]` is the counter of the row's draw: the engine passes the sequence
+    position the sampled token will occupy, which is unique per step of a request.
+    Non-greedy rows need a resolved seed (see `SamplingParams.resolve_seed`).
+    """
+    logits = np.asarray(logits)
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [n, vocab], got shape {logits.shape}")
+    n, vocab = logits.shape
+    if len(params) != n or len(positions) != n:
+        raise ValueError(f"{n} logit rows need {n} params and positions, "
+                         f"got {len(params)} and {len(positions)}")
+    if vocab == 0:
+        raise ValueError("logits have an empty vocabulary")
+    out = np.empty(n, dtype=np.int32)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    for i in drawn:
+        if params[i].seed is None:
+            raise ValueError(f"params[{i}] has temperature > 0 but no seed; resolve it once "
+                             f"per request with SamplingParams.resolve_seed()")
+        if not 0 <= positions[i] < POSITION_LIMIT:
+            raise ValueError(f"positions[{i}] must be in [0, 2**63), got {positions[i]}")
+    uniforms = draw_uniform([params[i].seed for i in drawn], [positions[i] for i in drawn])
+    u_of = dict(zip(drawn, uniforms.tolist(), strict=True))
+    for i, p in enumerate(params):
+        if p.greedy:
+            token = int(np.argmax(logits[i]))
+            if math.isnan(float(logits[i, token])):
+                raise ValueError(f"logits row {i} contains NaN")
+            out[i] = token
+        else:
+            out[i] = _sample_row(logits[i], p, u_of[i], i)
+    return out
+
+
+__all__ = [
+    "MAX_STOP_STRINGS",
+    "InvalidSamplingParams",
+    "SamplingParams",
+    "draw_uniform",
+    "filter_candidates",
+    "fresh_seed",
+    "sample",
+]

@@ -1,0 +1,396 @@
+"""Chat templates: OpenAI-style messages to the prompt text a model was tuned on.
+
+A GGUF file usually carries its Hugging Face chat template (a Jinja program) under
+`tokenizer.chat_template`; when it does not, a built-in template for the architecture is
+used. Either way the template is rendered in an immutable Jinja sandbox, because a
+template is code that arrived inside a downloaded file: it must not reach Python
+internals, mutate the caller's messages, or turn a user's conversation into a traceback.
+Every failure of the template itself becomes a `ChatTemplateError`; a malformed list of
+messages is the caller's mistake and raises `ValueError`.
+
+BOS convention (one rule, the one llama.cpp applies): templates are rendered with the real
+BOS text, so a template that writes `{{ bos_token }}` in the middle of a conversation (Llama
+2 opens every `[INST]` with it) gets the token it asked for. When the tokenizer adds BOS
+itself, `render_for_tokenizer` removes exactly one BOS text from the *start* of the
+rendered prompt, so the prompt never begins with two BOS tokens. `render` is the raw call
+underneath: it substitutes whatever `bos_token` it is given (default "", which makes
+`{{ bos_token }}` vanish everywhere).
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from collections.abc import Container, Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from loader.errors import ModelFileError
+
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+
+# A prompt longer than this is a runaway template, not a conversation: the largest
+# contexts (~1M tokens) stay under it at a few characters a token.
+MAX_RENDERED_CHARS = 16 * 1024 * 1024
+# Bounds on the two operators that can allocate without a loop ('x' * 10**9, 9**9**9).
+_MAX_REPEAT_LEN = 1024 * 1024
+_MAX_POWER_BITS = 4096
+
+
+class ChatTemplateError(ModelFileError):
+    """The chat template is malformed, rejected the conversation, or tried something unsafe."""
+
+
+class _TemplateRaised(jinja2.TemplateError):
+    """Raised by a template's own `raise_exception(...)` call."""
+
+
+def _raise_exception(message: str) -> None:
+    """HF templates call this to reject a conversation (e.g. roles that do not alternate)."""
+    raise _TemplateRaised(str(message))
+
+
+def _strftime_now(fmt: str) -> str:
+    """Llama 3.x templates stamp "Today Date" with this."""
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """`json.dumps` as HF defines the filter; Jinja's own `tojson` HTML-escapes `<`, `>`, `&`
+    and `'`, which would corrupt tool schemas in a prompt."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(Extension):
+    """Accepts HF's `{% generation %}...{% endgeneration %}` (it marks assistant tokens for
+    training masks) and renders the body unchanged, so templates using it still load."""
+
+    tags = {"generation"}  # noqa: RUF012 - jinja2's Extension declares it a class set
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, made loud and bounded.
+
+    Loud: Jinja's sandbox answers an unsafe attribute with a silent undefined that only
+    fails if used further; here the access itself raises, so probing a template is an error
+    rather than an empty string. Bounded: string/list repetition and integer powers are
+    capped (`range` is already capped by Jinja at 100,000 items).
+    """
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise jinja2.sandbox.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+    def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
+        if op == "*":
+            for seq, count in ((left, right), (right, left)):
+                if (isinstance(seq, (str, list, tuple)) and isinstance(count, int)
+                        and len(seq) * max(count, 0) > _MAX_REPEAT_LEN):
+                    raise jinja2.sandbox.SecurityError(
+                        f"repetition longer than {_MAX_REPEAT_LEN} is not allowed")
+            return operator.mul(left, right)
+        if isinstance(left, int) and isinstance(right, int) and right > 0:
+            bits = max(abs(left), 1).bit_length() * right
+            if bits > _MAX_POWER_BITS and abs(left) > 1:
+                raise jinja2.sandbox.SecurityError(
+                    f"integer power above {_MAX_POWER_BITS} bits is not allowed")
+        return operator.pow(left, right)
+
+
+def _make_environment() -> jinja2.Environment:
+    """The environment HF's `apply_chat_template` uses, plus the sandbox bounds above."""
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
+                   extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+# Built-in templates, written from the official model cards / HF tokenizer_config.json
+# templates (google/gemma-3-*-it, Qwen/Qwen2.5-*-Instruct and Qwen/Qwen3-*,
+# meta-llama/Meta-Llama-3-8B-Instruct, meta-llama/Llama-2-7b-chat-hf). They produce the same
+# text as the official ones for system/user/assistant conversations; differences are noted.
+
+# Gemma 3: no system role; a leading system message becomes a prefix of the first user turn
+# followed by a blank line. Turn text is trimmed, the assistant is called "model".
+_GEMMA3 = """\
+{{- bos_token -}}
+{%- if messages[0].role == 'system' -%}
+    {%- set prefix = messages[0].content + '\n\n' -%}
+    {%- set turns = messages[1:] -%}
+{%- else -%}
+    {%- set prefix = '' -%}
+    {%- set turns = messages -%}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if message.role not in ('user', 'assistant') -%}
+        {{- raise_exception('Gemma supports a system message only at the start; got role '
+                            ~ message.role) -}}
+    {%- endif -%}
+    {%- if (message.role == 'user') != (loop.index0 is even) -%}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/...') -}}
+    {%- endif -%}
+    {{- '<start_of_turn>' ~ ('model' if message.role == 'assistant' else 'user') ~ '\n' -}}
+    {{- (prefix if loop.first else '') ~ message.content | trim ~ '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<start_of_turn>model\n' -}}
+{%- endif -%}
+"""
+
+# ChatML as Qwen2/2.5 use it. The official Qwen2 and Qwen2.5 templates insert a default
+# system prompt ("You are a helpful assistant." / "You are Qwen, created by Alibaba
+# Cloud...") when none is given; the two disagree, so the built-in inserts none. Files of
+# either family carry their own template, which wins over this one.
+_CHATML = """\
+{%- for message in messages -%}
+    {{- '<|im_start|>' ~ message.role ~ '\n' ~ message.content ~ '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""
+
+# Qwen3: ChatML plus the official template's reasoning rules (tools left out): an assistant
+# turn's <think>...</think> part (or its `reasoning_content`) is dropped before the last
+# user message and kept, in a think block, after it; `enable_thinking=False` pre-fills an
+# empty think block after the generation prompt.
+_QWEN3 = """\
+{%- set ns = namespace(last_user=messages | length - 1) -%}
+{%- for message in messages -%}
+    {%- if message.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- set thinking = enable_thinking is not defined or enable_thinking != false -%}
+{%- for message in messages -%}
+    {%- if message.role != 'assistant' -%}
+        {{- '<|im_start|>' ~ message.role ~ '\n' ~ message.content ~ '<|im_end|>\n' -}}
+    {%- else -%}
+        {%- set content = message.content -%}
+        {%- set reasoning = '' -%}
+        {%- if message.reasoning_content is string -%}
+            {%- set reasoning = message.reasoning_content -%}
+        {%- elif '</think>' in content -%}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\n')
+                                       .split('<think>')[-1].lstrip('\n') -%}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+        {%- endif -%}
+        {%- if loop.index0 > ns.last_user and (loop.last or reasoning) and thinking -%}
+            {{- '<|im_start|>assistant\n<think>\n' ~ reasoning.strip('\n') ~ '\n</think>\n\n'
+                ~ content.lstrip('\n') -}}
+        {%- else -%}
+            {{- '<|im_start|>assistant\n' ~ content -}}
+        {%- endif -%}
+        {{- '<|im_end|>\n' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if not thinking -%}
+        {{- '<think>\n\n</think>\n\n' -}}
+    {%- endif -%}
+{%- endif -%}
+"""
+
+# Llama 3 (Meta-Llama-3-*-Instruct): one header per turn, content trimmed. Llama 3.1+ files
+# carry their own template (it adds a knowledge-cutoff system header and tools).
+_LLAMA3 = """\
+{{- bos_token -}}
+{%- for message in messages -%}
+    {{- '<|start_header_id|>' ~ message.role ~ '<|end_header_id|>\n\n' -}}
+    {{- message.content | trim ~ '<|eot_id|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+{%- endif -%}
+"""
+
+# Llama 2 chat: BOS opens every [INST], the system prompt sits in <<SYS>> inside the first
+# user turn, assistant turns end with EOS. The prompt already ends where the model answers,
+# so there is no separate generation prompt. Unlike the official template, a system
+# message anywhere but first is rejected instead of silently dropped.
+_LLAMA2 = """\
+{%- if messages[0].role == 'system' -%}
+    {%- set system = '<<SYS>>\n' ~ messages[0].content ~ '\n<</SYS>>\n\n' -%}
+    {%- set turns = messages[1:] -%}
+{%- else -%}
+    {%- set system = '' -%}
+    {%- set turns = messages -%}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if message.role not in ('user', 'assistant') -%}
+        {{- raise_exception('Llama 2 supports a system message only at the start; got role '
+                            ~ message.role) -}}
+    {%- endif -%}
+    {%- if (message.role == 'user') != (loop.index0 is even) -%}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/...') -}}
+    {%- endif -%}
+    {%- if message.role == 'user' -%}
+        {%- set content = (system if loop.first else '') ~ message.content -%}
+        {{- bos_token ~ '[INST] ' ~ content | trim ~ ' [/INST]' -}}
+    {%- else -%}
+        {{- ' ' ~ message.content | trim ~ ' ' ~ eos_token -}}
+    {%- endif -%}
+{%- endfor -%}
+"""
+
+_BUILTINS: dict[str, str] = {
+    "gemma3": _GEMMA3,
+    "qwen2": _CHATML,
+    "qwen3": _QWEN3,
+    "llama3": _LLAMA3,
+    "llama2": _LLAMA2,
+}
+
+
+def _validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check the OpenAI message shape and return shallow copies for the template.
+
+    Copies keep the template's view independent of the caller's objects; the sandbox
+    already forbids mutation, this also rules out surprises from dict subclasses.
+    """
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise ValueError(
+            f"messages must be a list of {{'role': str, 'content': str}} dicts, "
+            f"got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages must contain at least one message")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"messages[{i}] has no {key!r}")
+            if not isinstance(message[key], str):
+                raise ValueError(f"messages[{i}][{key!r}] must be a str, "
+                                 f"got {type(message[key]).__name__}")
+        if not message["role"]:
+            raise ValueError(f"messages[{i}]['role'] must not be empty")
+        checked.append(dict(message))
+    return checked
+
+
+class ChatTemplate:
+    """A compiled, sandboxed chat template.
+
+    `origin` says where the template came from ("gguf:tokenizer.chat_template" or
+    "builtin:<name>"); it is the `field` of every `ChatTemplateError` it raises.
+    """
+
+    def __init__(self, source: str, *, origin: str = "template") -> None:
+        if not isinstance(source, str):
+            raise ChatTemplateError(f"chat template must be a string, got "
+                                    f"{type(source).__name__}", field=origin)
+        self.source = source
+        self.origin = origin
+        try:
+            self._template = _make_environment().from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: "
+                                    f"{e.message}", field=origin) from e
+        except Exception as e:  # an untrusted program: any failure is the template's
+            raise ChatTemplateError(f"chat template does not compile: {e}",
+                                    field=origin) from e
+
+    @classmethod
+    def builtin(cls, architecture: str, token_texts: Container[str] = ()) -> ChatTemplate:
+        """The built-in template for `architecture` (the GGUF `general.architecture`).
+
+        `llama` covers two generations with one architecture name; the vocabulary tells
+        them apart: Llama 3 has a `<|start_header_id|>` token, Llama 2 does not.
+        """
+        name = architecture
+        if architecture == "llama":
+            name = "llama3" if "<|start_header_id|>" in token_texts else "llama2"
+        if name not in _BUILTINS:
+            raise ChatTemplateError(
+                f"the model file has no {CHAT_TEMPLATE_KEY} and there is no built-in chat "
+                f"template for architecture {architecture!r} (built-ins: gemma3, qwen2, "
+                f"qwen3, llama)", field=CHAT_TEMPLATE_KEY)
+        return cls(_BUILTINS[name], origin=f"builtin:{name}")
+
+    @classmethod
+    def from_metadata(cls, md: Mapping[str, Any], architecture: str,
+                      token_texts: Container[str] = ()) -> ChatTemplate:
+        """The file's own template when it has one, else the architecture's built-in."""
+        source = md.get(CHAT_TEMPLATE_KEY)
+        if source is None:
+            return cls.builtin(architecture, token_texts)
+        return cls(source, origin=f"gguf:{CHAT_TEMPLATE_KEY}")
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               bos_token: str = "", eos_token: str = "", **extra: Any) -> str:
+        """Render `messages` to prompt text, substituting the given BOS/EOS texts verbatim.
+
+        `extra` reaches the template as variables (e.g. `enable_thinking=False` for Qwen3,
+        `tools=[...]` for templates that support them). Raises `ValueError` for malformed
+        messages and `ChatTemplateError` for anything the template does wrong.
+        """
+        context = dict(extra)
+        context.update(messages=_validate_messages(messages),
+                       add_generation_prompt=bool(add_generation_prompt),
+                       bos_token=bos_token, eos_token=eos_token)
+        try:
+            return self._collect(self._template.generate(context))
+        except _TemplateRaised as e:
+            raise ChatTemplateError(f"chat template rejected the conversation: {e}",
+                                    field=self.origin) from e
+        except jinja2.sandbox.SecurityError as e:
+            raise ChatTemplateError(f"chat template attempted an unsafe operation: {e}",
+                                    field=self.origin) from e
+        except jinja2.UndefinedError as e:
+            raise ChatTemplateError(f"chat template used an undefined value: {e}",
+                                    field=self.origin) from e
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # an untrusted program: any failure is the template's
+            raise ChatTemplateError(f"chat template failed while rendering: "
+                                    f"{type(e).__name__}: {e}", field=self.origin) from e
+
+    def render_for_tokenizer(self, messages: Sequence[Mapping[str, Any]], *,
+                             tokenizer_adds_bos: bool, bos_text: str, eos_text: str = "",
+                             add_generation_prompt: bool = True, **extra: Any) -> str:
+        """Render for a tokenizer, never doubling BOS (see the module docstring).
+
+        The template sees the real `bos_text`; if `tokenizer_adds_bos`, one leading
+        `bos_text` is removed from the result because the tokenizer will put it back. BOS
+        texts later in the prompt stay, and the tokenizer must parse them as special tokens.
+        """
+        text = self.render(messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=bos_text, eos_token=eos_text, **extra)
+        if tokenizer_adds_bos and bos_text and text.startswith(bos_text):
+            text = text[len(bos_text):]
+        return text
+
+    def _collect(self, pieces: Iterator[str]) -> str:
+        """Join the template's output, stopping a runaway template at MAX_RENDERED_CHARS."""
+        out: list[str] = []
+        total = 0
+        for piece in pieces:
+            total += len(piece)
+            if total > MAX_RENDERED_CHARS:
+                raise ChatTemplateError(
+                    f"chat template output exceeds {MAX_RENDERED_CHARS} characters",
+                    field=self.origin)
+            out.append(piece)
+        return "".join(out)
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate(origin={self.origin!r}, {len(self.source)} chars)"
+
+
+__all__ = ["CHAT_TEMPLATE_KEY", "ChatTemplate", "ChatTemplateError"]

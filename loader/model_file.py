@@ -1,0 +1,63 @@
+"""Everything one GGUF file says about its model except the weights themselves."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loader.chat_template import ChatTemplate
+from loader.config import ModelConfig, config_from_gguf
+from loader.gguf_file import GGUFFile
+from loader.tokenizer import Tokenizer
+
+
+class _Vocabulary:
+    """The tokenizer's token texts as a container, without copying 262k strings."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __contains__(self, text: object) -> bool:
+        return isinstance(text, str) and self.tokenizer.token_id(text) is not None
+
+
+@dataclass
+class ModelFile:
+    """An opened model: the GGUF (kept open for the weight loader), its config, tokenizer
+    and chat template. Opening checks the header, the architecture and the tokenizer, so
+    a bad file fails here, before any weight is read."""
+
+    path: str
+    gguf: GGUFFile
+    config: ModelConfig
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> ModelFile:
+        f = GGUFFile.open(path)
+        try:
+            config = config_from_gguf(f)
+            tokenizer = Tokenizer.from_metadata(f.metadata)
+            template = ChatTemplate.from_metadata(f.metadata, config.architecture,
+                                                  token_texts=_Vocabulary(tokenizer))
+        except BaseException:
+            f.close()
+            raise
+        return cls(str(path), f, config, tokenizer, template)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation, ready for `tokenizer.encode` (which adds
+        BOS itself when the model wants one, so the template's BOS is not doubled)."""
+        tok = self.tokenizer
+        return self.chat_template.render_for_tokenizer(
+            messages, tokenizer_adds_bos=tok.add_bos,
+            bos_text=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+            eos_text=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+            add_generation_prompt=add_generation_prompt)
+
+    def close(self) -> None:
+        self.gguf.close()

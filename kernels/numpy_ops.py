@@ -44,7 +44,8 @@ class NumpyOps:
 
     def gated_ffn_act(self, gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
         if act is Activation.SWIGLU:
-            return gate / (np.float32(1.0) + np.exp(-gate)) * up
+            with np.errstate(over="ignore"):  # exp(-gate) = inf gives the right limit, 0
+                return gate / (np.float32(1.0) + np.exp(-gate)) * up
         g3 = gate * gate * gate
         return np.float32(0.5) * gate * (
             np.float32(1.0) + np.tanh(_GELU_C * (gate + np.float32(0.044715) * g3))) * up

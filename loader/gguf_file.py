@@ -8,6 +8,7 @@ header parses in well under a second and tensor data stays in the page cache unt
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -270,11 +271,9 @@ class GGUFFile:
     def close(self) -> None:
         mm = getattr(self, "_mmap", None)
         if mm is not None:
-            try:
+            # A view still alive keeps the map; it is released when the last view goes.
+            with contextlib.suppress(BufferError):
                 mm.close()
-            except BufferError:
-                # A view is still alive; the map is released when the last view goes.
-                pass
             self._mmap = None
 
     def __enter__(self) -> GGUFFile:

@@ -197,6 +197,9 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> 
         if name == "token_embd.weight" and spec.embedding_type is not None:
             qtype = spec.embedding_type
         block, size = GGML_QUANT_SIZES[qtype]
+        if shape[-1] % block:
+            raise ValueError(f"{name}: rows of {shape[-1]} values do not fill {qtype.name} "
+                             f"blocks of {block}")
         n_bytes = int(np.prod(shape[:-1], dtype=np.int64)) * shape[-1] // block * size
         plan.append((name, shape, qtype))
         dtype = {Q.F32: np.float32, Q.F16: np.float16}.get(qtype, np.uint8)

@@ -83,20 +83,14 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
     model = _open(args)
     text = Path(args.file).read_text(encoding="utf-8")
-    if text.endswith("\n"):  # llama.cpp's -f drops one trailing newline; so do we
-        text = text[:-1]
     transformer = _load_transformer(model, args.quiet)
-    tok = model.tokenizer
-    tokens = tok.encode(text, add_special=True)
-    bos = tok.bos_id if tok.add_bos else None
-    n_chunks = len(tokens) // args.ctx
-    print(f"{len(tokens)} tokens, {n_chunks} chunks of {args.ctx}", file=sys.stderr)
 
     def progress(i: int, ppl: float) -> None:
         print(f"[{i + 1}]{ppl:.4f}", end=" ", file=sys.stderr, flush=True)
 
-    result = perplexity(transformer, tokens, args.ctx, bos, on_chunk=progress)
-    print(file=sys.stderr)
+    result = perplexity(transformer, model.tokenizer, text, args.ctx, on_chunk=progress)
+    print(f"\n{result.n_tokens} tokens, {result.n_chunks} chunks of {args.ctx}",
+          file=sys.stderr)
     print(f"perplexity: {result.perplexity:.4f}")
     return 0
 

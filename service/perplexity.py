@@ -9,19 +9,21 @@ second half of each chunk scored (tokens with at least ctx/2 tokens of context).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from kernels.batch import ForwardBatch
 from kernels.model import Transformer
+from loader.tokenizer import Tokenizer
 from vmm.kv_layout import ContiguousKV, KVLayout
 
 
 @dataclass
 class PerplexityResult:
     perplexity: float
+    n_tokens: int
     n_chunks: int
     n_scored: int
     chunk_nll: list[float]  # mean negative log-likelihood of each chunk's scored tokens
@@ -33,10 +35,14 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def perplexity(transformer: Transformer, tokens: Sequence[int], ctx: int,
-               bos_id: int | None, on_chunk: Callable[[int, float], None] | None = None,
-               ) -> PerplexityResult:
+def perplexity(transformer: Transformer, tokenizer: Tokenizer, text: str, ctx: int,
+               on_chunk: Callable[[int, float], None] | None = None) -> PerplexityResult:
+    """Perplexity of `text` (as llama-perplexity reads a file: one trailing newline
+    dropped). `on_chunk(i, running_ppl)` is called after each chunk."""
     cfg = transformer.config
+    text = text.removesuffix("\n")
+    tokens = tokenizer.encode(text, add_special=True)
+    bos_id = tokenizer.bos_id if tokenizer.add_bos else None
     if ctx < 4:
         raise ValueError(f"--ctx must be at least 4, got {ctx}")
     if ctx > cfg.context_length:
@@ -62,4 +68,5 @@ def perplexity(transformer: Transformer, tokens: Sequence[int], ctx: int,
         if on_chunk is not None:
             on_chunk(c, math.exp(total / ((c + 1) * len(rows))))
     n_scored = n_chunks * (ctx - 1 - first)
-    return PerplexityResult(math.exp(total / n_scored), n_chunks, n_scored, chunk_nll)
+    return PerplexityResult(math.exp(total / n_scored), len(tokens), n_chunks, n_scored,
+                            chunk_nll)

@@ -54,7 +54,9 @@ def test_prefill_logits_match_float64_reference(tmp_path, arch):
 
 @pytest.mark.parametrize("weight_type", [Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K])
 def test_quantized_weights_match_reference(tmp_path, weight_type):
-    spec = tiny_spec("qwen3", weight_type=weight_type, embedding_type=Q.Q8_0)
+    # K-quants pack rows in blocks of 256 values, so every row length is 256 here
+    spec = tiny_spec("qwen3", weight_type=weight_type, embedding_type=Q.Q8_0, d_model=256,
+                     head_dim=64, d_ff=256)
     path, model, tf = _open(tmp_path, spec)
     ours = tf.forward(ForwardBatch.single(PROMPT, 0, _kv(model), _all_rows(len(PROMPT))))
     ref = reference_logits(str(path), PROMPT)

@@ -152,7 +152,7 @@ def test_cli_perplexity_last_line(model_path, model, tmp_path, capsys):
     assert main(["perplexity", "-m", model_path, str(f), "--ctx", "16", "-q"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     m, tf = model
-    expected = perplexity(tf, m.tokenizer.encode(text), 16, m.tokenizer.bos_id).perplexity
+    expected = perplexity(tf, m.tokenizer, text, 16).perplexity
     assert last == f"perplexity: {expected:.4f}"
 
 

@@ -9,7 +9,7 @@ reads a layer's K (or V) through a strided view `[tokens, n_kv_heads, head_dim]`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,7 +19,7 @@ class KVLayout:
     n_layers: int
     n_kv_heads: int
     head_dim: int
-    dtype: np.dtype = np.dtype(np.float32)
+    dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
 
     @property
     def token_shape(self) -> tuple[int, int, int, int]:

@@ -8,7 +8,6 @@ strings, max tokens, context length, incremental detokenization) happens here in
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -16,17 +15,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dispatch.errors import EmptyPrompt, PromptTooLong
+from dispatch.messages import FinishReason
 from dispatch.stop_strings import StopMatcher
 from kernels.batch import ForwardBatch
 from kernels.model import Transformer
 from kernels.sampling import SamplingParams, sample
 from loader.tokenizer import IncrementalDetokenizer, Tokenizer
 from vmm.kv_layout import ContiguousKV, KVLayout
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # an end-of-generation token or a stop string
-    LENGTH = "length"  # max_tokens or the context length reached
 
 
 @dataclass

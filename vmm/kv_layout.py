@@ -40,7 +40,27 @@ class KVLayout:
         return flat[: n * int(np.prod(self.token_shape))].reshape((n, *self.token_shape))
 
 
-class ContiguousKV:
+class TokenMajorKV:
+    """A session's KV as the numpy ops read it (the `SessionKV` protocol), over a
+    token-major array `[capacity, n_layers, 2, n_kv_heads, head_dim]`.
+
+    The dispatcher takes one of these over a KV region's mapped pages when it launches a
+    round, so the work on the stream sees a fixed view while the control thread maps
+    pages ahead for the next round.
+    """
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+        self.capacity = data.shape[0]
+
+    def k(self, layer: int) -> np.ndarray:
+        return self.data[:, layer, 0]
+
+    def v(self, layer: int) -> np.ndarray:
+        return self.data[:, layer, 1]
+
+
+class ContiguousKV(TokenMajorKV):
     """A session's KV cache in one host array of fixed capacity.
 
     The simplest backing of the layout, used by the sequential generation loop and as the
@@ -49,11 +69,4 @@ class ContiguousKV:
 
     def __init__(self, layout: KVLayout, capacity: int) -> None:
         self.layout = layout
-        self.capacity = capacity
-        self.data = np.zeros((capacity, *layout.token_shape), dtype=layout.dtype)
-
-    def k(self, layer: int) -> np.ndarray:
-        return self.data[:, layer, 0]
-
-    def v(self, layer: int) -> np.ndarray:
-        return self.data[:, layer, 1]
+        super().__init__(np.zeros((capacity, *layout.token_shape), dtype=layout.dtype))

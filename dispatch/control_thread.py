@@ -1,0 +1,367 @@
+"""The control layer: one thread per device that plans rounds and launches them eagerly.
+
+Per round (shared/DESIGN.md, "One round, eagerly"):
+1. drain commands (new sessions, stops), reclaim pages whose last event completed, plan;
+2. map pages for the positions the round writes (the scheduler, with map-ahead);
+3. write the round's metadata into a pinned ring slot and copy it to the device on the
+   compute stream;
+4. decode inputs are not known here: the round reads them on the device from the token
+   buffer where the previous round's sampler wrote them;
+5. launch forward + sampler, record an event, enqueue the device-to-host copy of the
+   sampled tokens on the copy stream after that event, hand the round to the service
+   thread and go straight on;
+6. the only wait is the bounded lookahead: at most `k` rounds not yet consumed by the
+   service thread. In `sync` mode the thread instead waits for each round to be consumed
+   (tokens seen, stop decisions made) before planning the next.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dispatch.messages import (
+    AddSession,
+    ControlStopped,
+    Flush,
+    RoundDone,
+    RoundTrace,
+    SessionFailed,
+    Shutdown,
+    StopSession,
+)
+from dispatch.prefix_cache import PrefixCache
+from dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
+from kernels.batch import ForwardBatch, SeqSlice
+from kernels.model import Transformer
+from kernels.sampling import sample
+from vmm.device import Device, Event, HostBuffer
+from vmm.kv_layout import KVLayout, TokenMajorKV
+from vmm.page_pool import OutOfPages, PagePool
+
+# ring slot metadata: per row [host token id, source slot or -1]; per session
+# [start, n_new, n_past, output slot or -1]
+_ROW_FIELDS = 2
+_SEQ_FIELDS = 4
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lookahead: int = 2  # rounds launched but not yet consumed by the service thread
+    sync: bool = False  # wait for each round's stop decisions before planning the next
+    prefix_cache: bool = True
+    prefix_cache_entries: int = 64
+
+
+@dataclass
+class _RoundRecord:
+    """What the control thread remembers of a launched round until its ring slot is
+    reused: which sessions it sampled for, where their tokens land on the host."""
+
+    rows: list[tuple[Session, int]]  # (session, generation index)
+    host_tokens: np.ndarray
+    copied: Event
+    harvested: bool = False
+
+
+class ControlThread:
+    def __init__(self, device: Device, transformer: Transformer, pool: PagePool,
+                 config: ControlConfig, inbox: queue.Queue, to_service: queue.Queue,
+                 lookahead: threading.Semaphore, context_length: int) -> None:
+        self.device = device
+        self.transformer = transformer
+        self.pool = pool
+        self.config = config
+        self.inbox = inbox
+        self.to_service = to_service
+        self.lookahead = lookahead
+        self.context_length = context_length
+        cfg = transformer.config
+        self.layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+        self.scheduler = Scheduler(config.scheduler, pool, self.layout, context_length,
+                                   sync_event=_sync)
+        self.scheduler.resolve_tokens = self._generated_tokens
+        self.cache = PrefixCache(config.prefix_cache_entries) if config.prefix_cache else None
+        self.scheduler.evict_cached = self._evict_cached
+        self.sessions: dict[int, Session] = {}
+        self.generated: dict[int, list[int]] = {}  # harvested samples, per session id
+
+        sc = config.scheduler
+        self.compute = device.stream("compute")
+        self.copy = device.stream("copy")
+        n_slots = config.lookahead + 2
+        meta_ints = sc.max_round_tokens * _ROW_FIELDS + sc.max_batch * _SEQ_FIELDS
+        self._meta_host: list[HostBuffer] = [device.alloc_host(meta_ints * 4)
+                                             for _ in range(n_slots)]
+        self._tokens_host: list[HostBuffer] = [device.alloc_host(sc.max_batch * 4)
+                                               for _ in range(n_slots)]
+        self._meta_dev = device.alloc(meta_ints * 4)
+        self._sampled_dev = [device.alloc(sc.max_batch * 4) for _ in range(n_slots)]
+        self._token_buf = device.alloc(sc.max_batch * 4)  # each session's last sample
+        self._records: list[_RoundRecord | None] = [None] * n_slots
+        self.round_id = 0
+        self.last_event: Event | None = None
+        self._stalled = False  # the last plan was empty: wait for a message, briefly
+        self._thread = threading.Thread(target=self._run, name="eagerlm-control", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    # -- the thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        error = None
+        try:
+            while self._step():
+                pass
+        except BaseException as exc:  # report, never die silently
+            error = f"control thread failed: {exc!r}"
+            traceback.print_exc()
+        finally:
+            try:
+                self._drain_device()
+            finally:
+                self.to_service.put(ControlStopped(error))
+
+    def _step(self) -> bool:
+        """Plan and launch one round (or wait for work). False once shut down."""
+        idle = self.scheduler.idle()
+        if (idle or self._stalled) and not self._drain(
+                block=True, timeout=None if idle else 0.005):
+            return False
+        # Take the lookahead permit before planning, so the plan sees every stop the
+        # service thread sent while this thread waited: at most k rounds are wasted.
+        self.lookahead.acquire()
+        t_plan = time.perf_counter()
+        if not self._drain(block=False):
+            self.lookahead.release()
+            return False
+        self.pool.reclaim()
+        plan = self.scheduler.plan()
+        self._stalled = not plan.rows
+        if not plan.rows:
+            self.lookahead.release()
+            if self.scheduler.waiting:
+                # the head of the queue cannot be admitted yet: let releases in flight
+                # complete so their pages come back
+                self._drain_device()
+            return True
+        trace = RoundTrace(self.round_id, plan_start=t_plan, plan_end=time.perf_counter())
+        self._launch(plan, trace)
+        if self.config.sync:
+            self.lookahead.acquire()  # the service has consumed this round...
+            self.lookahead.release()  # ...and sent its stops, which the next drain sees
+        return True
+
+    def _drain(self, block: bool, timeout: float | None = None) -> bool:
+        """Handle every queued command (waiting for the first one if `block`); False once
+        a Shutdown arrived."""
+        while True:
+            try:
+                msg = self.inbox.get(block=block, timeout=timeout if block else None)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(msg, Shutdown):
+                return False
+            if isinstance(msg, AddSession):
+                self._add(msg)
+            elif isinstance(msg, StopSession):
+                self._stop(msg)
+            elif isinstance(msg, Flush):
+                if self.cache is not None:
+                    self.cache.clear()
+                self._drain_device()
+                msg.done.set()
+
+    def _add(self, msg: AddSession) -> None:
+        s = Session(msg.session_id, list(msg.prompt_ids), msg.params, msg.max_new_tokens)
+        if not self.scheduler.can_ever_fit(s):
+            self.to_service.put(SessionFailed(s.id, (
+                f"the request needs {self.scheduler.pages_for(s.prompt_len + s.max_new)} KV "
+                f"pages but the pool has {self.pool.n_pages}")))
+            return
+        self.sessions[s.id] = s
+        self.generated[s.id] = []
+        if self.cache is not None:
+            self._reuse_prefix(s)
+        self.scheduler.add(s)
+
+    def _reuse_prefix(self, s: Session) -> None:
+        """Start `s` from the longest cached prefix of its prompt, if any."""
+        assert self.cache is not None
+        entry, n = self.cache.longest(s.tokens)
+        n = min(n, len(s.tokens) - 1)  # at least one token is computed, to sample from
+        if entry is None or n <= 0:
+            return
+        region = self.pool.new_region(self.layout, self.context_length)
+        try:
+            region.share_prefix_from(entry.region, n, stream=self.compute)
+        except OutOfPages:
+            region.release()
+            return
+        s.region, s.n_cached, s.n_reused = region, n, n
+        self.cache.hits += 1
+        self.cache.reused_tokens += n
+
+    def _stop(self, msg: StopSession) -> None:
+        s = self.sessions.pop(msg.session_id, None)
+        self.generated.pop(msg.session_id, None)
+        if s is None:
+            return
+        self.scheduler.remove(s)
+        if s.region is None:
+            return
+        keep = min(len(msg.tokens), s.n_cached)
+        if self.cache is not None and keep > 0 and s.region.n_pages:
+            self.cache.add(msg.tokens[:keep], s.region, s.last_event)
+        else:
+            s.region.release(after=s.last_event)
+        s.region = None
+
+    def _evict_cached(self) -> bool:
+        if self.cache is None or not self.cache.evict_one():
+            return False
+        _sync(self.last_event)  # its last writes are at most the latest round's
+        self.pool.reclaim()
+        return True
+
+    # -- launching ----------------------------------------------------------------------
+
+    def _launch(self, plan: RoundPlan, trace: RoundTrace) -> None:
+        slot = self.round_id % len(self._records)
+        self._harvest(slot)
+        meta_host = self._meta_host[slot].array.view(np.int32)
+        n_rows, n_seqs = plan.n_tokens, len(plan.rows)
+        rows = meta_host[: n_rows * _ROW_FIELDS].reshape(n_rows, _ROW_FIELDS)
+        seqs = meta_host[n_rows * _ROW_FIELDS:
+                         n_rows * _ROW_FIELDS + n_seqs * _SEQ_FIELDS].reshape(n_seqs, _SEQ_FIELDS)
+        start = 0
+        kvs, params, sampled_rows = [], [], []
+        for i, r in enumerate(plan.rows):
+            s = r.session
+            if r.from_slot:
+                rows[start] = (0, s.slot)
+            else:
+                rows[start:start + r.n_new, 0] = s.tokens[r.n_past:r.n_past + r.n_new]
+                rows[start:start + r.n_new, 1] = -1
+            seqs[i] = (start, r.n_new, r.n_past, s.slot if r.samples else -1)
+            assert s.region is not None
+            kvs.append(TokenMajorKV(s.region.tokens()))
+            if r.samples:
+                params.append(s.params)
+                sampled_rows.append((s, s.n_sampled))
+            start += r.n_new
+        n_meta = (n_rows * _ROW_FIELDS + n_seqs * _SEQ_FIELDS) * 4
+
+        self.compute.copy_h2d(self._meta_dev, self._meta_host[slot], n_meta)
+        trace.device_start = self.compute.record(self.device.event())
+        run = _RoundWork(self.transformer, self._meta_dev, self._token_buf,
+                         self._sampled_dev[slot], n_rows, n_seqs, kvs, params)
+        self.compute.submit(run)
+        done = self.compute.record(self.device.event())
+        trace.device_end = done
+        self.copy.wait_event(done)
+        n_out = len(sampled_rows)
+        self.copy.copy_d2h(self._tokens_host[slot], self._sampled_dev[slot], n_out * 4)
+        copied = self.copy.record(self.device.event(timing=False))
+        self.scheduler.launched(plan, done)
+        self.last_event = done
+        host_tokens = self._tokens_host[slot].array.view(np.int32)[:n_out]
+        self._records[slot] = _RoundRecord(sampled_rows, host_tokens, copied)
+        trace.launch_end = time.perf_counter()
+        trace.n_decode = plan.n_decode
+        trace.n_prefill_tokens = plan.n_tokens - plan.n_decode
+        trace.n_sessions = n_seqs
+        trace.pages_in_use = self.pool.n_pages - self.pool.n_free
+        prefill = {r.session.id: r.session.n_reused for r in plan.rows if r.samples
+                   and not r.from_slot}
+        self.to_service.put(RoundDone(
+            self.round_id, [s.id for s, _ in sampled_rows], [g for _, g in sampled_rows],
+            host_tokens, copied, prefill, trace))
+        self.round_id += 1
+
+    def _harvest(self, slot: int, wait: bool = True) -> None:
+        """Copy a finished round's samples into the sessions' histories (needed only to
+        recompute a preempted session) before its ring slot is reused."""
+        rec = self._records[slot]
+        if rec is None or rec.harvested:
+            return
+        rec.copied.synchronize()
+        for (s, gen), token in zip(rec.rows, rec.host_tokens.tolist(), strict=True):
+            hist = self.generated.get(s.id)
+            if hist is not None and len(hist) == gen:
+                hist.append(token)
+        rec.harvested = True
+
+    def _generated_tokens(self, s: Session) -> list[int]:
+        """Every token sampled for `s` so far (waits for rounds in flight)."""
+        for k in range(len(self._records)):  # oldest first
+            self._harvest((self.round_id + k) % len(self._records))
+        return list(self.generated.get(s.id, []))
+
+    def _drain_device(self) -> None:
+        self.compute.synchronize()
+        self.copy.synchronize()
+        self.pool.reclaim()
+
+    def close(self) -> None:
+        """Free everything (after the thread has ended)."""
+        if self.cache is not None:
+            self.cache.clear()
+        for s in list(self.sessions.values()):
+            if s.region is not None:
+                s.region.release(after=s.last_event)
+        self.sessions.clear()
+        self._drain_device()
+        self.compute.close()
+        self.copy.close()
+
+
+class _RoundWork:
+    """The device side of one round, run on the compute stream: gather the inputs (host
+    ids for prefill, the token buffer for decode), forward, sample, write the samples to
+    the token buffer and to this round's output buffer."""
+
+    def __init__(self, transformer: Transformer, meta: Any, token_buf: Any, sampled: Any,
+                 n_rows: int, n_seqs: int, kvs: list[TokenMajorKV], params: list) -> None:
+        self.transformer = transformer
+        self.meta, self.token_buf, self.sampled = meta, token_buf, sampled
+        self.n_rows, self.n_seqs = n_rows, n_seqs
+        self.kvs, self.params = kvs, params
+
+    def __call__(self) -> None:
+        meta = self.meta.array.view(np.int32)
+        rows = meta[: self.n_rows * _ROW_FIELDS].reshape(self.n_rows, _ROW_FIELDS)
+        seqs = meta[self.n_rows * _ROW_FIELDS:
+                    self.n_rows * _ROW_FIELDS + self.n_seqs * _SEQ_FIELDS].reshape(
+                        self.n_seqs, _SEQ_FIELDS)
+        token_buf = self.token_buf.array.view(np.int32)
+        ids = np.where(rows[:, 1] >= 0, token_buf[np.maximum(rows[:, 1], 0)], rows[:, 0])
+        slices = [SeqSlice(int(st), int(n), int(past), kv)
+                  for (st, n, past, _), kv in zip(seqs, self.kvs, strict=True)]
+        out = seqs[:, 3]
+        sampling = out >= 0
+        logit_rows = (seqs[:, 0] + seqs[:, 1] - 1)[sampling]
+        positions = (seqs[:, 2] + seqs[:, 1])[sampling]
+        batch = ForwardBatch(ids.astype(np.int32), slices, logit_rows.astype(np.int64))
+        logits = np.asarray(self.transformer.forward(batch), dtype=np.float32)
+        tokens = sample(logits, self.params, positions.tolist()).astype(np.int32)
+        token_buf[out[sampling]] = tokens
+        self.sampled.array.view(np.int32)[: len(tokens)] = tokens
+        self.kvs = []  # drop the views of the KV pages as soon as the work is done
+
+
+def _sync(event: Event | None) -> None:
+    if event is not None:
+        event.synchronize()

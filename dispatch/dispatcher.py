@@ -1,0 +1,132 @@
+"""The dispatcher: the user layer's entry to the service and control threads.
+
+`submit` is thread-safe and never blocks on the engine (it validates, then posts a message),
+so async code can call it from the event loop. Outputs arrive through the request's sink,
+called on the service thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from dispatch.control_thread import ControlConfig, ControlThread
+from dispatch.errors import EmptyPrompt, PromptTooLong
+from dispatch.messages import (
+    Cancel,
+    Flush,
+    Output,
+    OutputSink,
+    RoundDone,
+    RoundTrace,
+    Shutdown,
+    Submit,
+)
+from dispatch.service_thread import ServiceThread
+from kernels.model import Transformer
+from kernels.sampling import SamplingParams
+from loader.tokenizer import Tokenizer
+from vmm.device import Device
+from vmm.page_pool import PagePool
+
+
+@dataclass(frozen=True)
+class DispatcherConfig:
+    control: ControlConfig = field(default_factory=ControlConfig)
+    kv_budget_bytes: int = 1 << 30  # the KV page pool on a host device
+    memory_fraction: float = 0.9  # of device memory left after weights (cuda)
+    max_context: int | None = None  # cap on the model's context length
+
+
+class Dispatcher:
+    def __init__(self, device: Device, transformer: Transformer, tokenizer: Tokenizer,
+                 config: DispatcherConfig | None = None) -> None:
+        self.config = config or DispatcherConfig()
+        self.device = device
+        self.tokenizer = tokenizer
+        cfg = transformer.config
+        self.context_length = min(self.config.max_context or cfg.context_length,
+                                  cfg.context_length)
+        if device.host_accessible:
+            self.pool = PagePool.with_budget(device, self.config.kv_budget_bytes)
+        else:
+            self.pool = PagePool.from_free_memory(device, self.config.memory_fraction)
+        ctl = self.config.control
+        self.lookahead = threading.Semaphore(1 if ctl.sync else ctl.lookahead)
+        to_control: queue.Queue = queue.Queue()
+        to_service: queue.Queue = queue.Queue()
+        # per-round instrumentation for the profiler, newest last
+        self.traces: collections.deque[RoundTrace] = collections.deque(maxlen=100_000)
+        self.service = ServiceThread(tokenizer, self.context_length, to_service, to_control,
+                                     self.lookahead, on_round=self._on_round)
+        self.control = ControlThread(device, transformer, self.pool, ctl, to_control,
+                                     to_service, self.lookahead, self.context_length)
+        self._ids = itertools.count(1)
+        self._closed = False
+        self.service.start()
+        self.control.start()
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               sink: OutputSink) -> int:
+        """Queue a request; returns its id. Raises for a request that can never run."""
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        if not prompt_ids:
+            raise EmptyPrompt()
+        if len(prompt_ids) >= self.context_length:
+            raise PromptTooLong(len(prompt_ids), self.context_length)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        rid = next(self._ids)
+        self.service.inbox.put(Submit(rid, list(prompt_ids), params.resolve_seed(), sink))
+        return rid
+
+    def _on_round(self, rd: RoundDone) -> None:
+        if rd.trace is not None:
+            self.traces.append(rd.trace)
+
+    def cancel(self, request_id: int) -> None:
+        self.service.inbox.put(Cancel(request_id))
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[Output]:
+        """Submit and iterate the outputs from a plain thread (blocking)."""
+        q: queue.Queue[Output] = queue.Queue()
+        rid = self.submit(prompt_ids, params, q.put)
+        done = False
+        try:
+            while not done:
+                out = q.get()
+                done = out.finish_reason is not None
+                yield out
+        finally:
+            if not done:  # the caller stopped iterating early
+                self.cancel(rid)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Drop cached prefixes and return every free page to the pool (waits)."""
+        done = threading.Event()
+        self.service.inbox.put(Flush(done))  # through the service: after pending cancels
+        if not done.wait(timeout):
+            raise TimeoutError("the control thread did not flush in time")
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the threads; requests still running end with finish reason `error`."""
+        if self._closed:
+            return
+        self._closed = True
+        self.control.inbox.put(Shutdown())
+        self.control.join(timeout)
+        self.service.join(timeout)
+        self.control.close()
+        self.pool.close()
+
+    def __enter__(self) -> Dispatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,147 @@
+"""The messages between the three layers of the dispatcher: the only interface between
+their threads.
+
+    user layer ──Submit/Cancel──► service thread ──AddSession/StopSession──► control thread
+    user layer ◄──Output────────  service thread ◄──RoundDone─────────────── control thread
+
+Each thread owns its state; nothing here is shared mutable state except the host token
+buffer of a round, which the control thread fills on the device's copy stream and hands
+over (with the event that says the copy is done) and does not touch again until the
+service thread has consumed the round.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kernels.sampling import SamplingParams
+from vmm.device import Event
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens or the context length reached
+    CANCELLED = "cancelled"  # the user cancelled (or left the stream)
+    ERROR = "error"  # the engine failed or shut down before the request finished
+
+
+@dataclass
+class Output:
+    """What the user layer receives for a request: new text, the token ids that produced
+    it, and at the end the reason generation finished (plus an error message if any)."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused, not prefilled
+
+
+OutputSink = Callable[[Output], None]
+
+
+# -- user layer -> service thread ------------------------------------------------------
+
+@dataclass
+class Submit:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams  # seed already resolved
+    sink: OutputSink
+
+
+@dataclass
+class Cancel:
+    request_id: int
+
+
+# -- service thread -> control thread --------------------------------------------------
+
+@dataclass
+class AddSession:
+    session_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # the control thread never launches more decode steps than this
+
+
+@dataclass
+class StopSession:
+    """Finish a session: remove it from the next round planned. `tokens` are the tokens
+    the service thread accepted for it (prompt + generated), so its KV can be cached under
+    that key."""
+
+    session_id: int
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Flush:
+    """Drop the prefix cache, wait for the device, reclaim every free page; then set
+    `done`. After all requests have finished, every page is back in the pool."""
+
+    done: threading.Event
+
+
+# -- control thread -> service thread --------------------------------------------------
+
+@dataclass
+class RoundDone:
+    """A launched round. Rows of `tokens` (a host buffer, valid once `copied` completes)
+    hold the token sampled for each session in `sessions`; `generation` counts how many
+    tokens each session had sampled before this round (so the service thread can discard
+    tokens of rounds it has already seen past a stop)."""
+
+    round_id: int
+    sessions: list[int]
+    generation: list[int]
+    tokens: np.ndarray  # int32 [len(sessions)]
+    copied: Event
+    prefill_tokens: dict[int, int] = field(default_factory=dict)  # session -> cached
+    trace: RoundTrace | None = None
+
+
+@dataclass
+class SessionFailed:
+    """The control thread could not run a session (e.g. it can never fit the KV pool)."""
+
+    session_id: int
+    error: str
+
+
+@dataclass
+class ControlStopped:
+    """The control thread has ended; `error` is set when it died of an exception."""
+
+    error: str | None = None
+
+
+# -- instrumentation -------------------------------------------------------------------
+
+@dataclass
+class RoundTrace:
+    """Timestamps of one round (seconds, time.perf_counter) for the profiler."""
+
+    round_id: int
+    plan_start: float = 0.0
+    plan_end: float = 0.0
+    launch_end: float = 0.0
+    device_start: Event | None = None
+    device_end: Event | None = None
+    tokens_ready: float = 0.0  # when the service thread had the tokens
+    n_decode: int = 0
+    n_prefill_tokens: int = 0
+    n_sessions: int = 0
+    pages_in_use: int = 0

@@ -1,0 +1,72 @@
+"""Finished sessions' KV regions kept for reuse, keyed by the tokens they hold.
+
+A new session whose prompt starts with a cached sequence maps the whole-page part of the
+common prefix from the cached region (shared physical pages) and copies the partial page,
+so it prefills only the rest: a second chat turn, or a shared system prompt. Entries are
+evicted least recently used first when the pool needs pages.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from vmm.device import Event
+from vmm.kv_region import KVRegion
+
+
+@dataclass
+class CachedPrefix:
+    tokens: tuple[int, ...]
+    region: KVRegion
+    event: Event | None  # recorded after the last round that wrote the region
+
+
+class PrefixCache:
+    def __init__(self, max_entries: int = 64) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[int, CachedPrefix] = OrderedDict()
+        self._next = 0
+        self.hits = 0
+        self.reused_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, tokens: list[int], region: KVRegion, event: Event | None) -> None:
+        """Keep `region` (holding the KV of `tokens`); evicts the oldest beyond capacity."""
+        self._entries[self._next] = CachedPrefix(tuple(tokens), region, event)
+        self._next += 1
+        while len(self._entries) > self.max_entries:
+            self.evict_one()
+
+    def longest(self, tokens: list[int]) -> tuple[CachedPrefix | None, int]:
+        """The entry sharing the longest prefix with `tokens`, and that prefix's length."""
+        best, best_n, best_key = None, 0, None
+        for key, entry in self._entries.items():
+            n = _common_prefix(entry.tokens, tokens)
+            if n > best_n:
+                best, best_n, best_key = entry, n, key
+        if best_key is not None:
+            self._entries.move_to_end(best_key)
+        return best, best_n
+
+    def evict_one(self) -> bool:
+        """Release the least recently used entry (pages return once its event completes)."""
+        if not self._entries:
+            return False
+        _, entry = self._entries.popitem(last=False)
+        entry.region.release(after=entry.event)
+        return True
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

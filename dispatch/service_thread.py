@@ -1,0 +1,172 @@
+"""The service layer: one thread that does everything that needs the host to look at tokens.
+
+It receives requests from the user layer and rounds from the control thread, waits for
+each round's token copy (on the copy stream, after the round's event), appends tokens,
+checks end tokens / stop strings / max tokens / cancellation, detokenizes incrementally and
+sends text to the request's sink. When a request finishes it tells the control thread to
+stop the session; tokens that rounds already in flight produce for it are discarded here,
+never shown.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dispatch.messages import (
+    AddSession,
+    Cancel,
+    ControlStopped,
+    FinishReason,
+    Flush,
+    Output,
+    OutputSink,
+    RoundDone,
+    SessionFailed,
+    Shutdown,
+    StopSession,
+    Submit,
+)
+from dispatch.stop_strings import StopMatcher
+from kernels.sampling import SamplingParams
+from loader.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _Request:
+    """The service thread's view of one request."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new: int
+    sink: OutputSink
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    done: bool = False
+
+
+@dataclass
+class ServiceStats:
+    """Counters the service thread keeps (read by tests and /metrics)."""
+
+    rounds: int = 0
+    tokens_accepted: int = 0
+    tokens_discarded: int = 0  # produced by in-flight rounds after their session finished
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class ServiceThread:
+    def __init__(self, tokenizer: Tokenizer, context_length: int, inbox: queue.Queue,
+                 to_control: queue.Queue, lookahead: threading.Semaphore,
+                 on_round: Callable[[RoundDone], None] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.inbox = inbox
+        self.to_control = to_control
+        self.lookahead = lookahead
+        self.on_round = on_round  # instrumentation hook, called with each consumed round
+        self.stats = ServiceStats()
+        self._requests: dict[int, _Request] = {}
+        self._thread = threading.Thread(target=self._run, name="eagerlm-service", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            msg = self.inbox.get()
+            if isinstance(msg, Submit):
+                self._submit(msg)
+            elif isinstance(msg, RoundDone):
+                self._round(msg)
+            elif isinstance(msg, Cancel):
+                req = self._requests.get(msg.request_id)
+                if req is not None and not req.done:
+                    self._finish(req, FinishReason.CANCELLED, "")
+            elif isinstance(msg, Flush):
+                self.to_control.put(msg)  # after the stops of everything before it
+            elif isinstance(msg, SessionFailed):
+                req = self._requests.get(msg.session_id)
+                if req is not None and not req.done:
+                    self._finish(req, FinishReason.ERROR, "", error=msg.error)
+            elif isinstance(msg, ControlStopped | Shutdown):
+                reason = msg.error if isinstance(msg, ControlStopped) else None
+                for req in list(self._requests.values()):
+                    if not req.done:
+                        self._finish(req, FinishReason.ERROR, "",
+                                     error=reason or "engine shut down", tell_control=False)
+                if isinstance(msg, ControlStopped):
+                    return
+
+    def _submit(self, msg: Submit) -> None:
+        max_new = min(msg.params.max_tokens, self.context_length - len(msg.prompt_ids))
+        req = _Request(msg.request_id, msg.prompt_ids, msg.params, max_new, msg.sink,
+                       IncrementalDetokenizer(self.tokenizer), StopMatcher(msg.params.stop))
+        self._requests[msg.request_id] = req
+        self.to_control.put(AddSession(msg.request_id, msg.prompt_ids, msg.params, max_new))
+
+    def _round(self, rd: RoundDone) -> None:
+        rd.copied.synchronize()
+        if rd.trace is not None:
+            rd.trace.tokens_ready = time.perf_counter()
+        tokens = rd.tokens.tolist()
+        self.stats.rounds += 1
+        for sid, cached in rd.prefill_tokens.items():
+            if sid in self._requests:
+                self._requests[sid].cached_tokens = cached
+        for sid, gen, token in zip(rd.sessions, rd.generation, tokens, strict=True):
+            req = self._requests.get(sid)
+            if req is None or req.done or gen != len(req.generated):
+                self.stats.tokens_discarded += 1
+                continue
+            self._accept(req, token)
+        self.lookahead.release()
+        if self.on_round is not None:
+            self.on_round(rd)
+
+    def _accept(self, req: _Request, token: int) -> None:
+        req.generated.append(token)
+        self.stats.tokens_accepted += 1
+        end_ids = () if req.params.ignore_eos else self.tokenizer.end_ids
+        if token in end_ids:
+            text = req.stops.push(req.detok.flush()) + req.stops.flush()
+            self._finish(req, FinishReason.STOP, text, [token])
+            return
+        text = req.stops.push(req.detok.push(token))
+        if req.stops.stopped:
+            self._finish(req, FinishReason.STOP, text, [token])
+        elif len(req.generated) >= req.max_new:
+            text += req.stops.push(req.detok.flush()) + req.stops.flush()
+            reason = FinishReason.STOP if req.stops.stopped else FinishReason.LENGTH
+            self._finish(req, reason, text, [token])
+        else:
+            req.sink(Output(req.request_id, text, [token], prompt_tokens=len(req.prompt_ids),
+                            cached_tokens=req.cached_tokens))
+
+    def _finish(self, req: _Request, reason: FinishReason, text: str,
+                token_ids: list[int] | None = None, error: str | None = None,
+                tell_control: bool = True) -> None:
+        req.done = True
+        self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
+        if tell_control:
+            # The KV holds the prompt and every accepted token but the last (never fed back).
+            self.to_control.put(StopSession(req.request_id,
+                                            req.prompt_ids + req.generated[:-1]))
+        del self._requests[req.request_id]
+        req.sink(Output(req.request_id, text, token_ids or [], reason, error,
+                        prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens))

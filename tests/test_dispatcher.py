@@ -1,0 +1,270 @@
+"""The eager dispatcher on the cpu backend: continuous batching, eagerness, stops,
+cancellation, preemption and KV reuse, with every request's output checked against the
+same request run alone through the sequential loop (`dispatch/sequential.py`)."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import time
+
+import pytest
+
+from dispatch.control_thread import ControlConfig
+from dispatch.dispatcher import Dispatcher, DispatcherConfig
+from dispatch.messages import FinishReason, Output
+from dispatch.scheduler import SchedulerConfig
+from dispatch.sequential import SequentialGeneration
+from kernels.cpu_backend import cpu_transformer
+from kernels.sampling import SamplingParams
+from loader.model_file import ModelFile
+from loader.synthetic import tiny_spec, write_synthetic_model
+from vmm.device import open_device
+
+PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("d") / "qwen3.gguf"
+    m = ModelFile.open(write_synthetic_model(path, tiny_spec("qwen3", context_length=160)))
+    return m, cpu_transformer(m)
+
+
+def make(model, *, sync=False, budget=1 << 22, max_batch=8, round_tokens=32, lookahead=2,
+         prefix_cache=True):
+    m, tf = model
+    cfg = DispatcherConfig(
+        control=ControlConfig(SchedulerConfig(max_batch=max_batch,
+                                              max_round_tokens=round_tokens, map_ahead=4),
+                              lookahead=lookahead, sync=sync, prefix_cache=prefix_cache),
+        kv_budget_bytes=budget)
+    return Dispatcher(open_device("cpu", page_size=PAGE), tf, m.tokenizer, cfg)
+
+
+def alone(model, prompt, params):
+    m, tf = model
+    chunks = list(SequentialGeneration(tf, m.tokenizer, prompt, params))
+    return ([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
+            chunks[-1].finish_reason)
+
+
+class Collector:
+    """Gathers each request's outputs; `wait` returns once all have finished."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[int, list[Output]] = {}
+        self.done = queue.Queue()
+
+    def sink_for(self, key):
+        self.outputs[key] = []
+
+        def sink(out: Output) -> None:
+            self.outputs[key].append(out)
+            if out.finish_reason is not None:
+                self.done.put(key)
+        return sink
+
+    def wait(self, n: int, timeout: float = 60) -> None:
+        for _ in range(n):
+            self.done.get(timeout=timeout)
+
+    def result(self, key):
+        outs = self.outputs[key]
+        return ([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
+                outs[-1].finish_reason)
+
+
+def random_workload(model, rng: random.Random, n: int):
+    m, _ = model
+    words = ["alpha", "beta", "gamma", "delta", "the", "cat", "sat", "on", "mat", "42"]
+    reqs = []
+    for i in range(n):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 25)))
+        prompt = m.tokenizer.encode(text)
+        params = SamplingParams(temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(1000),
+                                max_tokens=rng.randint(1, 24), top_k=rng.choice([0, 20]),
+                                ignore_eos=rng.random() < 0.5)
+        reqs.append((i, prompt, params))
+    return reqs
+
+
+def run_workload(d: Dispatcher, reqs, rng: random.Random | None = None) -> Collector:
+    col = Collector()
+    for key, prompt, params in reqs:
+        d.submit(prompt, params, col.sink_for(key))
+        if rng is not None and rng.random() < 0.3:
+            time.sleep(rng.random() * 0.01)  # arrivals spread over several rounds
+    col.wait(len(reqs))
+    return col
+
+
+def test_every_request_equals_its_run_alone(model):
+    """Randomized arrivals, prompt and output lengths, sampling settings: no token lost,
+    duplicated or reordered, and the right finish reason for every request."""
+    rng = random.Random(1)
+    reqs = random_workload(model, rng, 24)
+    with make(model) as d:
+        col = run_workload(d, reqs, rng)
+    for key, prompt, params in reqs:
+        assert col.result(key) == alone(model, prompt, params), key
+
+
+def test_eager_and_sync_modes_give_identical_output(model):
+    rng = random.Random(2)
+    reqs = random_workload(model, rng, 12)
+    results = []
+    for sync in (False, True):
+        with make(model, sync=sync) as d:
+            col = run_workload(d, reqs)
+        results.append({k: col.result(k) for k, _, _ in reqs})
+    assert results[0] == results[1]
+
+
+def _overlaps(traces) -> int:
+    """Rounds launched before the previous round's tokens reached the service thread."""
+    ts = sorted(traces, key=lambda t: t.round_id)
+    return sum(1 for a, b in itertools.pairwise(ts) if b.launch_end < a.tokens_ready)
+
+
+def test_eagerness_is_observable_in_the_timestamps(model):
+    m, _ = model
+    prompt = m.tokenizer.encode("the cat sat")
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for sync in (False, True):
+        with make(model, sync=sync) as d:
+            list(d.stream(prompt, params))
+            traces = list(d.traces)
+        assert len(traces) == 40
+        if sync:
+            assert _overlaps(traces) == 0
+        else:
+            assert _overlaps(traces) > len(traces) // 2
+
+
+def test_stop_strings_and_wasted_tokens_bounded_by_lookahead(model):
+    m, _ = model
+    rng = random.Random(3)
+    reqs = []
+    for key in range(8):
+        prompt = m.tokenizer.encode(f"stop test {key}")
+        free = alone(model, prompt, SamplingParams(temperature=0.0, max_tokens=30,
+                                                   ignore_eos=True))[1]
+        cut = rng.randint(3, max(4, len(free) - 4))
+        reqs.append((key, prompt, SamplingParams(temperature=0.0, max_tokens=30,
+                                                 ignore_eos=True, stop=(free[cut:cut + 2],))))
+    k = 2
+    with make(model, lookahead=k) as d:
+        col = run_workload(d, reqs)
+        finished = sum(d.service.stats.finished.values())
+        discarded = d.service.stats.tokens_discarded
+    for key, prompt, params in reqs:
+        assert col.result(key) == alone(model, prompt, params)
+    assert discarded <= k * finished
+
+
+def test_cancellation_ends_the_request_and_frees_its_session(model):
+    m, _ = model
+    prompt = m.tokenizer.encode("cancel me")
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    with make(model, prefix_cache=False) as d:
+        got = queue.Queue()
+        rid = d.submit(prompt, params, got.put)
+        first = got.get(timeout=30)
+        assert first.finish_reason is None
+        d.cancel(rid)
+        outs = [first]
+        while outs[-1].finish_reason is None:
+            outs.append(got.get(timeout=30))
+        assert outs[-1].finish_reason is FinishReason.CANCELLED
+        d.flush()
+        # rounds already in flight when it was cancelled (at most k = 2) are discarded
+        assert d.service.stats.tokens_discarded <= 2
+        assert not d.control.sessions
+        assert d.pool.n_free == d.pool.n_pages
+
+
+def test_leaving_a_stream_early_cancels_it(model):
+    m, _ = model
+    with make(model, prefix_cache=False) as d:
+        it = d.stream(m.tokenizer.encode("leave"), SamplingParams(temperature=0.0,
+                                                                  max_tokens=100,
+                                                                  ignore_eos=True))
+        next(it)
+        it.close()
+        d.flush()
+        assert not d.control.sessions and d.pool.n_free == d.pool.n_pages
+
+
+def test_small_pool_preempts_and_still_matches(model):
+    """A pool too small for the offered load: everything completes, through preemption,
+    with outputs identical to unconstrained runs, and no page is leaked once idle."""
+    m, _ = model
+    rng = random.Random(4)
+    reqs = []
+    for key in range(10):
+        prompt = m.tokenizer.encode(" ".join(["delta gamma"] * rng.randint(4, 10)))
+        reqs.append((key, prompt, SamplingParams(temperature=rng.choice([0.0, 1.0]),
+                                                 seed=key, max_tokens=40, ignore_eos=True)))
+    layout_bytes = m.config.n_layers * 2 * m.config.kv_dim * 4  # float32 KV per token
+    longest = max(len(p) for _, p, _ in reqs) + 40
+    budget = 2 * longest * layout_bytes  # about two sessions' worth at full length
+    with make(model, budget=budget, round_tokens=64) as d:
+        col = run_workload(d, reqs)
+        assert d.control.scheduler.preemptions > 0
+        d.flush()
+        assert d.pool.n_free == d.pool.n_pages
+        d.pool.audit()
+    for key, prompt, params in reqs:
+        assert col.result(key) == alone(model, prompt, params), key
+
+
+def test_second_chat_turn_prefills_only_new_tokens(model):
+    m, _ = model
+    first = m.tokenizer.encode("user: tell me about the cat and the mat and the alpha beta")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with make(model) as d:
+        outs = list(d.stream(first, params))
+        reply = [t for o in outs for t in o.token_ids]
+        second = first + reply + m.tokenizer.encode(" user: and then?")
+        warm = list(d.stream(second, params))
+        assert d.control.cache.hits == 1
+    reused = warm[-1].cached_tokens
+    # everything but the last reply token (never fed back) is reused
+    assert reused == len(first) + len(reply) - 1
+    assert [t for o in warm for t in o.token_ids] == alone(model, second, params)[0]
+
+
+def test_shutdown_with_requests_in_flight_ends_them_with_error(model):
+    m, _ = model
+    d = make(model)
+    col = Collector()
+    for key in range(4):
+        d.submit(m.tokenizer.encode(f"long {key}"),
+                 SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True),
+                 col.sink_for(key))
+    time.sleep(0.05)
+    d.shutdown()
+    col.wait(4, timeout=10)
+    reasons = {col.result(k)[2] for k in range(4)}
+    assert reasons == {FinishReason.ERROR}
+    assert all(col.outputs[k][-1].error for k in range(4))
+
+
+def test_invalid_requests_are_refused_and_the_engine_keeps_serving(model):
+    from dispatch.errors import EmptyPrompt, PromptTooLong
+
+    m, _ = model
+    with make(model) as d:
+        with pytest.raises(PromptTooLong):
+            d.submit(list(range(3, 200)), SamplingParams(), lambda o: None)
+        with pytest.raises(EmptyPrompt):
+            d.submit([], SamplingParams(), lambda o: None)
+        with pytest.raises(ValueError, match="token ids"):
+            d.submit([10**6], SamplingParams(), lambda o: None)
+        prompt = m.tokenizer.encode("still fine")
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        assert [t for o in d.stream(prompt, params) for t in o.token_ids] == alone(
+            model, prompt, params)[0]
+

@@ -268,7 +268,7 @@ class ControlThread:
         trace.device_start = self.compute.record(self.device.event())
         run = _RoundWork(self.transformer, self._meta_dev, self._token_buf,
                          self._sampled_dev[slot], n_rows, n_seqs, kvs, params)
-        self.compute.submit(run)
+        self.compute.launch(run)
         done = self.compute.record(self.device.event())
         trace.device_end = done
         self.copy.wait_event(done)

@@ -133,6 +133,9 @@ class CpuStream(Stream):
         """Enqueue host work; it runs on this stream's thread after everything before it."""
         self._put(fn)
 
+    def launch(self, work: Callable[[], object]) -> None:
+        self.submit(work)
+
     def _put(self, item: Callable[[], object] | _Record | _Wait) -> None:
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")

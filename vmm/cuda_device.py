@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -119,6 +120,10 @@ class CudaStream(Stream):
     def synchronize(self) -> None:
         self.ctx.bind()
         cu("cuStreamSynchronize", self.handle)
+
+    def launch(self, work: Callable[[], object]) -> None:
+        """The host side of the work enqueues its kernels on this stream, now."""
+        work()
 
     def gate(self) -> Gate:
         g = CudaGate(self.ctx, self.handle)

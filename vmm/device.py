@@ -18,6 +18,7 @@ view lives raises instead of crashing (see `host_views`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -97,6 +98,14 @@ class Stream(ABC):
     @abstractmethod
     def gate(self) -> Gate:
         """Enqueue a closed gate (see Gate)."""
+
+    @abstractmethod
+    def launch(self, work: Callable[[], object]) -> None:
+        """Run `work`, the host side of some device work, in this stream's order.
+
+        On cuda `work` runs now and enqueues kernels on this stream; on cpu it *is* the
+        computation and runs later on the stream's thread. Either way it is ordered after
+        everything enqueued before and the caller does not wait for it."""
 
     @abstractmethod
     def close(self) -> None: ...

@@ -16,11 +16,11 @@ import numpy as np
 
 from dispatch.errors import EmptyPrompt, PromptTooLong
 from dispatch.messages import FinishReason
-from dispatch.stop_strings import StopMatcher
+from dispatch.token_judge import TokenJudge
 from kernels.batch import ForwardBatch
 from kernels.model import Transformer
 from kernels.sampling import SamplingParams, sample
-from loader.tokenizer import IncrementalDetokenizer, Tokenizer
+from loader.tokenizer import Tokenizer
 from vmm.kv_layout import ContiguousKV, KVLayout
 
 
@@ -74,9 +74,7 @@ class SequentialGeneration:
         budget = min(params.max_tokens, self.context - n_prompt)
         kv = ContiguousKV(KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim),
                           n_prompt + budget)
-        detok = IncrementalDetokenizer(tok)
-        stops = StopMatcher(params.stop)
-        end_ids = frozenset() if params.ignore_eos else tok.end_ids
+        judge = TokenJudge(tok, params, budget)
         self.stats = GenerationStats(prompt_tokens=n_prompt)
         t0 = time.perf_counter()
 
@@ -90,18 +88,8 @@ class SequentialGeneration:
                 self.stats.time_to_first_token_s = time.perf_counter() - t0
             self.stats.generated_tokens += 1
             self.stats.total_s = time.perf_counter() - t0
-
-            if token in end_ids:
-                yield Chunk(stops.push(detok.flush()) + stops.flush(), [token],
-                            FinishReason.STOP)
+            text, finish = judge.accept(token)
+            yield Chunk(text, [token], finish)
+            if finish is not None:
                 return
-            text = stops.push(detok.push(token))
-            if stops.stopped:
-                yield Chunk(text, [token], FinishReason.STOP)
-                return
-            if self.stats.generated_tokens >= budget:
-                yield Chunk(text + stops.push(detok.flush()) + stops.flush(), [token],
-                            FinishReason.STOP if stops.stopped else FinishReason.LENGTH)
-                return
-            yield Chunk(text, [token])
             batch = ForwardBatch.single([token], n_past, kv)

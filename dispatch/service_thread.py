@@ -30,9 +30,8 @@ from dispatch.messages import (
     StopSession,
     Submit,
 )
-from dispatch.stop_strings import StopMatcher
-from kernels.sampling import SamplingParams
-from loader.tokenizer import IncrementalDetokenizer, Tokenizer
+from dispatch.token_judge import TokenJudge
+from loader.tokenizer import Tokenizer
 
 
 @dataclass
@@ -41,14 +40,14 @@ class _Request:
 
     request_id: int
     prompt_ids: list[int]
-    params: SamplingParams
-    max_new: int
     sink: OutputSink
-    detok: IncrementalDetokenizer
-    stops: StopMatcher
-    generated: list[int] = field(default_factory=list)
+    judge: TokenJudge
     cached_tokens: int = 0
     done: bool = False
+
+    @property
+    def generated(self) -> list[int]:
+        return self.judge.generated
 
 
 @dataclass
@@ -115,8 +114,8 @@ class ServiceThread:
 
     def _submit(self, msg: Submit) -> None:
         max_new = min(msg.params.max_tokens, self.context_length - len(msg.prompt_ids))
-        req = _Request(msg.request_id, msg.prompt_ids, msg.params, max_new, msg.sink,
-                       IncrementalDetokenizer(self.tokenizer), StopMatcher(msg.params.stop))
+        req = _Request(msg.request_id, msg.prompt_ids, msg.sink,
+                       TokenJudge(self.tokenizer, msg.params, max_new))
         self._requests[msg.request_id] = req
         self.to_control.put(AddSession(msg.request_id, msg.prompt_ids, msg.params, max_new))
 
@@ -140,20 +139,10 @@ class ServiceThread:
             self.on_round(rd)
 
     def _accept(self, req: _Request, token: int) -> None:
-        req.generated.append(token)
         self.stats.tokens_accepted += 1
-        end_ids = () if req.params.ignore_eos else self.tokenizer.end_ids
-        if token in end_ids:
-            text = req.stops.push(req.detok.flush()) + req.stops.flush()
-            self._finish(req, FinishReason.STOP, text, [token])
-            return
-        text = req.stops.push(req.detok.push(token))
-        if req.stops.stopped:
-            self._finish(req, FinishReason.STOP, text, [token])
-        elif len(req.generated) >= req.max_new:
-            text += req.stops.push(req.detok.flush()) + req.stops.flush()
-            reason = FinishReason.STOP if req.stops.stopped else FinishReason.LENGTH
-            self._finish(req, reason, text, [token])
+        text, finish = req.judge.accept(token)
+        if finish is not None:
+            self._finish(req, finish, text, [token])
         else:
             req.sink(Output(req.request_id, text, [token], prompt_tokens=len(req.prompt_ids),
                             cached_tokens=req.cached_tokens))

@@ -17,6 +17,7 @@ Per round (shared/DESIGN.md, "One round, eagerly"):
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -41,7 +42,7 @@ from dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
 from kernels.batch import ForwardBatch, SeqSlice
 from kernels.model import Transformer
 from kernels.sampling import sample
-from vmm.device import Device, Event, HostBuffer
+from vmm.device import Device, Event, HostBuffer, StreamError
 from vmm.kv_layout import KVLayout, TokenMajorKV
 from vmm.page_pool import OutOfPages, PagePool
 
@@ -129,7 +130,8 @@ class ControlThread:
             traceback.print_exc()
         finally:
             try:
-                self._drain_device()
+                with contextlib.suppress(StreamError):  # already reported above
+                    self._drain_device()
             finally:
                 self.to_service.put(ControlStopped(error))
 
@@ -323,7 +325,8 @@ class ControlThread:
             if s.region is not None:
                 s.region.release(after=s.last_event)
         self.sessions.clear()
-        self._drain_device()
+        with contextlib.suppress(StreamError):  # a failed device has nothing left to drain
+            self._drain_device()
         self.compute.close()
         self.copy.close()
 

@@ -121,6 +121,7 @@ class Dispatcher:
         self._closed = True
         self.control.inbox.put(Shutdown())
         self.control.join(timeout)
+        self.service.inbox.put(Shutdown())  # after the control thread's last message
         self.service.join(timeout)
         self.control.close()
         self.pool.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from dispatch.messages import (
 )
 from dispatch.token_judge import TokenJudge
 from loader.tokenizer import Tokenizer
+from vmm.device import StreamError
 
 
 @dataclass
@@ -72,6 +74,7 @@ class ServiceThread:
         self.on_round = on_round  # instrumentation hook, called with each consumed round
         self.stats = ServiceStats()
         self._requests: dict[int, _Request] = {}
+        self._dead: str | None = None  # why the engine stopped, once it has
         self._thread = threading.Thread(target=self._run, name="eagerlm-service", daemon=True)
 
     def start(self) -> None:
@@ -89,28 +92,50 @@ class ServiceThread:
     def _run(self) -> None:
         while True:
             msg = self.inbox.get()
-            if isinstance(msg, Submit):
+            if isinstance(msg, Shutdown):  # the dispatcher's last word, after the control's
+                self._fail_all("engine shut down")
+                return
+            try:
+                self._handle(msg)
+            except StreamError as exc:
+                # a failed device stream stays failed (like a CUDA context): the engine is
+                # dead. End every request now; the control thread stops and reports.
+                self._dead = self._dead or f"device failure: {exc}"
+                self._fail_all(self._dead)
+                self.to_control.put(Shutdown())
+            except Exception:
+                traceback.print_exc()  # a bug, or a sink that raised: keep serving
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, Submit):
+            if self._dead is not None:
+                msg.sink(Output(msg.request_id, "", [], FinishReason.ERROR, self._dead,
+                                prompt_tokens=len(msg.prompt_ids)))
+            else:
                 self._submit(msg)
-            elif isinstance(msg, RoundDone):
-                self._round(msg)
-            elif isinstance(msg, Cancel):
-                req = self._requests.get(msg.request_id)
-                if req is not None and not req.done:
-                    self._finish(req, FinishReason.CANCELLED, "")
-            elif isinstance(msg, Flush):
+        elif isinstance(msg, RoundDone):
+            self._round(msg)
+        elif isinstance(msg, Cancel):
+            req = self._requests.get(msg.request_id)
+            if req is not None and not req.done:
+                self._finish(req, FinishReason.CANCELLED, "")
+        elif isinstance(msg, Flush):
+            if self._dead is not None:
+                msg.done.set()
+            else:
                 self.to_control.put(msg)  # after the stops of everything before it
-            elif isinstance(msg, SessionFailed):
-                req = self._requests.get(msg.session_id)
-                if req is not None and not req.done:
-                    self._finish(req, FinishReason.ERROR, "", error=msg.error)
-            elif isinstance(msg, ControlStopped | Shutdown):
-                reason = msg.error if isinstance(msg, ControlStopped) else None
-                for req in list(self._requests.values()):
-                    if not req.done:
-                        self._finish(req, FinishReason.ERROR, "",
-                                     error=reason or "engine shut down", tell_control=False)
-                if isinstance(msg, ControlStopped):
-                    return
+        elif isinstance(msg, SessionFailed):
+            req = self._requests.get(msg.session_id)
+            if req is not None and not req.done:
+                self._finish(req, FinishReason.ERROR, "", error=msg.error)
+        elif isinstance(msg, ControlStopped):
+            self._dead = msg.error or "engine shut down"
+            self._fail_all(self._dead)
+
+    def _fail_all(self, error: str) -> None:
+        for req in list(self._requests.values()):
+            if not req.done:
+                self._finish(req, FinishReason.ERROR, "", error=error, tell_control=False)
 
     def _submit(self, msg: Submit) -> None:
         max_new = min(msg.params.max_tokens, self.context_length - len(msg.prompt_ids))
@@ -120,10 +145,13 @@ class ServiceThread:
         self.to_control.put(AddSession(msg.request_id, msg.prompt_ids, msg.params, max_new))
 
     def _round(self, rd: RoundDone) -> None:
-        rd.copied.synchronize()
-        if rd.trace is not None:
-            rd.trace.tokens_ready = time.perf_counter()
-        tokens = rd.tokens.tolist()
+        try:
+            rd.copied.synchronize()
+            if rd.trace is not None:
+                rd.trace.tokens_ready = time.perf_counter()
+            tokens = rd.tokens.tolist()
+        finally:
+            self.lookahead.release()  # whatever happens, the control thread goes on
         self.stats.rounds += 1
         for sid, cached in rd.prefill_tokens.items():
             if sid in self._requests:
@@ -134,7 +162,6 @@ class ServiceThread:
                 self.stats.tokens_discarded += 1
                 continue
             self._accept(req, token)
-        self.lookahead.release()
         if self.on_round is not None:
             self.on_round(rd)
 
@@ -144,8 +171,9 @@ class ServiceThread:
         if finish is not None:
             self._finish(req, finish, text, [token])
         else:
-            req.sink(Output(req.request_id, text, [token], prompt_tokens=len(req.prompt_ids),
-                            cached_tokens=req.cached_tokens))
+            self._deliver(req, Output(req.request_id, text, [token],
+                                      prompt_tokens=len(req.prompt_ids),
+                                      cached_tokens=req.cached_tokens))
 
     def _finish(self, req: _Request, reason: FinishReason, text: str,
                 token_ids: list[int] | None = None, error: str | None = None,
@@ -157,5 +185,16 @@ class ServiceThread:
             self.to_control.put(StopSession(req.request_id,
                                             req.prompt_ids + req.generated[:-1]))
         del self._requests[req.request_id]
-        req.sink(Output(req.request_id, text, token_ids or [], reason, error,
-                        prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens))
+        self._deliver(req, Output(req.request_id, text, token_ids or [], reason, error,
+                                  prompt_tokens=len(req.prompt_ids),
+                                  cached_tokens=req.cached_tokens))
+
+    def _deliver(self, req: _Request, out: Output) -> None:
+        """Hand an output to the request's sink; a sink that raises cancels its request
+        (its consumer is gone) without disturbing the others."""
+        try:
+            req.sink(out)
+        except Exception:
+            traceback.print_exc()
+            if not req.done:
+                self._finish(req, FinishReason.CANCELLED, "")

@@ -268,3 +268,52 @@ def test_invalid_requests_are_refused_and_the_engine_keeps_serving(model):
         assert [t for o in d.stream(prompt, params) for t in o.token_ids] == alone(
             model, prompt, params)[0]
 
+
+
+def test_a_failing_device_ends_every_request_with_an_error_and_never_hangs(model):
+    """A stream failure is sticky (like a CUDA error): every request in flight ends with
+    finish reason `error`, and later requests are answered with an error at once."""
+    m, tf = model
+    calls = {"n": 0}
+    real_forward = tf.forward
+
+    def failing_forward(batch):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("simulated device fault")
+        return real_forward(batch)
+
+    d = make(model)
+    tf.forward = failing_forward
+    try:
+        col = Collector()
+        for key in range(3):
+            d.submit(m.tokenizer.encode(f"fault {key}"),
+                     SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True),
+                     col.sink_for(key))
+        col.wait(3, timeout=20)
+        assert {col.result(k)[2] for k in range(3)} == {FinishReason.ERROR}
+        assert "simulated device fault" in col.outputs[0][-1].error
+        late = queue.Queue()
+        d.submit(m.tokenizer.encode("late"), SamplingParams(max_tokens=3), late.put)
+        out = late.get(timeout=10)
+        assert out.finish_reason is FinishReason.ERROR and out.error
+    finally:
+        tf.forward = real_forward
+        d.shutdown()
+
+
+def test_a_sink_that_raises_cancels_only_its_own_request(model):
+    m, _ = model
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    def broken_sink(out):
+        raise ValueError("consumer went away")
+
+    with make(model) as d:
+        d.submit(m.tokenizer.encode("broken"), params, broken_sink)
+        prompt = m.tokenizer.encode("healthy")
+        assert [t for o in d.stream(prompt, params) for t in o.token_ids] == alone(
+            model, prompt, params)[0]
+        d.flush()
+        assert not d.control.sessions

@@ -157,7 +157,9 @@ class CpuStream(Stream):
                     item()
                 except BaseException as exc:
                     self._error = StreamError(f"work on stream {self.name} failed: {exc!r}")
-                    self._error.__cause__ = exc
+                    # without its traceback: the frames would keep the failed work's
+                    # buffers (and numpy views of KV pages) alive
+                    self._error.__cause__ = exc.with_traceback(None)
             item = None  # drop what the work held (buffers, KV ranges) before waiting again
 
     def record(self, event: Event | None = None) -> Event:

@@ -6,9 +6,16 @@ CPU backend, 2 threads, f32 KV cache) on `tests/fixtures/reference_text.txt`.
 
 llama.cpp's CPU backend does not compute in exact float32: it quantizes activations to
 Q8_0 / Q8_K before every quantized matmul and reads GELU from an fp16 table, so its
-logits carry noise of its own. Its own f16-vs-f32 KV cache settings differ by a mean KL
-of ~6.5e-3 and 96% top-1 agreement (shared/reference/gemma3-270m.md); the thresholds
-below are set against that.
+logits carry noise of its own. Measured on these same 320 tokens (2026-11-21, this
+machine, llama-cpp-python 0.3.36) against the batched f32-KV fixture:
+
+    llama.cpp evaluated token by token, f32 KV:   top-1 96.9%, mean KL 0.0051
+    llama.cpp batched, f16 KV (its default):      top-1 95.6%, mean KL 0.0057
+    eagerlm (float32, exact dequantization):      top-1 96.9%, mean KL 0.0044
+
+so llama.cpp agrees with itself across its own settings no better than we agree with it;
+the issue's 98% top-1 target lies below that noise floor on this text. The KL bound
+(0.02) is the issue's; the top-1 bound is set at the noise floor.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kernels.sampling import SamplingParams
 from vmm.device import Event
 from vmm.kv_layout import KVLayout
-from vmm.kv_region import KVRegion
+from vmm.kv_region import KVRegion, RegionState
 from vmm.page_pool import OutOfPages, PagePool
 
 _arrivals = itertools.count()
@@ -88,6 +88,11 @@ class SchedulerConfig:
     max_batch: int = 32  # sessions per round
     max_round_tokens: int = 256  # prefill + decode tokens per round (chunked prefill)
     map_ahead: int = 16  # tokens of pages mapped beyond what the round writes
+    preempt: str = "recompute"  # or "swap": a preempted session's KV waits in host memory
+
+    def __post_init__(self) -> None:
+        if self.preempt not in ("recompute", "swap"):
+            raise ValueError(f"preempt must be 'recompute' or 'swap', not {self.preempt!r}")
 
 
 class Scheduler:
@@ -102,6 +107,7 @@ class Scheduler:
         self.running: list[Session] = []
         self.free_slots = list(range(config.max_batch - 1, -1, -1))
         self.preemptions = 0
+        self.swaps = 0
         # set by the control thread: evicts one cached prefix, False when none is left
         self.evict_cached: Callable[[], bool] = lambda: False
         # set by the control thread: makes a preempted session's generated tokens known
@@ -183,6 +189,8 @@ class Scheduler:
         ahead = self.config.map_ahead
         while True:
             try:
+                if s.region.state is RegionState.SWAPPED:
+                    s.region.swap_in()  # all or nothing, like ensure
                 s.region.ensure(n_tokens, ahead=ahead)
                 return True
             except OutOfPages:
@@ -214,19 +222,25 @@ class Scheduler:
         return max(holders, key=lambda x: x.arrival, default=None)
 
     def preempt(self, s: Session) -> None:
-        """Drop `s`'s KV (recomputed on resume) and put it back at the head of the queue.
+        """Take `s`'s pages and put it back at the head of the queue.
 
-        Its generated tokens become part of the input it recomputes; sampling continues
-        at the same generation count, so no token is shown twice."""
+        Its generated tokens join its input, and sampling continues at the same generation
+        count, so no token is shown twice. With `recompute` its KV is dropped and computed
+        again on resume; with `swap` it is copied to host memory and copied back, and only
+        the last sampled token (whose KV was never written) is computed on resume."""
         self.preemptions += 1
         s.tokens = s.tokens[: s.prompt_len] + self.resolve_tokens(s)
         self._sync(s.last_event)
-        if s.region is not None:
-            s.region.release(after=s.last_event)
-            s.region = None
+        if s.region is not None and self.config.preempt == "swap" and s.n_cached:
+            s.region.swap_out(after=s.last_event)
+            self.swaps += 1
+        else:
+            if s.region is not None:
+                s.region.release(after=s.last_event)
+                s.region = None
+            s.n_cached = 0
+            s.n_reused = 0
         self.pool.reclaim()
-        s.n_cached = 0
-        s.n_reused = 0
         if s in self.running:
             self.running.remove(s)
         if s.slot is not None:

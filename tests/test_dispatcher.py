@@ -34,11 +34,12 @@ def model(tmp_path_factory):
 
 
 def make(model, *, sync=False, budget=1 << 22, max_batch=8, round_tokens=32, lookahead=2,
-         prefix_cache=True):
+         prefix_cache=True, preempt="recompute"):
     m, tf = model
     cfg = DispatcherConfig(
         control=ControlConfig(SchedulerConfig(max_batch=max_batch,
-                                              max_round_tokens=round_tokens, map_ahead=4),
+                                              max_round_tokens=round_tokens, map_ahead=4,
+                                              preempt=preempt),
                               lookahead=lookahead, sync=sync, prefix_cache=prefix_cache),
         kv_budget_bytes=budget)
     return Dispatcher(open_device("cpu", page_size=PAGE), tf, m.tokenizer, cfg)
@@ -221,9 +222,11 @@ def test_leaving_a_stream_early_cancels_it(model):
         assert not d.control.sessions and d.pool.n_free == d.pool.n_pages
 
 
-def test_small_pool_preempts_and_still_matches(model):
-    """A pool too small for the offered load: everything completes, through preemption,
-    with outputs identical to unconstrained runs, and no page is leaked once idle."""
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_small_pool_preempts_and_still_matches(model, preempt):
+    """A pool too small for the offered load: everything completes, through preemption
+    (KV dropped and recomputed, or swapped to host memory and back), with outputs identical
+    to unconstrained runs, and no page is leaked once idle."""
     m, _ = model
     rng = random.Random(4)
     reqs = []
@@ -234,9 +237,10 @@ def test_small_pool_preempts_and_still_matches(model):
     layout_bytes = m.config.n_layers * 2 * m.config.kv_dim * 4  # float32 KV per token
     longest = max(len(p) for _, p, _ in reqs) + 40
     budget = 2 * longest * layout_bytes  # about two sessions' worth at full length
-    with make(model, budget=budget, round_tokens=64) as d:
+    with make(model, budget=budget, round_tokens=64, preempt=preempt) as d:
         col = run_workload(d, reqs)
         assert d.control.scheduler.preemptions > 0
+        assert (d.control.scheduler.swaps > 0) == (preempt == "swap")
         d.flush()
         assert d.pool.n_free == d.pool.n_pages
         d.pool.audit()

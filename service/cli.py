@@ -42,8 +42,9 @@ def _load_transformer(model: ModelFile, quiet: bool):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from dispatch.sequential import SequentialGeneration
+    from dispatch.dispatcher import Dispatcher, DispatcherConfig
     from kernels.sampling import SamplingParams
+    from vmm.device import open_device
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -54,19 +55,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = model.render_chat([{"role": "user", "content": prompt}])
     ids = model.tokenizer.encode(prompt)
-    gen = SequentialGeneration(transformer, model.tokenizer, ids, params,
-                               max_context=args.ctx)
-    finish = None
-    for chunk in gen:
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-        finish = chunk.finish_reason
-    st = gen.stats
+    config = DispatcherConfig(max_context=args.ctx)
+    with Dispatcher(open_device("cpu"), transformer, model.tokenizer, config) as engine:
+        t0 = time.perf_counter()
+        first = last = t0
+        n_generated = 0
+        finish, error = None, None
+        for out in engine.stream(ids, params):
+            now = time.perf_counter()
+            if n_generated == 0:
+                first = now
+            last = now
+            n_generated += len(out.token_ids)
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            finish, error = out.finish_reason, out.error
     sys.stdout.write("\n")
-    print(f"[prompt {st.prompt_tokens} tokens, generated {st.generated_tokens} tokens, "
-          f"time to first token {st.time_to_first_token_s * 1000:.0f} ms, "
-          f"{st.decode_tokens_per_s:.1f} tokens/s, finish: {finish.value if finish else '-'}]",
-          file=sys.stderr)
+    if error:
+        print(f"eagerlm: error: {error}", file=sys.stderr)
+        return 1
+    rate = (n_generated - 1) / (last - first) if n_generated > 1 and last > first else 0.0
+    print(f"[prompt {len(ids)} tokens, generated {n_generated} tokens, "
+          f"time to first token {(first - t0) * 1000:.0f} ms, {rate:.1f} tokens/s, "
+          f"finish: {finish.value if finish else '-'}]", file=sys.stderr)
     return 0
 
 

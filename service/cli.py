@@ -1,8 +1,9 @@
-"""The `eagerlm` command line: generate, tokenize, perplexity.
+"""The `eagerlm` command line: generate, chat, serve, tokenize, perplexity.
 
 Every subcommand takes `--model PATH`; without it the demo model is used when its package
 is installed. Errors about the user's input (bad model file, bad parameters, prompt too
-long) are printed as one line on stderr with exit status 2, never as a traceback.
+long, a device this build cannot use) are printed as one line on stderr with exit status 2,
+never as a traceback.
 """
 
 from __future__ import annotations
@@ -13,11 +14,18 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from dispatch.errors import RequestError
 from loader.demo_model import DemoModelMissing, demo_model_path
 from loader.errors import ModelFileError
 from loader.model_file import ModelFile
+from service.model_loading import BackendUnavailable, LoadProgress, ProgressCallback
+from vmm.cuda_driver import CudaError, NoCudaDevice
+
+if TYPE_CHECKING:
+    from kernels.sampling import SamplingParams
+    from service.sync_engine import SyncEngine
 
 
 def _model_path(arg: str | None) -> str:
@@ -41,43 +49,129 @@ def _load_transformer(model: ModelFile, quiet: bool):
     return transformer
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from dispatch.dispatcher import Dispatcher, DispatcherConfig
-    from kernels.sampling import SamplingParams
-    from vmm.device import open_device
+class _ProgressBar:
+    """Draws weight loading on stderr: a bar redrawn in place on a terminal, otherwise
+    just the start and end lines (no control characters in logs)."""
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=args.seed, stop=tuple(args.stop or ()))
-    model = _open(args)
-    transformer = _load_transformer(model, args.quiet)
-    prompt = args.prompt
-    if args.chat:
-        prompt = model.render_chat([{"role": "user", "content": prompt}])
-    ids = model.tokenizer.encode(prompt)
-    config = DispatcherConfig(max_context=args.ctx)
-    with Dispatcher(open_device("cpu"), transformer, model.tokenizer, config) as engine:
+    WIDTH = 30
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self._last_percent = -1
+
+    def __call__(self, p: LoadProgress) -> None:
+        if p.stage == "weights" and self.tty:
+            percent = int(p.fraction * 100)
+            if percent != self._last_percent:
+                self._last_percent = percent
+                filled = int(p.fraction * self.WIDTH)
+                bar = "#" * filled + "-" * (self.WIDTH - filled)
+                self.stream.write(f"\r  weights [{bar}] {percent:3d}%  "
+                                  f"{p.done / 2**20:.1f}/{p.total / 2**20:.1f} MiB")
+                self.stream.flush()
+        elif p.stage == "ready":
+            if self.tty and self._last_percent >= 0:
+                self.stream.write("\n")
+            self.stream.write(f"loaded in {p.elapsed_s:.1f} s\n")
+            self.stream.flush()
+
+
+def _progress(quiet: bool) -> ProgressCallback | None:
+    return None if quiet else _ProgressBar(sys.stderr)
+
+
+def _open_engine(args: argparse.Namespace, **settings: object) -> SyncEngine:
+    """Load the model of `args` on `args.device`, with a progress bar unless quiet."""
+    from service.sync_engine import SyncEngine
+
+    path = _model_path(args.model)
+    if not args.quiet:
+        print(f"loading {Path(path).name} on {args.device}...", file=sys.stderr, flush=True)
+    if args.ctx is not None:
+        settings["max_context"] = args.ctx
+    if getattr(args, "kv_budget_mib", None) is not None:
+        settings["kv_budget_bytes"] = args.kv_budget_mib << 20
+    return SyncEngine.open(path, args.device, on_progress=_progress(args.quiet), **settings)
+
+
+def _sampling(args: argparse.Namespace, **extra: object) -> SamplingParams:
+    from kernels.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=args.seed, stop=tuple(args.stop or ()),
+                          ignore_eos=getattr(args, "ignore_eos", False), **extra)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from service.engine import GenerationError
+
+    params = _sampling(args)
+    with _open_engine(args) as engine:
         t0 = time.perf_counter()
+        if args.chat:
+            stream = engine.chat([{"role": "user", "content": args.prompt}], params)
+        else:
+            stream = engine.generate(args.prompt, params)
         first = last = t0
-        n_generated = 0
-        finish, error = None, None
-        for out in engine.stream(ids, params):
-            now = time.perf_counter()
-            if n_generated == 0:
-                first = now
-            last = now
-            n_generated += len(out.token_ids)
-            sys.stdout.write(out.text)
-            sys.stdout.flush()
-            finish, error = out.finish_reason, out.error
+        n_generated = n_prompt = 0
+        finish = None
+        try:
+            with stream:
+                for chunk in stream:
+                    now = time.perf_counter()
+                    if n_generated == 0:
+                        first = now
+                    last = now
+                    n_generated += len(chunk.token_ids)
+                    n_prompt = chunk.prompt_tokens
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    finish = chunk.finish_reason
+        except GenerationError as e:  # the engine failed, not the user's input
+            print(f"\neagerlm: error: {e}", file=sys.stderr)
+            return 1
     sys.stdout.write("\n")
-    if error:
-        print(f"eagerlm: error: {error}", file=sys.stderr)
-        return 1
     rate = (n_generated - 1) / (last - first) if n_generated > 1 and last > first else 0.0
-    print(f"[prompt {len(ids)} tokens, generated {n_generated} tokens, "
+    print(f"[prompt {n_prompt} tokens, generated {n_generated} tokens, "
           f"time to first token {(first - t0) * 1000:.0f} ms, {rate:.1f} tokens/s, "
           f"finish: {finish.value if finish else '-'}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from service.chat_cli import ChatLoop
+
+    params = _sampling(args)
+    with _open_engine(args) as engine:
+        return ChatLoop(engine, params, system=args.system).run()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    try:
+        from service.server import ServerConfig, serve
+    except ImportError as e:
+        print(f"eagerlm: error: the server needs FastAPI and uvicorn ({e}); install them "
+              f"with: pip install 'eagerlm[server]'", file=sys.stderr)
+        return 2
+
+    api_key = args.api_key or os.environ.get("EAGERLM_API_KEY") or None
+    config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
+                          max_body_bytes=args.max_body_bytes,
+                          max_concurrency=args.max_concurrency, max_queue=args.max_queue)
+    settings: dict[str, object] = {"max_batch": args.max_batch}
+    if args.served_model_name:
+        settings["model_name"] = args.served_model_name
+    with _open_engine(args, **settings) as engine:
+        if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"eagerlm: warning: serving on {args.host} without --api-key: anyone who "
+                  f"can reach this address can use the model", file=sys.stderr)
+        print(f"serving {engine.name!r} at http://{args.host}:{args.port}/v1 "
+              f"(Ctrl-C stops)", file=sys.stderr, flush=True)
+        serve(engine.engine, config, log_level="warning" if args.quiet else "info")
     return 0
 
 
@@ -116,31 +210,86 @@ def build_parser() -> argparse.ArgumentParser:
                        help="GGUF model file (default: the demo model, Gemma 3 270M Q4_K_M, "
                             "if the eagerlm[demo] extra is installed)")
 
+    def engine_args(p: argparse.ArgumentParser) -> None:
+        model_arg(p)
+        p.add_argument("--device", "-d", default="cpu", metavar="DEVICE",
+                       help="where to run: 'cpu', 'cuda' or 'cuda:N' (default cpu; this "
+                            "build has only the cpu backend, cuda gives a clear error)")
+        p.add_argument("--ctx", type=int, default=None, metavar="N",
+                       help="context length limit in tokens (default: the model's)")
+        p.add_argument("--kv-budget-mib", type=int, default=None, metavar="MIB",
+                       help="memory for the KV cache page pool on cpu (default 1024)")
+        p.add_argument("--quiet", "-q", action="store_true",
+                       help="no loading messages or progress bar")
+
+    def sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+        p.add_argument("--max-tokens", "-n", type=int, default=max_tokens,
+                       help=f"most tokens to generate per reply (default {max_tokens})")
+        p.add_argument("--temperature", "-t", type=float, default=0.8,
+                       help="sampling temperature; 0 = greedy (default 0.8)")
+        p.add_argument("--top-k", type=int, default=40, help="keep the K most likely tokens; "
+                       "0 = off (default 40)")
+        p.add_argument("--top-p", type=float, default=0.95,
+                       help="nucleus sampling mass in (0, 1] (default 0.95)")
+        p.add_argument("--min-p", type=float, default=0.05,
+                       help="drop tokens less likely than MIN_P x the best one (default 0.05)")
+        p.add_argument("--seed", type=int, default=None,
+                       help="random seed for reproducible sampling (default: random)")
+        p.add_argument("--stop", action="append", metavar="TEXT",
+                       help="stop when TEXT is generated (repeatable; TEXT is not printed)")
+
     g = sub.add_parser("generate", help="stream a completion of a prompt to stdout",
                        description="Stream a completion of PROMPT to stdout, then a one-line "
                                    "summary (tokens, time to first token, tokens/s) to stderr.")
     g.add_argument("--prompt", "-p", required=True, help="the text to complete")
-    model_arg(g)
-    g.add_argument("--max-tokens", "-n", type=int, default=128,
-                   help="most tokens to generate (default 128)")
-    g.add_argument("--temperature", "-t", type=float, default=0.8,
-                   help="sampling temperature; 0 = greedy (default 0.8)")
-    g.add_argument("--top-k", type=int, default=40, help="keep the K most likely tokens; "
-                   "0 = off (default 40)")
-    g.add_argument("--top-p", type=float, default=0.95,
-                   help="nucleus sampling mass in (0, 1] (default 0.95)")
-    g.add_argument("--min-p", type=float, default=0.05,
-                   help="drop tokens less likely than MIN_P x the best one (default 0.05)")
-    g.add_argument("--seed", type=int, default=None,
-                   help="random seed for reproducible sampling (default: random)")
-    g.add_argument("--stop", action="append", metavar="TEXT",
-                   help="stop when TEXT is generated (repeatable; TEXT is not printed)")
+    engine_args(g)
+    sampling_args(g, 128)
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user turn with the model's chat template")
-    g.add_argument("--ctx", type=int, default=None,
-                   help="context length limit in tokens (default: the model's)")
-    g.add_argument("--quiet", "-q", action="store_true", help="no loading messages")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser(
+        "chat", help="talk with the model in the terminal",
+        description="An interactive conversation using the model's chat template. Replies "
+                    "stream as they are generated; each turn reuses the KV cache of the "
+                    "earlier turns, and a status line on stderr says how many prompt tokens "
+                    "were reused. Commands: /reset starts a new conversation, /exit or "
+                    "Ctrl-D leaves; Ctrl-C stops the current reply and keeps the chat open.")
+    engine_args(c)
+    sampling_args(c, 512)
+    c.add_argument("--system", metavar="TEXT", default=None,
+                   help="a system message opening the conversation")
+    c.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the model's end-of-turn token (until "
+                        "--max-tokens; for testing and benchmarks)")
+    c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve the model over HTTP with OpenAI's API: GET /v1/models, POST "
+                    "/v1/completions and /v1/chat/completions (streaming or not), plus GET "
+                    "/health and GET /metrics (Prometheus). Requests beyond "
+                    "--max-concurrency wait in a queue of --max-queue; beyond that the "
+                    "server answers 429.")
+    engine_args(s)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; use 0.0.0.0 "
+                        "to serve the network, preferably with --api-key)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--api-key", metavar="KEY", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: the "
+                        "EAGERLM_API_KEY environment variable; unset = no authentication)")
+    s.add_argument("--served-model-name", metavar="NAME", default=None,
+                   help="the model id clients send (default: the file name without .gguf)")
+    s.add_argument("--max-concurrency", type=int, default=64, metavar="N",
+                   help="requests generating at once (default 64)")
+    s.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests waiting for a slot before 429 (default 256)")
+    s.add_argument("--max-batch", type=int, default=32, metavar="N",
+                   help="sessions decoded together in one round (default 32)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="BYTES",
+                   help="largest request body accepted; larger gets 413 (default 1 MiB)")
+    s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("tokenize", help="print the token ids of a text file as JSON",
                        description="Print the token ids of FILE's text as a JSON list, with "
@@ -168,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (ModelFileError, RequestError, DemoModelMissing, FileNotFoundError,
-            ValueError) as e:
+            NoCudaDevice, CudaError, BackendUnavailable, ValueError) as e:
         print(f"eagerlm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,507 @@
+"""The async Python API: an engine over one model, and streams of generated text.
+
+    async with Engine.open("model.gguf", device="cpu") as engine:
+        async for chunk in engine.generate("The capital of France is",
+                                           SamplingParams(max_tokens=32)):
+            print(chunk.text, end="")
+        reply = await engine.chat_complete([{"role": "user", "content": "Hi!"}])
+
+It runs under asyncio and trio (anyio). The dispatcher does the work on its own threads and
+`submit` never blocks, so many generations share one event loop; tokenization and chat
+templates run on worker threads (`anyio.to_thread`), not on the loop. Outputs come back
+from the dispatcher's service thread through a fire-and-forget hop to the loop
+(`loop_bridge`), so a slow consumer never holds up other requests.
+
+A stream cancels its request when it is closed, garbage-collected (a `break` out of the
+`async for`), or when the task awaiting it is cancelled; the session's KV then goes back
+to the pool (through the prefix cache). Cancelling is a message to the dispatcher, so it
+needs no event loop and is safe from `__del__`.
+
+`SyncEngine` (service/sync_engine.py) is the same engine with plain iterators.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from dispatch.control_thread import ControlConfig
+from dispatch.dispatcher import Dispatcher, DispatcherConfig
+from dispatch.messages import FinishReason, Output
+from dispatch.scheduler import SchedulerConfig
+from kernels.sampling import SamplingParams
+from loader.model_file import ModelFile
+from loader.tokenizer import Tokenizer
+from service.chat_tokens import TurnMemory
+from service.loop_bridge import LoopWaker
+from service.metrics import EngineMetrics, PrometheusText, bubble_fraction
+from service.model_loading import LoadedModel, LoadProgress, ProgressCallback, load_model
+
+log = logging.getLogger("eagerlm")
+
+ChatMessage = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How an engine is set up. The defaults suit one user on one machine."""
+
+    max_context: int | None = None  # cap on the model's context length (tokens)
+    kv_budget_bytes: int = 1 << 30  # KV page pool on the cpu backend
+    memory_fraction: float = 0.9  # of device memory left after weights (cuda)
+    page_size: int | None = None  # KV page bytes (cpu; default 2 MiB)
+    max_batch: int = 32  # sessions per round
+    max_round_tokens: int = 256  # prefill + decode tokens per round
+    lookahead: int = 2  # rounds launched ahead of the service thread
+    prefix_cache: bool = True  # keep finished sessions' KV for prompts that share a prefix
+    chat_turns_remembered: int = 256  # see service/chat_tokens.py
+    model_name: str | None = None  # the name clients use; default: the file's stem
+
+    def dispatcher_config(self) -> DispatcherConfig:
+        control = ControlConfig(SchedulerConfig(max_batch=self.max_batch,
+                                                max_round_tokens=self.max_round_tokens),
+                                lookahead=self.lookahead, prefix_cache=self.prefix_cache)
+        return DispatcherConfig(control=control, kv_budget_bytes=self.kv_budget_bytes,
+                                memory_fraction=self.memory_fraction,
+                                max_context=self.max_context)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids ready to submit. `chat_text` is the rendered conversation when the ids
+    come from a chat, so the finished turn can be remembered for the next one."""
+
+    ids: tuple[int, ...]
+    chat_text: str | None = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a generation: new text, the token ids behind it, and, on the last
+    chunk, why generation finished. Every chunk repeats the prompt's token count and how
+    many of them were reused from cached KV."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole generation."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class GenerationError(RuntimeError):
+    """The engine failed (or shut down) while the request was running."""
+
+
+PromptInput = str | Sequence[int] | Prompt
+
+
+class RequestResult:
+    """Turns one request's outputs into chunks and, once finished, a `Completion`.
+
+    Shared by the async streams and the sync iterators so both report the same thing;
+    raises `GenerationError` for a request that ended in an engine error.
+    """
+
+    def __init__(self, engine: Engine, prompt: Prompt) -> None:
+        self.engine = engine
+        self.prompt = prompt
+        self.texts: list[str] = []
+        self.ids: list[int] = []
+        self.finish: FinishReason | None = None
+        self.cached_tokens = 0
+
+    def add(self, out: Output) -> Chunk:
+        self.texts.append(out.text)
+        self.ids.extend(out.token_ids)
+        self.cached_tokens = out.cached_tokens
+        if out.finish_reason is FinishReason.ERROR:
+            self.finish = out.finish_reason
+            raise GenerationError(out.error or "the engine failed")
+        if out.finish_reason is not None:
+            self.finish = out.finish_reason
+            self.engine.finished_turn(self.prompt, self.completion())
+        return Chunk(out.text, tuple(out.token_ids), out.finish_reason, len(self.prompt.ids),
+                     out.cached_tokens)
+
+    def completion(self) -> Completion:
+        assert self.finish is not None, "the request has not finished"
+        return Completion("".join(self.texts), tuple(self.ids), self.finish,
+                          len(self.prompt.ids), self.cached_tokens)
+
+
+class _Inbox:
+    """Outputs of a stream's requests, tagged with the request's index. Lives on the
+    event loop: the service thread reaches it only through `LoopWaker.call_soon`."""
+
+    def __init__(self) -> None:
+        self.items: deque[tuple[int, Output]] = deque()
+        self._wakeup: anyio.Event | None = None
+
+    def put(self, index: int, out: Output) -> None:
+        self.items.append((index, out))
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def get(self) -> tuple[int, Output]:
+        while not self.items:
+            self._wakeup = anyio.Event()
+            try:
+                await self._wakeup.wait()
+            finally:
+                self._wakeup = None
+        return self.items.popleft()
+
+
+class MultiStream:
+    """Several requests generating at once, as one async iterator of (index, Chunk),
+    chunks of each request in order. The server's `n` choices and prompt lists use it;
+    `GenerationStream` is the one-request case.
+
+    Nothing runs until `start()` (or the first `__anext__`): then prompts are prepared on a
+    worker thread and every request is submitted; a request the engine refuses raises
+    there (PromptTooLong, EmptyPrompt, ValueError) and none of the group runs.
+    """
+
+    def __init__(self, engine: Engine,
+                 requests: Sequence[tuple[PromptInput | Callable[[], Prompt], SamplingParams]]
+                 ) -> None:
+        self._engine = engine
+        self._requests = list(requests)
+        self._results: list[RequestResult | None] = [None] * len(self._requests)
+        self._ids: list[int | None] = [None] * len(self._requests)
+        self._inbox = _Inbox()
+        self._open = len(self._requests)
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Prepare and submit every request (idempotent)."""
+        if self._started:
+            return
+        if self._closed:
+            raise RuntimeError("the stream is closed")
+        self._started = True
+        engine = self._engine
+        try:
+            prompts = await anyio.to_thread.run_sync(
+                lambda: [engine.prepare(p) for p, _ in self._requests])
+            waker = LoopWaker()
+            inbox = self._inbox  # the sink must not keep the stream alive (see __del__)
+            for i, (prompt, (_, params)) in enumerate(zip(prompts, self._requests)):
+                def sink(out: Output, i: int = i) -> None:
+                    waker.call_soon(inbox.put, i, out)
+                self._results[i] = RequestResult(engine, prompt)
+                self._ids[i] = engine.submit(prompt.ids, params, sink)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Cancel every request still running (idempotent, callable from any thread)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._open:
+            for rid in self._ids:
+                if rid is not None:
+                    self._engine.dispatcher.cancel(rid)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    async def __aenter__(self) -> MultiStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- iteration ----------------------------------------------------------------------
+
+    def __aiter__(self) -> MultiStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, Chunk]:
+        if not self._open:
+            raise StopAsyncIteration
+        if self._closed:
+            raise RuntimeError("the stream was closed before its requests finished")
+        try:
+            await self.start()
+            index, out = await self._inbox.get()
+        except BaseException:  # cancelled, interrupted: the requests end with the task
+            self.close()
+            raise
+        if out.finish_reason is not None:
+            self._open -= 1
+        result = self._results[index]
+        assert result is not None
+        try:
+            return index, result.add(out)
+        except GenerationError:
+            self.close()
+            raise
+
+    @property
+    def finished(self) -> bool:
+        return self._open == 0
+
+    def completions(self) -> list[Completion]:
+        """The completions of every request, in request order, once all have finished."""
+        if not self.finished:
+            raise RuntimeError("the requests have not finished")
+        return [r.completion() for r in self._results if r is not None]
+
+    async def collect(self) -> list[Completion]:
+        """Run every request to its end; their completions in request order."""
+        async with self:
+            async for _ in self:
+                pass
+        return self.completions()
+
+
+class GenerationStream:
+    """One request's chunks as an async iterator (`async for chunk in stream`)."""
+
+    def __init__(self, engine: Engine, prompt: PromptInput | Callable[[], Prompt],
+                 params: SamplingParams) -> None:
+        self._multi = MultiStream(engine, [(prompt, params)])
+
+    async def start(self) -> None:
+        """Prepare and submit now, so a refused request raises here (idempotent)."""
+        await self._multi.start()
+
+    def close(self) -> None:
+        self._multi.close()
+
+    async def aclose(self) -> None:
+        self._multi.close()
+
+    async def __aenter__(self) -> GenerationStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        _, chunk = await self._multi.__anext__()
+        return chunk
+
+    async def collect(self) -> Completion:
+        return (await self._multi.collect())[0]
+
+
+class Engine:
+    """One model on one device, with its dispatcher. Open it with `Engine.open` (async) or
+    `Engine.load` (blocking); both end with `shutdown()`."""
+
+    def __init__(self, loaded: LoadedModel, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.loaded = loaded
+        self.model: ModelFile = loaded.model
+        self.tokenizer: Tokenizer = loaded.model.tokenizer
+        self.dispatcher = Dispatcher(loaded.device, loaded.transformer, self.tokenizer,
+                                     settings.dispatcher_config())
+        self.name = settings.model_name or Path(loaded.model.path).stem
+        self.metrics = EngineMetrics()
+        self.turns = TurnMemory(self.tokenizer, settings.chat_turns_remembered)
+        self._closed = False
+        self._shutdown_lock = threading.Lock()
+
+    @classmethod
+    def load(cls, model_path: str | Path, device: str = "cpu", *,
+             on_progress: ProgressCallback | None = None, **settings: Any) -> Engine:
+        """Load the model and start the dispatcher (blocking). `settings` are the fields
+        of `EngineSettings`."""
+        config = EngineSettings(**settings)
+        loaded = load_model(model_path, device, page_size=config.page_size,
+                            on_progress=on_progress or _log_progress)
+        try:
+            return cls(loaded, config)
+        except BaseException:
+            loaded.close()
+            raise
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, model_path: str | Path, device: str = "cpu", *,
+                   on_progress: ProgressCallback | None = None,
+                   **settings: Any) -> AsyncIterator[Engine]:
+        """`async with Engine.open(path) as engine:` loads on a worker thread (the loop
+        keeps running) and shuts the engine down on exit, whatever happened inside."""
+        engine = await anyio.to_thread.run_sync(
+            lambda: cls.load(model_path, device, on_progress=on_progress, **settings))
+        try:
+            yield engine
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(engine.shutdown)
+
+    # -- facts ----------------------------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        return self.dispatcher.context_length
+
+    @property
+    def active_requests(self) -> int:
+        """Requests submitted and not yet finished."""
+        return self.metrics.running
+
+    # -- preparing and submitting (blocking; also used by SyncEngine and the server) -----
+
+    def prepare(self, prompt: PromptInput | Callable[[], Prompt]) -> Prompt:
+        """Token ids for a prompt: text is encoded (with BOS when the model wants one),
+        ids are taken as they are. Runs on a worker thread in the async API."""
+        if isinstance(prompt, Prompt):
+            return prompt
+        if isinstance(prompt, str):
+            return Prompt(tuple(self.tokenizer.encode(prompt)))
+        if callable(prompt):
+            return prompt()
+        return Prompt(tuple(int(t) for t in prompt))
+
+    def prepare_chat(self, messages: Sequence[ChatMessage]) -> Prompt:
+        """Render a conversation with the model's chat template and encode it, reusing
+        the exact ids of a remembered earlier turn (service/chat_tokens.py)."""
+        text = self.model.render_chat([dict(m) for m in messages])
+        return Prompt(tuple(self.turns.encode(text)), chat_text=text)
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               sink: Callable[[Output], None]) -> int:
+        """Submit to the dispatcher with metrics; `sink` runs on the service thread and
+        must not block. Raises what `Dispatcher.submit` raises for a bad request."""
+        timer = self.metrics.start(len(prompt_ids))
+
+        def observed(out: Output) -> None:
+            try:
+                timer.on_output(out)
+                sink(out)
+            except Exception:  # never let a consumer's failure kill the service thread
+                log.exception("output sink failed")
+
+        try:
+            return self.dispatcher.submit(prompt_ids, params, observed)
+        except BaseException:
+            self.metrics.not_submitted(len(prompt_ids))
+            raise
+
+    def finished_turn(self, prompt: Prompt, completion: Completion) -> None:
+        """Remember a finished chat turn so the next one reuses its ids and KV."""
+        if prompt.chat_text is not None:
+            self.turns.remember(prompt.chat_text, prompt.ids, completion.text,
+                                completion.token_ids)
+
+    # -- generating ------------------------------------------------------------------------
+
+    def generate(self, prompt: PromptInput,
+                 params: SamplingParams | None = None) -> GenerationStream:
+        """Stream the completion of `prompt` (text or token ids)."""
+        return GenerationStream(self, prompt, params or SamplingParams())
+
+    async def complete(self, prompt: PromptInput,
+                       params: SamplingParams | None = None) -> Completion:
+        return await self.generate(prompt, params).collect()
+
+    def chat(self, messages: Sequence[ChatMessage],
+             params: SamplingParams | None = None) -> GenerationStream:
+        """Stream the assistant's reply to `messages` ({"role", "content"} dicts)."""
+        conversation = [dict(m) for m in messages]
+        return GenerationStream(self, lambda: self.prepare_chat(conversation),
+                                params or SamplingParams())
+
+    async def chat_complete(self, messages: Sequence[ChatMessage],
+                            params: SamplingParams | None = None) -> Completion:
+        return await self.chat(messages, params).collect()
+
+    def generate_many(self, requests: Sequence[tuple[PromptInput, SamplingParams]]
+                      ) -> MultiStream:
+        """Several requests as one stream of (index, chunk)."""
+        return MultiStream(self, requests)
+
+    # -- housekeeping ----------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Drop cached prefixes and wait until every free page is back in the pool
+        (blocking; after all requests have finished, every page is free)."""
+        self.dispatcher.flush()
+
+    def write_metrics(self, out: PrometheusText) -> None:
+        self.metrics.write(out)
+        pool = self.dispatcher.pool
+        out.family("eagerlm_kv_pages_in_use", "gauge",
+                   "KV pages mapped by sessions or cached prefixes.")
+        out.sample("eagerlm_kv_pages_in_use", pool.n_pages - pool.n_free)
+        out.family("eagerlm_kv_pages_total", "gauge", "KV pages in the pool.")
+        out.sample("eagerlm_kv_pages_total", pool.n_pages)
+        out.family("eagerlm_bubble_fraction", "gauge",
+                   "Device idle between rounds while sessions decode, over recent rounds.")
+        out.sample("eagerlm_bubble_fraction", bubble_fraction(self.dispatcher.traces))
+
+    def shutdown(self) -> None:
+        """Stop the dispatcher (running requests end with an error) and free the device."""
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.dispatcher.shutdown()
+        self.loaded.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _log_progress(p: LoadProgress) -> None:
+    if p.stage == "ready":
+        log.info("model loaded in %.1f s", p.elapsed_s)
+    elif p.stage == "weights" and p.done == p.total:
+        log.info("weights: %.1f MiB", p.total / 2**20)
+
+
+__all__ = [
+    "Chunk",
+    "Completion",
+    "Engine",
+    "EngineSettings",
+    "FinishReason",
+    "GenerationError",
+    "GenerationStream",
+    "MultiStream",
+    "Prompt",
+    "RequestResult",
+    "SamplingParams",
+]

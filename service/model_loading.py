@@ -1,0 +1,119 @@
+"""Opening a model on a device, with progress a user can watch.
+
+Loading is the one slow, silent step before anything else happens (dequantizing a few
+hundred MiB of weights takes seconds on the cpu backend), so it reports progress through a
+callback: the CLI draws a bar from it, the async API logs it.
+
+Only the cpu backend has kernels today. Asking for "cuda" fails here with the reason: no
+device (`vmm.cuda_driver.NoCudaDevice`), or a device but no cuda backend yet
+(`BackendUnavailable`); it never falls back to the cpu silently.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.model import Transformer
+from kernels.numpy_ops import NumpyOps
+from loader.gguf_file import TensorInfo
+from loader.model_file import ModelFile
+from loader.weights import build_weights, dequantize
+from vmm.device import Device, open_device
+
+
+class BackendUnavailable(RuntimeError):
+    """The device exists but this build has no backend (kernels) for it."""
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """One step of loading: `stage` is "header", "weights" or "ready"; `done` of `total`
+    counts bytes of weights (0 of 0 for the other stages)."""
+
+    stage: str
+    done: int = 0
+    total: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total else 1.0
+
+
+ProgressCallback = Callable[[LoadProgress], None]
+
+
+@dataclass
+class LoadedModel:
+    """A model file, the device it runs on and its forward, ready for a dispatcher."""
+
+    model: ModelFile
+    device: Device
+    transformer: Transformer
+
+    def close(self) -> None:
+        self.device.close()
+        self.model.close()
+
+
+def check_device(spec: str) -> None:
+    """Raise if `spec` cannot run a model in this build: a malformed spec (ValueError), no
+    CUDA device (NoCudaDevice) or no cuda backend yet (BackendUnavailable)."""
+    kind, _, index = spec.partition(":")
+    if kind == "cpu" and not index:
+        return
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"unknown device {spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+    device = open_device(spec)  # NoCudaDevice when there is no usable GPU
+    device.close()
+    raise BackendUnavailable(
+        f"device {spec!r}: the cuda backend (kernels and weight upload) is not built yet; "
+        f"only the cpu backend is available (use device 'cpu')")
+
+
+def load_model(path: str | os.PathLike[str], device: str = "cpu", *,
+               page_size: int | None = None,
+               on_progress: ProgressCallback | None = None) -> LoadedModel:
+    """Open the GGUF at `path`, check `device`, and load the weights for its backend."""
+    t0 = time.perf_counter()
+
+    def report(stage: str, done: int = 0, total: int = 0) -> None:
+        if on_progress is not None:
+            on_progress(LoadProgress(stage, done, total, time.perf_counter() - t0))
+
+    check_device(device)
+    model = ModelFile.open(path)
+    try:
+        report("header")
+        transformer = _cpu_transformer(model, report)
+        dev = open_device(device, page_size=page_size)
+    except BaseException:
+        model.close()
+        raise
+    report("ready")
+    return LoadedModel(model, dev, transformer)
+
+
+def _cpu_transformer(model: ModelFile,
+                     report: Callable[[str, int, int], None]) -> Transformer[np.ndarray]:
+    """`kernels.cpu_backend.cpu_transformer`, reporting bytes of weights as they load."""
+    f = model.gguf
+    total = sum(info.n_bytes for info in f.tensors.values())
+    done = 0
+    report("weights", 0, total)
+
+    def fetch(info: TensorInfo) -> np.ndarray:
+        nonlocal done
+        array = dequantize(f, info)
+        done += info.n_bytes
+        report("weights", done, total)
+        return array
+
+    weights = build_weights(f, model.config, fetch)
+    report("weights", total, total)  # tensors the architecture does not use count as done
+    return Transformer(model.config, weights, NumpyOps())

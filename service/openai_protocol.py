@@ -1,0 +1,390 @@
+"""The OpenAI wire format: request bodies checked field by field, and response bodies.
+
+Every request field is one of:
+- supported: validated strictly (a string where a number belongs is a 400, not coerced);
+- accepted only at its default (e.g. `presence_penalty: 0`, `logprobs: false`): any other
+  value is refused, because the engine cannot honour it and silently ignoring it would
+  return something the client did not ask for;
+- informational (`user`): accepted, no effect on generation;
+- anything else: refused with a 400 naming the field.
+`null` counts as absent, as the OpenAI API treats it.
+
+Extensions many OpenAI-compatible servers accept are supported too: `top_k`, `min_p`,
+`ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dispatch.messages import FinishReason
+from kernels.sampling import InvalidSamplingParams, SamplingParams
+from service.engine import Completion
+
+MAX_CHOICES = 16  # n
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions API
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's format: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or _ERROR_TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+_ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+# -- request bodies -------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, str]:
+        """The {"role", "content"} a chat template expects ("developer" is OpenAI's
+        new name for "system")."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class _Sampling(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+        """The engine's parameters for choice `choice` of this request. With a seed,
+        choice i draws from seed + i, so choices differ but the request is reproducible."""
+        seed = None if self.seed is None else (self.seed + choice) % (1 << 64)
+        temperature = 1.0 if self.temperature is None else self.temperature
+        top_p = 1.0 if self.top_p is None else self.top_p
+        if top_p == 0.0:  # the smallest nucleus is the most likely token: greedy
+            temperature, top_p = 0.0, 1.0
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                  top_k=max(0, self.top_k or 0), top_p=top_p,
+                                  min_p=self.min_p or 0.0, seed=seed, stop=stop,
+                                  ignore_eos=bool(self.ignore_eos))
+        except InvalidSamplingParams as e:
+            raise bad_request(f"Invalid value for '{e.field}': {e}", param=e.field) from None
+
+    @property
+    def n_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one text, several texts, ids, or several id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("'prompt' must not be an empty list", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+# Fields of OpenAI's APIs accepted only with these values (the engine cannot do others).
+_DEFAULT_ONLY_CHAT: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
+    "tools": ([],), "parallel_tool_calls": (True,), "response_format": ({"type": "text"},),
+    "modalities": (["text"],), "store": (False,), "service_tier": ("auto", "default"),
+}
+_DEFAULT_ONLY_COMPLETIONS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "logit_bias": ({},), "echo": (False,), "best_of": (1,),
+    "suffix": ("",),
+}
+_WHY_UNSUPPORTED = {
+    "logprobs": "log probabilities are not computed by this engine yet",
+    "top_logprobs": "log probabilities are not computed by this engine yet",
+    "presence_penalty": "penalties are not implemented by this engine's sampler yet",
+    "frequency_penalty": "penalties are not implemented by this engine's sampler yet",
+    "repetition_penalty": "penalties are not implemented by this engine's sampler yet",
+}
+# Known OpenAI fields with no support at all.
+_KNOWN_UNSUPPORTED = {
+    "audio", "function_call", "functions", "metadata", "prediction", "reasoning_effort",
+    "tool_choice", "web_search_options", "verbosity", "safety_identifier",
+    "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "moderation",
+}
+
+
+_M = TypeVar("_M", bound=_Sampling)
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    return _parse(body, ChatCompletionRequest, _DEFAULT_ONLY_CHAT)
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    return _parse(body, CompletionRequest, _DEFAULT_ONLY_COMPLETIONS)
+
+
+def _parse(body: Any, model: type[_M],
+           default_only: dict[str, tuple[Any, ...]]) -> _M:
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    fields = set(model.model_fields)
+    kept: dict[str, Any] = {}
+    for key, value in body.items():
+        if value is None:
+            continue
+        if key in fields:
+            kept[key] = value
+        elif key in default_only:
+            if not any(_same(value, ok) for ok in default_only[key]):
+                why = _WHY_UNSUPPORTED.get(key, "it is not supported by this server")
+                raise bad_request(f"'{key}' = {value!r} is not supported: {why}.", param=key,
+                                  code="unsupported_parameter")
+        elif key in _KNOWN_UNSUPPORTED:
+            raise bad_request(f"'{key}' is not supported by this server.", param=key,
+                              code="unsupported_parameter")
+        else:
+            raise bad_request(f"Unrecognized request argument supplied: '{key}'.", param=key,
+                              code="unknown_parameter")
+    try:
+        request = model.model_validate(kept)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true.",
+                          param="stream_options")
+    return request
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    """Equality that does not let True pass for 1 (or False for 0)."""
+    if isinstance(value, bool) != isinstance(allowed, bool):
+        return False
+    return bool(value == allowed)
+
+
+_EXPECTED = {
+    "model": "a string", "messages": "a non-empty list of messages",
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of ids",
+    "stop": "a string or a list of strings", "stream": "a boolean",
+    "ignore_eos": "a boolean", "user": "a string",
+}
+
+
+def _validation_error(e: ValidationError) -> OpenAIError:
+    first = e.errors()[0]
+    loc = [str(x) for x in first["loc"]]
+    field = loc[0] if loc else None
+    path = field or ""
+    for part in loc[1:]:  # messages[0].role; skip pydantic's union branch names
+        if part.isdigit():
+            path += f"[{part}]"
+        elif part in ChatMessage.model_fields or part in TextPart.model_fields \
+                or part in StreamOptions.model_fields:
+            path += f".{part}"
+    if first["type"] == "missing":
+        return bad_request(f"Missing required parameter: '{path}'.", param=path)
+    if first["type"] == "extra_forbidden":
+        return bad_request(f"Unrecognized argument: '{path}'.", param=path,
+                           code="unknown_parameter")
+    if field in _EXPECTED and len(loc) <= 2:
+        return bad_request(f"Invalid type for '{path}': expected {_EXPECTED[field]}.",
+                           param=path, code="invalid_type")
+    code = "invalid_type" if first["type"].endswith("_type") else "invalid_value"
+    kind = "type" if code == "invalid_type" else "value"
+    return bad_request(f"Invalid {kind} for '{path}': {first['msg']}.", param=path, code=code)
+
+
+# -- limits that need the prompt --------------------------------------------------------
+
+def resolve_max_tokens(requested: int | None, n_prompt: int, context: int,
+                       default: int | None, prompt_param: str) -> int:
+    """The max_tokens to run with, or a 400 as OpenAI answers: the prompt must leave room,
+    and prompt + max_tokens must fit the context. Without a request, `default` (None: all
+    the room left)."""
+    room = context - n_prompt
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens. However, your "
+            f"prompt has {n_prompt} tokens, which leaves no room for a completion. Please "
+            f"reduce the length of the prompt.", param=prompt_param,
+            code="context_length_exceeded")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens. However, you "
+            f"requested {n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} "
+            f"for the completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+# -- response bodies ------------------------------------------------------------------
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    """OpenAI has no "cancelled": a request cancelled by someone else simply stopped."""
+    if reason is None:
+        return None
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+@dataclass
+class ResponseIds:
+    """The id, creation time and model name shared by every body of one response."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> ResponseIds:
+        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, groups: Iterable[Sequence[Completion]]) -> Usage:
+        """Usage of prompts each answered by one or more choices: a prompt counts once."""
+        u = cls()
+        for choices in groups:
+            u.prompt_tokens += choices[0].prompt_tokens
+            u.cached_tokens += max(c.cached_tokens for c in choices)
+            u.completion_tokens += sum(c.completion_tokens for c in choices)
+        return u
+
+    def body(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def chat_completion_body(ids: ResponseIds, completions: Sequence[Completion]) -> dict[str, Any]:
+    return {
+        "id": ids.id, "object": "chat.completion", "created": ids.created,
+        "model": ids.model, "system_fingerprint": None,
+        "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                     "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
+                    for i, c in enumerate(completions)],
+        "usage": Usage.of([completions]).body(),
+    }
+
+
+def chat_chunk_body(ids: ResponseIds, index: int, delta: dict[str, Any],
+                    finish: str | None, include_usage: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": ids.id, "object": "chat.completion.chunk", "created": ids.created,
+        "model": ids.model, "system_fingerprint": None,
+        "choices": [{"index": index, "delta": delta, "logprobs": None,
+                     "finish_reason": finish}],
+    }
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def completion_body(ids: ResponseIds, groups: Sequence[Sequence[Completion]]
+                    ) -> dict[str, Any]:
+    choices = [c for group in groups for c in group]
+    return {
+        "id": ids.id, "object": "text_completion", "created": ids.created,
+        "model": ids.model, "system_fingerprint": None,
+        "choices": [{"index": i, "text": c.text, "logprobs": None,
+                     "finish_reason": finish_reason(c.finish_reason)}
+                    for i, c in enumerate(choices)],
+        "usage": Usage.of(groups).body(),
+    }
+
+
+def completion_chunk_body(ids: ResponseIds, index: int, text: str, finish: str | None,
+                          include_usage: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": ids.id, "object": "text_completion", "created": ids.created,
+        "model": ids.model, "system_fingerprint": None,
+        "choices": [{"index": index, "text": text, "logprobs": None,
+                     "finish_reason": finish}],
+    }
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk_body(ids: ResponseIds, obj: str, usage: Usage) -> dict[str, Any]:
+    """The last chunk of a stream with `include_usage`: no choices, the usage."""
+    return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model,
+            "system_fingerprint": None, "choices": [], "usage": usage.body()}

@@ -1,0 +1,416 @@
+"""The OpenAI-compatible HTTP server (`eagerlm serve`): FastAPI on uvicorn over one Engine.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as
+server-sent events or not), GET /health, GET /metrics (Prometheus text).
+
+What a client can count on:
+- every error is OpenAI's JSON error body with the status OpenAI would use (400 for a bad
+  field or a prompt too long, 401 for a wrong key, 404 for an unknown model or route, 413
+  for an oversized body, 429 when the queue is full), and the server keeps serving;
+- a field the engine cannot honour is refused, never silently ignored
+  (service/openai_protocol.py);
+- a client that goes away, mid-stream or while queued, cancels its requests, so their KV
+  pages go back to the pool;
+- at most `max_concurrency` requests generate at once, `max_queue` more wait
+  (service/admission.py);
+- it binds 127.0.0.1 unless told otherwise; with an API key, /v1 routes need
+  `Authorization: Bearer KEY` (/health and /metrics stay open, for probes and scrapers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dispatch.errors import RequestError
+from loader.chat_template import ChatTemplateError
+from service.admission import AdmissionGate, QueueFull, Ticket
+from service.engine import Engine, GenerationError, MultiStream
+from service.metrics import PrometheusText
+from service.openai_protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_PROMPTS,
+    OpenAIError,
+    ResponseIds,
+    Usage,
+    bad_request,
+    chat_chunk_body,
+    chat_completion_body,
+    completion_body,
+    completion_chunk_body,
+    finish_reason,
+    parse_chat_request,
+    parse_completion_request,
+    resolve_max_tokens,
+    usage_chunk_body,
+)
+
+log = logging.getLogger("eagerlm.server")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: no authentication
+    max_body_bytes: int = 1 << 20
+    max_concurrency: int = 64  # requests generating at once
+    max_queue: int = 256  # requests waiting for a slot before 429
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its request waited or ran."""
+
+
+class _ResponseCounter:
+    """Pure ASGI middleware counting responses by route and status. (Starlette's
+    BaseHTTPMiddleware would sit between a streaming response and the client's disconnect,
+    so it is avoided.)"""
+
+    def __init__(self, app: ASGIApp, counts: dict[tuple[str, int], int]) -> None:
+        self.app = app
+        self.counts = counts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = path if path in _ROUTES else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                key = (route, int(message["status"]))
+                self.counts[key] = self.counts.get(key, 0) + 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose admission ticket is released however the response ends
+    (finished, client gone, server shutting down)."""
+
+    def __init__(self, events: AsyncIterator[str], ticket: Ticket,
+                 streams: MultiStream) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._ticket = ticket
+        self._streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._streams.close()
+            self._ticket.release()
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+    """The ASGI app serving `engine`. The engine's lifetime is the caller's."""
+    cfg = config or ServerConfig()
+    gate = AdmissionGate(cfg.max_concurrency, cfg.max_queue)
+    response_counts: dict[tuple[str, int], int] = {}
+    started = int(time.time())
+    app = FastAPI(title="eagerlm", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_ResponseCounter, counts=response_counts)
+    app.state.engine = engine
+    app.state.gate = gate
+
+    # -- errors, all in OpenAI's format ----------------------------------------------------
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"Unknown route {request.method} {request.url.path}.",
+                   405: f"Method {request.method} is not allowed on {request.url.path}."}
+        err = OpenAIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(bad_request(str(exc)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        err = OpenAIError(500, f"Internal server error: {exc!r}")
+        return JSONResponse(err.body(), status_code=500)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def authorize(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+                token.strip().encode(), cfg.api_key.encode()):
+            raise OpenAIError(401, "Incorrect API key provided. Send it as "
+                                   "'Authorization: Bearer KEY'.", code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name != engine.name:
+            raise OpenAIError(404, f"The model '{name}' does not exist; this server "
+                                   f"serves '{engine.name}'.", param="model",
+                              code="model_not_found")
+
+    def admit() -> Ticket:
+        try:
+            return gate.enter()
+        except QueueFull as e:
+            raise OpenAIError(429, f"The server is at capacity: {e}.",
+                              code="rate_limit_exceeded") from None
+
+    # -- routes -----------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": engine.name,
+                "requests_running": engine.active_requests}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        out = PrometheusText()
+        engine.write_metrics(out)
+        out.family("eagerlm_queue_length", "gauge",
+                   "HTTP requests waiting for a concurrency slot.")
+        out.sample("eagerlm_queue_length", gate.queued)
+        out.family("eagerlm_http_requests_active", "gauge",
+                   "HTTP requests holding a concurrency slot.")
+        out.sample("eagerlm_http_requests_active", gate.active)
+        out.family("eagerlm_http_responses_total", "counter", "Responses by route and status.")
+        for (route, status), n in sorted(response_counts.items()):
+            out.sample("eagerlm_http_responses_total", n,
+                       {"route": route, "status": str(status)})
+        return PlainTextResponse(out.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(engine, started)]}
+
+    @app.get("/v1/models/{model}", dependencies=[Depends(authorize)])
+    async def model(model: str) -> dict[str, Any]:
+        check_model(model)
+        return _model_card(engine, started)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(request: Request) -> Response:
+        req = parse_chat_request(await _read_json(request, cfg.max_body_bytes))
+        check_model(req.model)
+        messages = [m.for_template() for m in req.messages]
+        ticket = admit()
+        streams: MultiStream | None = None
+        handed_over = False  # a streaming response releases the ticket when it ends
+        try:
+            prompt = await _prepare(lambda: engine.prepare_chat(messages))
+            max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt.ids),
+                                            engine.context_length, None, "messages")
+            streams = engine.generate_many(
+                [(prompt, req.sampling_params(max_tokens, i)) for i in range(req.n_choices)])
+            await _admitted_and_started(request, ticket, streams)
+            ids = ResponseIds.new("chatcmpl", engine.name)
+            if req.stream:
+                events = _chat_events(streams, ids, req.n_choices, req.include_usage)
+                handed_over = True
+                return _EventStream(events, ticket, streams)
+            completions = await _unless_disconnected(request, streams.collect)
+            return JSONResponse(chat_completion_body(ids, completions))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                if streams is not None:
+                    streams.close()
+                ticket.release()
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request) -> Response:
+        req = parse_completion_request(await _read_json(request, cfg.max_body_bytes))
+        check_model(req.model)
+        texts = req.prompts()
+        if len(texts) > MAX_PROMPTS:
+            raise bad_request(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
+        ticket = admit()
+        streams: MultiStream | None = None
+        handed_over = False  # a streaming response releases the ticket when it ends
+        try:
+            prompts = await _prepare(lambda: [engine.prepare(p) for p in texts])
+            n = req.n_choices
+            requests = []
+            for p in prompts:
+                max_tokens = resolve_max_tokens(req.requested_max_tokens, len(p.ids),
+                                                engine.context_length,
+                                                COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+                requests += [(p, req.sampling_params(max_tokens, i)) for i in range(n)]
+            streams = engine.generate_many(requests)
+            await _admitted_and_started(request, ticket, streams)
+            ids = ResponseIds.new("cmpl", engine.name)
+            if req.stream:
+                events = _completion_events(streams, ids, len(prompts), n, req.include_usage)
+                handed_over = True
+                return _EventStream(events, ticket, streams)
+            results = await _unless_disconnected(request, streams.collect)
+            groups = [results[i * n:(i + 1) * n] for i in range(len(prompts))]
+            return JSONResponse(completion_body(ids, groups))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                if streams is not None:
+                    streams.close()
+                ticket.release()
+
+    return app
+
+
+def _model_card(engine: Engine, created: int) -> dict[str, Any]:
+    return {"id": engine.name, "object": "model", "created": created, "owned_by": "eagerlm",
+            "max_model_len": engine.context_length}
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refusing more than `limit` bytes before reading them all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise OpenAIError(413, f"The request body is larger than {limit} bytes.",
+                          code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise OpenAIError(413, f"The request body is larger than {limit} bytes.",
+                              code="request_too_large")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"The request body is not valid JSON: {e}.",
+                          code="invalid_json") from None
+
+
+async def _prepare(fn: Callable[[], T]) -> T:
+    """Render and tokenize on a worker thread; the request's own mistakes become 400s."""
+    try:
+        return await anyio.to_thread.run_sync(fn)
+    except (ChatTemplateError, RequestError, ValueError) as e:
+        raise bad_request(str(e), param="messages" if isinstance(e, ChatTemplateError)
+                          else None) from None
+
+
+async def _admitted_and_started(request: Request, ticket: Ticket,
+                                streams: MultiStream) -> None:
+    """Wait for a concurrency slot, then submit; a client leaving meanwhile cancels."""
+    async def run() -> None:
+        await ticket.wait()
+        try:
+            await streams.start()
+        except (RequestError, ValueError) as e:
+            raise bad_request(str(e)) from None
+    await _unless_disconnected(request, run)
+
+
+async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """Run `work`, cancelling it if the client disconnects first (raises _ClientGone).
+
+    Once the body has been read, the next ASGI message can only be the disconnect.
+    """
+    results: list[T] = []
+    errors: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            results.append(await work())
+        except Exception as e:  # raised as itself below, not in an ExceptionGroup
+            errors.append(e)
+        tg.cancel_scope.cancel()
+    if errors:
+        raise errors[0]
+    if not results:
+        raise _ClientGone()
+    return results[0]
+
+
+async def _chat_events(streams: MultiStream, ids: ResponseIds, n: int,
+                       include_usage: bool) -> AsyncIterator[str]:
+    for i in range(n):
+        yield _event(chat_chunk_body(ids, i, {"role": "assistant", "content": ""}, None,
+                                     include_usage))
+    try:
+        async for index, chunk in streams:
+            if chunk.text:
+                yield _event(chat_chunk_body(ids, index, {"content": chunk.text}, None,
+                                             include_usage))
+            if chunk.finish_reason is not None:
+                yield _event(chat_chunk_body(ids, index, {},
+                                             finish_reason(chunk.finish_reason),
+                                             include_usage))
+    except GenerationError as e:
+        yield _event(OpenAIError(500, f"Generation failed: {e}").body())
+        yield _DONE
+        return
+    if include_usage:
+        yield _event(usage_chunk_body(ids, "chat.completion.chunk",
+                                      Usage.of([streams.completions()])))
+    yield _DONE
+
+
+async def _completion_events(streams: MultiStream, ids: ResponseIds, n_prompts: int, n: int,
+                             include_usage: bool) -> AsyncIterator[str]:
+    try:
+        async for index, chunk in streams:
+            reason = finish_reason(chunk.finish_reason)
+            if chunk.text or reason is not None:
+                yield _event(completion_chunk_body(ids, index, chunk.text, reason,
+                                                   include_usage))
+    except GenerationError as e:
+        yield _event(OpenAIError(500, f"Generation failed: {e}").body())
+        yield _DONE
+        return
+    if include_usage:
+        results = streams.completions()
+        groups = [results[i * n:(i + 1) * n] for i in range(n_prompts)]
+        yield _event(usage_chunk_body(ids, "text_completion", Usage.of(groups)))
+    yield _DONE
+
+
+def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None:
+    """Run the server until interrupted (blocking). The caller shuts the engine down."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine, config), host=config.host, port=config.port,
+                log_level=log_level, timeout_graceful_shutdown=5)
+
+
+__all__ = ["ServerConfig", "create_app", "serve"]

@@ -1,0 +1,535 @@
+"""The OpenAI-compatible server on the cpu backend and a synthetic model, over loopback:
+the official openai client, every bad input, disconnects, load, limits and metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import anyio
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kernels.sampling import SamplingParams
+from loader.synthetic import tiny_spec, write_synthetic_model
+from service.admission import AdmissionGate, QueueFull
+from service.engine import Engine
+from service.server import ServerConfig, create_app
+
+MODEL = "tiny-qwen3"
+CONTEXT = 1024
+
+
+class LiveServer:
+    """uvicorn serving `app` from a background thread on a free loopback port."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run,
+                                       kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("server") / "qwen3.gguf"
+    return str(write_synthetic_model(path, tiny_spec("qwen3", context_length=CONTEXT)))
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    with Engine.load(model_path, page_size=16384, kv_budget_bytes=64 << 20,
+                     model_name=MODEL) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with LiveServer(create_app(engine, ServerConfig(max_body_bytes=64 << 10))) as s:
+        yield s
+
+
+@pytest.fixture()
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=30) as c:
+        yield c
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def assert_idle_and_nothing_leaked(engine: Engine, server: LiveServer) -> None:
+    gate: AdmissionGate = server.app.state.gate
+    wait_until(lambda: engine.active_requests == 0)
+    wait_until(lambda: gate.active == 0 and gate.queued == 0)
+    engine.flush()
+    d = engine.dispatcher
+    assert not d.control.sessions
+    assert d.pool.n_free == d.pool.n_pages
+
+
+HI = [{"role": "user", "content": "hello there"}]
+
+
+# -- the official client: chat and completions ---------------------------------------------
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_completion_reports_text_finish_reason_and_usage(client, engine):
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=7, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    expected = anyio.run(engine.chat_complete, HI, SamplingParams(
+        temperature=0.0, max_tokens=7, ignore_eos=True))
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(engine.prepare_chat(HI).ids)
+    assert r.usage.completion_tokens == 7
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+    assert r.object == "chat.completion" and r.model == MODEL
+
+
+def test_streamed_chat_joins_to_the_same_text_and_ends_with_usage(client):
+    kwargs = dict(model=MODEL, messages=HI, max_tokens=9, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_streamed_and_not_agree(client):
+    kwargs = dict(model=MODEL, prompt="once upon a time", max_tokens=6, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    streamed = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 6
+
+
+def test_max_completion_tokens_is_the_newer_name_for_max_tokens(client):
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_completion_tokens=3,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_completions_default_to_16_tokens(client):
+    r = client.completions.create(model=MODEL, prompt="x", extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    kwargs = dict(model=MODEL, prompt="the mat", max_tokens=30, temperature=0,
+                  extra_body={"ignore_eos": True})
+    free = client.completions.create(**kwargs).choices[0].text
+    stop = free[10:13]
+    assert len(stop) == 3
+    r = client.completions.create(**kwargs, stop=[stop])
+    assert r.choices[0].text == free[:free.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(**kwargs, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == free[:free.find(stop)]
+
+
+def test_seed_makes_sampling_reproducible(client):
+    def sample(seed):
+        return client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=12, temperature=1.0, seed=seed,
+            extra_body={"ignore_eos": True}).choices[0].message.content
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_n_choices_are_distinct_draws_with_summed_usage(client):
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=5, n=3,
+                                       temperature=1.0, seed=3,
+                                       extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) == 3
+    assert r.usage.completion_tokens == 15
+    again = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=5, n=3,
+                                           temperature=1.0, seed=3,
+                                           extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == [c.message.content
+                                                          for c in r.choices]
+    streamed = list(client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=5, n=3, temperature=1.0, seed=3, stream=True,
+        extra_body={"ignore_eos": True}))
+    for i in range(3):
+        text = "".join(c.choices[0].delta.content or "" for c in streamed
+                       if c.choices and c.choices[0].index == i)
+        assert text == r.choices[i].message.content
+
+
+def test_several_prompts_with_n_give_prompt_major_choices(client):
+    r = client.completions.create(model=MODEL, prompt=["alpha", "beta gamma"], n=2,
+                                  max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    texts = [c.text for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: equal per prompt
+    alone = client.completions.create(model=MODEL, prompt="beta gamma", max_tokens=4,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert texts[2] == alone.choices[0].text
+    assert r.usage.completion_tokens == 16
+
+
+def test_second_chat_turn_reports_cached_prompt_tokens(client, engine):
+    engine.flush()
+    first = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=8,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    turn2 = [*HI, {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "go on"}]
+    second = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=4,
+                                            temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == \
+        first.usage.prompt_tokens + first.usage.completion_tokens - 1
+
+
+# -- bad input: the right status and error body, then good requests still work ---------------
+
+def chat(**fields):
+    return {"model": MODEL, "messages": HI, **fields}
+
+
+BAD_REQUESTS = [
+    # (route, body as JSON-able or raw bytes, status, param, code)
+    ("chat/completions", b"{not json", 400, None, "invalid_json"),
+    ("chat/completions", b"[1, 2]", 400, None, None),
+    ("chat/completions", chat(max_tokens="5"), 400, "max_tokens", "invalid_type"),
+    ("chat/completions", chat(temperature="hot"), 400, "temperature", "invalid_type"),
+    ("chat/completions", chat(stream="yes"), 400, "stream", "invalid_type"),
+    ("chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", "invalid_type"),
+    ("chat/completions", {"model": MODEL}, 400, "messages", None),
+    ("chat/completions", chat(messages=[{"role": "wizard", "content": "x"}]), 400,
+     "messages[0].role", None),
+    ("chat/completions", chat(model="gpt-4o"), 404, "model", "model_not_found"),
+    ("chat/completions", chat(max_tokens=0), 400, "max_tokens", "invalid_value"),
+    ("chat/completions", chat(max_tokens=CONTEXT), 400, "max_tokens",
+     "context_length_exceeded"),
+    ("chat/completions", chat(messages=[{"role": "user", "content": "word " * CONTEXT}]),
+     400, "messages", "context_length_exceeded"),
+    ("chat/completions", chat(n=0), 400, "n", "invalid_value"),
+    ("chat/completions", chat(n=1000), 400, "n", "invalid_value"),
+    ("chat/completions", chat(top_p=1.5), 400, "top_p", "invalid_value"),
+    ("chat/completions", chat(seed=1.5), 400, "seed", "invalid_type"),
+    ("chat/completions", chat(stop=[""]), 400, "stop", None),
+    ("chat/completions", chat(stream_options={"include_usage": True}), 400,
+     "stream_options", None),
+    ("chat/completions", chat(logprobs=True), 400, "logprobs", "unsupported_parameter"),
+    ("chat/completions", chat(top_logprobs=3), 400, "top_logprobs", "unsupported_parameter"),
+    ("chat/completions", chat(presence_penalty=0.5), 400, "presence_penalty",
+     "unsupported_parameter"),
+    ("chat/completions", chat(frequency_penalty=1), 400, "frequency_penalty",
+     "unsupported_parameter"),
+    ("chat/completions", chat(tools=[{"type": "function"}]), 400, "tools",
+     "unsupported_parameter"),
+    ("chat/completions", chat(tool_choice="auto"), 400, "tool_choice",
+     "unsupported_parameter"),
+    ("chat/completions", chat(temprature=0.5), 400, "temprature", "unknown_parameter"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs",
+     "unsupported_parameter"),
+    ("completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo",
+     "unsupported_parameter"),
+    ("completions", {"model": MODEL, "prompt": [1, "a"]}, 400, "prompt", "invalid_type"),
+    ("completions", {"model": MODEL, "prompt": [10 ** 6]}, 400, None, None),
+    ("completions", {"model": MODEL, "prompt": list(range(3, 3 + CONTEXT))}, 400, "prompt",
+     "context_length_exceeded"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens",
+     "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("route, body, status, param, code", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+        server, route, body, status, param, code):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = http.post(f"/v1/{route}", content=content,
+                      headers={"content-type": "application/json"})
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert error["message"] and error["type"]
+        assert error["param"] == param
+        if code is not None:
+            assert error["code"] == code
+        good = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok",
+                                                  "max_tokens": 2})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_the_openai_client_raises_the_matching_exceptions(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=HI)
+    with pytest.raises(openai.BadRequestError, match="penalt"):
+        client.chat.completions.create(model=MODEL, messages=HI, presence_penalty=1.0)
+
+
+def test_body_too_large_unknown_route_and_wrong_method(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        huge = {"model": MODEL, "prompt": "x" * (100 << 10)}
+        r = http.post("/v1/completions", json=huge)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        r = http.get("/v1/nothing")
+        assert r.status_code == 404 and "error" in r.json()
+        r = http.get("/v1/chat/completions")
+        assert r.status_code == 405 and "error" in r.json()
+        assert http.get("/health").json()["status"] == "ok"
+
+
+def test_api_key_is_required_when_configured(engine):
+    app = create_app(engine, ServerConfig(api_key="sesame"))
+    with LiveServer(app) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        assert http.get("/v1/models").status_code == 401
+        wrong = http.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert http.get("/health").status_code == 200
+        with openai.OpenAI(base_url=s.url + "/v1", api_key="sesame", max_retries=0) as c:
+            assert c.completions.create(model=MODEL, prompt="a", max_tokens=2).choices
+        with openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0) as c, \
+                pytest.raises(openai.AuthenticationError):
+            c.models.list()
+
+
+def test_default_bind_address_is_loopback():
+    assert ServerConfig().host == "127.0.0.1"
+
+
+# -- concurrency limit ------------------------------------------------------------------------
+
+def test_full_queue_answers_429_until_a_slot_frees(engine):
+    app = create_app(engine, ServerConfig(max_concurrency=1, max_queue=1))
+    gate: AdmissionGate = app.state.gate
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            running, queued = gate.enter(), gate.enter()  # one slot taken, one waiting
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 429
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            running.release()  # the slot passes to the queued ticket
+            await queued.wait()
+            queued.release()
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200
+        assert gate.active == 0 and gate.queued == 0
+
+    anyio.run(main)
+
+
+def test_admission_gate_is_first_come_first_served_and_releases_cancelled_waiters():
+    async def main():
+        gate = AdmissionGate(max_active=1, max_queued=2)
+        first = gate.enter()
+        second, third = gate.enter(), gate.enter()
+        with pytest.raises(QueueFull):
+            gate.enter()
+        order = []
+
+        async def wait(name, ticket):
+            await ticket.wait()
+            order.append(name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait, "second", second)
+            tg.start_soon(wait, "third", third)
+            await anyio.sleep(0.01)
+            first.release()
+            await anyio.sleep(0.01)
+            assert order == ["second"]
+            second.release()
+        assert order == ["second", "third"]
+        third.release()
+        assert gate.active == 0
+
+        waiting = AdmissionGate(max_active=1, max_queued=1)
+        holder, queued = waiting.enter(), waiting.enter()
+        with anyio.move_on_after(0.01):
+            await queued.wait()  # cancelled: leaves the queue
+        assert waiting.queued == 0
+        holder.release()
+        assert waiting.active == 0
+
+    anyio.run(main)
+
+
+# -- disconnects and load ---------------------------------------------------------------------
+
+def sse_payloads(lines: list[str]) -> list[dict | str]:
+    out: list[dict | str] = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_a_client_leaving_mid_stream_cancels_its_session(server, engine):
+    cancelled = engine.dispatcher.service.stats.finished.get("cancelled", 0)
+    body = {"model": MODEL, "prompt": "go on forever", "max_tokens": 1000,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as http, \
+            http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # leave after the first chunk: the connection closes
+    assert_idle_and_nothing_leaked(engine, server)
+    assert engine.dispatcher.service.stats.finished["cancelled"] == cancelled + 1
+
+
+def test_100_concurrent_streaming_clients_with_10_disconnecting(server, engine):
+    """90 clients read their streams to the end, 10 hang up after the first chunk: the 90
+    get exactly the text a lone request gets, the 10 sessions are cancelled, no session,
+    KV page or concurrency slot is left behind, and the server still answers."""
+    prompts = [f"client prompt {k}" for k in range(5)]
+    expected = {}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for p in prompts:
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": p,
+                                                   "max_tokens": 8, "temperature": 0,
+                                                   "ignore_eos": True})
+            expected[p] = r.json()["choices"][0]["text"]
+    cancelled = engine.dispatcher.service.stats.finished.get("cancelled", 0)
+    results: dict[int, str] = {}
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        leaves = i % 10 == 0
+        body = {"model": MODEL, "prompt": prompts[i % 5], "temperature": 0,
+                "ignore_eos": True, "stream": True, "max_tokens": 900 if leaves else 8}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = []
+            async for line in r.aiter_lines():
+                lines.append(line)
+                if leaves and line.startswith("data: "):
+                    return  # hang up mid-stream
+        events = sse_payloads(lines)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        results[i] = "".join(e["choices"][0]["text"] for e in events[:-1])
+
+    async def main():
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as http:
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    for i in range(100):
+                        tg.start_soon(one, http, i)
+
+    anyio.run(main)
+    assert len(results) == 90
+    for i, text in results.items():
+        assert text == expected[prompts[i % 5]], i
+    assert_idle_and_nothing_leaked(engine, server)
+    assert engine.dispatcher.service.stats.finished["cancelled"] == cancelled + 10
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.get("/health").json()["status"] == "ok"
+
+
+# -- health and metrics -----------------------------------------------------------------------
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_metrics_are_prometheus_text_with_the_promised_series(server, client):
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=5,
+                              extra_body={"ignore_eos": True})
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for family in ("eagerlm_requests_total", "eagerlm_generation_tokens_total",
+                   "eagerlm_time_to_first_token_seconds", "eagerlm_inter_token_latency_seconds",
+                   "eagerlm_queue_length", "eagerlm_kv_pages_in_use", "eagerlm_bubble_fraction"):
+        assert f"# TYPE {family} " in text, family
+    assert metric(text, "eagerlm_generation_tokens_total") >= 5
+    assert metric(text, "eagerlm_time_to_first_token_seconds_count") >= 1
+    assert metric(text, 'eagerlm_time_to_first_token_seconds_bucket{le="+Inf"}') == \
+        metric(text, "eagerlm_time_to_first_token_seconds_count")
+    assert metric(text, "eagerlm_inter_token_latency_seconds_count") >= 4
+    assert metric(text, "eagerlm_queue_length") == 0
+    assert 0 <= metric(text, "eagerlm_kv_pages_in_use") <= metric(text,
+                                                                 "eagerlm_kv_pages_total")
+    assert 0.0 <= metric(text, "eagerlm_bubble_fraction") < 1.0
+    assert re.search(r'^eagerlm_http_responses_total\{route="/v1/completions",status="200"\} '
+                     r"[1-9]", text, re.MULTILINE)
+    for line in text.splitlines():  # every sample line is NAME{labels} NUMBER
+        if line and not line.startswith("#"):
+            assert re.fullmatch(r'[a-z_]+(\{[^}]*\})? [-+0-9.eInf]+', line), line
+
+
+# -- the `eagerlm serve` command --------------------------------------------------------------
+
+def test_eagerlm_serve_binds_loopback_and_answers_until_interrupted(model_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--model", model_path, "--port",
+         str(port), "--api-key", "k", "--served-model-name", "m", "-q"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "eagerlm serve did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        with openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as c:
+            assert [m.id for m in c.models.list()] == ["m"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()

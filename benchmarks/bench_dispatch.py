@@ -24,14 +24,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dispatch.control_thread import ControlConfig  # noqa: E402
-from dispatch.dispatcher import Dispatcher, DispatcherConfig  # noqa: E402
-from dispatch.scheduler import SchedulerConfig  # noqa: E402
-from kernels.cpu_backend import cpu_transformer  # noqa: E402
-from kernels.sampling import SamplingParams  # noqa: E402
-from loader.demo_model import demo_model_path  # noqa: E402
-from loader.model_file import ModelFile  # noqa: E402
-from vmm.device import open_device  # noqa: E402
+from dispatch.control_thread import ControlConfig
+from dispatch.dispatcher import Dispatcher, DispatcherConfig
+from dispatch.scheduler import SchedulerConfig
+from kernels.cpu_backend import cpu_transformer
+from kernels.sampling import SamplingParams
+from loader.demo_model import demo_model_path
+from loader.model_file import ModelFile
+from vmm.device import open_device
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "reference_text.txt"
 

@@ -4,8 +4,9 @@ Two decisions shape this file.
 
 **Filter order (llama.cpp's default chain).** llama.cpp's `common_params_sampling.samplers`
 defaults to penalties -> DRY -> top-n-sigma -> top-k -> typical-p -> top-p -> min-p -> XTC
--> temperature, then the final draw. Of those we implement top-k, top-p and min-p, in that
-order, and apply the temperature *after* them, to the survivors only. So the candidate set
+-> temperature, then the final draw. Of those we implement the penalties (repetition,
+presence, frequency; see `apply_penalties`), top-k, top-p and min-p, in that order, and
+apply the temperature *after* them, to the survivors only. So the candidate set
 depends on the model's own (temperature-1) distribution, and temperature only reshapes the
 probabilities among candidates; a high temperature cannot let junk tokens in. (HF
 transformers applies temperature first; its results differ whenever a filter is active.)
@@ -56,6 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
 SEED_LIMIT = 1 << 64
 POSITION_LIMIT = 1 << 63  # positions travel as int64 on the device
 
@@ -97,6 +99,12 @@ class SamplingParams:
     seed: int | None = None  # None = random; resolve before the first round
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # penalties, applied to the logits before everything else (llama.cpp's chain order);
+    # repetition over prompt and output tokens, presence / frequency over output tokens
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages repeats
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output so far
+    logprobs: int | None = None  # None = off; N = the sampled token's and N alternatives'
 
     def __post_init__(self) -> None:
         def fail(field: str, allowed: str) -> None:
@@ -126,9 +134,20 @@ class SamplingParams:
                     "stop", f"must contain only non-empty strings, got {s!r}")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             fail("ignore_eos", "a bool")
+        if not _is_real(self.repetition_penalty) or not (
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            fail("repetition_penalty", "a finite number > 0 (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                fail(name, "a number in [-2, 2] (0 disables it)")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
         # Canonical types, so equal parameters compare and hash equal.
         for name, kind in (("max_tokens", int), ("temperature", float), ("top_k", int),
-                           ("top_p", float), ("min_p", float), ("ignore_eos", bool)):
+                           ("top_p", float), ("min_p", float), ("ignore_eos", bool),
+                           ("repetition_penalty", float), ("presence_penalty", float),
+                           ("frequency_penalty", float)):
             object.__setattr__(self, name, kind(getattr(self, name)))
         if self.seed is not None:
             object.__setattr__(self, "seed", int(self.seed))
@@ -137,6 +156,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler needs the request's token counts."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     def resolve_seed(self) -> SamplingParams:
         """These parameters with a concrete seed: unchanged if one is set, else a fresh one."""
@@ -242,13 +267,71 @@ def _sample_row(logits: np.ndarray, params: SamplingParams, u: float, row: int) 
     return int(ids[j])
 
 
+@dataclass
+class TokenCounts:
+    """How often each token occurs in a request's prompt and in its output so far: what
+    the penalties need. Kept beside the sampler (on the device side of the dispatcher), so
+    penalties need no help from the host that reads tokens."""
+
+    prompt: np.ndarray  # int32 [vocab]
+    output: np.ndarray  # int32 [vocab]
+
+    @classmethod
+    def empty(cls, vocab: int) -> TokenCounts:
+        return cls(np.zeros(vocab, np.int32), np.zeros(vocab, np.int32))
+
+    def add(self, tokens: Sequence[int] | np.ndarray, as_output: bool) -> None:
+        np.add.at(self.output if as_output else self.prompt, np.asarray(tokens, np.int64), 1)
+
+
+def apply_penalties(logits: np.ndarray, params: SamplingParams,
+                    counts: TokenCounts) -> np.ndarray:
+    """One row of logits with the penalties applied (a new float32 array).
+
+    Repetition (as llama.cpp and HF do): a seen token's logit is divided by the penalty
+    when positive, multiplied when negative. Presence and frequency (as OpenAI defines
+    them): logit -= presence * [count > 0] + frequency * count, over output tokens."""
+    out = np.array(logits, dtype=np.float32)
+    if params.repetition_penalty != 1.0:
+        seen = (counts.prompt + counts.output) > 0
+        rp = np.float32(params.repetition_penalty)
+        out[seen] = np.where(out[seen] > 0, out[seen] / rp, out[seen] * rp)
+    if params.frequency_penalty:
+        out -= np.float32(params.frequency_penalty) * counts.output
+    if params.presence_penalty:
+        out -= np.float32(params.presence_penalty) * (counts.output > 0)
+    return out
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's log-probability and the `n` most likely alternatives', from the
+    model's distribution (log-softmax of the raw logits, before penalties, filters and
+    temperature, as OpenAI-compatible servers report them)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+def token_logprob(logits: np.ndarray, token: int, n: int) -> TokenLogprob:
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max()
+    logp = x - math.log(float(np.exp(x).sum()))
+    top = _top_ids(logp, n) if n else np.zeros(0, np.int64)
+    return TokenLogprob(int(token), float(logp[token]),
+                        tuple((int(i), float(logp[i])) for i in top))
+
+
 def sample(logits: np.ndarray, params: Sequence[SamplingParams],
-           positions: Sequence[int]) -> np.ndarray:
+           positions: Sequence[int],
+           counts: Sequence[TokenCounts | None] | None = None) -> np.ndarray:
     """One token per row of `logits` [n, vocab]; row i uses params[i] and positions[i].
 
     `positions[i]` is the counter of the row's draw: the engine passes the sequence
     position the sampled token will occupy, which is unique per step of a request.
-    Non-greedy rows need a resolved seed (see `SamplingParams.resolve_seed`).
+    Non-greedy rows need a resolved seed (see `SamplingParams.resolve_seed`). Rows whose
+    params are `penalized` need `counts[i]`, the request's token counts so far.
     """
     logits = np.asarray(logits)
     if logits.ndim != 2:
@@ -260,6 +343,12 @@ def sample(logits: np.ndarray, params: Sequence[SamplingParams],
     if vocab == 0:
         raise ValueError("logits have an empty vocabulary")
     out = np.empty(n, dtype=np.int32)
+    rows = [logits[i] for i in range(n)]
+    for i, p in enumerate(params):
+        if p.penalized:
+            if counts is None or counts[i] is None:
+                raise ValueError(f"params[{i}] has penalties but no token counts were given")
+            rows[i] = apply_penalties(rows[i], p, counts[i])
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     for i in drawn:
         if params[i].seed is None:
@@ -271,21 +360,26 @@ def sample(logits: np.ndarray, params: Sequence[SamplingParams],
     u_of = dict(zip(drawn, uniforms.tolist(), strict=True))
     for i, p in enumerate(params):
         if p.greedy:
-            token = int(np.argmax(logits[i]))
-            if math.isnan(float(logits[i, token])):
+            token = int(np.argmax(rows[i]))
+            if math.isnan(float(rows[i][token])):
                 raise ValueError(f"logits row {i} contains NaN")
             out[i] = token
         else:
-            out[i] = _sample_row(logits[i], p, u_of[i], i)
+            out[i] = _sample_row(rows[i], p, u_of[i], i)
     return out
 
 
 __all__ = [
+    "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",
     "InvalidSamplingParams",
     "SamplingParams",
+    "TokenCounts",
+    "TokenLogprob",
+    "apply_penalties",
     "draw_uniform",
     "filter_candidates",
     "fresh_seed",
     "sample",
+    "token_logprob",
 ]

@@ -1,0 +1,100 @@
+"""The cuda backend: weights through the pinned slab loader, dequantized on the GPU, and the
+same `Transformer` as the cpu backend with `CudaOps`.
+
+What a tensor of the file becomes (`CudaWeights`): matrices are bf16 (the GEMMs' input
+type), vectors (norms, biases, rope frequency factors) float32. A BF16 matrix or an F32
+vector is uploaded as it is into its own buffer; everything else is uploaded raw and
+expanded by a dequantization kernel on the loader's stream.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from gguf import GGMLQuantizationType
+
+from kernels.cuda_ops import CudaOps, DeviceTensor
+from kernels.model import Transformer
+from loader.errors import UnsupportedTensorType
+from loader.gguf_file import TensorInfo
+from loader.model_file import ModelFile
+from loader.slab_loader import LoadStats, SlabLoader
+from loader.weights import ModelWeights, build_weights
+from vmm.device import DeviceBuffer, Memory, Stream
+
+Q = GGMLQuantizationType
+DEQUANT_KERNEL = {
+    Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1",
+    Q.Q5_0: "q5_0", Q.Q5_1: "q5_1", Q.Q8_0: "q8_0", Q.Q2_K: "q2_k", Q.Q3_K: "q3_k",
+    Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k",
+}
+
+
+def weight_dtype(info: TensorInfo) -> str:
+    return "f32" if len(info.shape) == 1 else "bf16"
+
+
+class CudaWeights:
+    """The slab loader's WeightBuilder for cuda: upload as is, or dequantize on the GPU."""
+
+    def __init__(self, ops: CudaOps, path: str = "") -> None:
+        self.ops = ops
+        self.path = path
+
+    def is_final(self, info: TensorInfo) -> bool:
+        dtype = weight_dtype(info)
+        return (dtype, info.qtype) in (("bf16", Q.BF16), ("f32", Q.F32))
+
+    def wrap(self, buffer: DeviceBuffer, info: TensorInfo) -> DeviceTensor:
+        return DeviceTensor(buffer.ptr, info.shape, weight_dtype(info), buffer)
+
+    def expand(self, stream: Stream, raw: Memory, info: TensorInfo) -> DeviceTensor:
+        kind = DEQUANT_KERNEL.get(info.qtype)
+        if kind is None:
+            raise UnsupportedTensorType(
+                f"tensor {info.name!r} uses ggml type {info.qtype.name}, which the cuda "
+                "backend cannot dequantize", path=self.path, field=info.name)
+        dtype = weight_dtype(info)
+        n = info.n_elements
+        out = self.ops.device.alloc(n * (2 if dtype == "bf16" else 4))
+        grid = max(1, min(-(-n // 256), self.ops.sm_count * 64))
+        self.ops.kernels[f"dequant_{kind}_{dtype}"].launch(
+            stream.handle, grid, 256, out.ptr, raw.ptr, n)  # type: ignore[attr-defined]
+        return DeviceTensor(out.ptr, info.shape, dtype, out)
+
+
+def load_cuda_weights(model: ModelFile, ops: CudaOps, *, progress: bool = False,
+                      **loader_options: Any) -> tuple[ModelWeights[DeviceTensor], LoadStats]:
+    """Every weight of the file on the device, through the slab loader."""
+    loader = SlabLoader(ops.device, model.gguf, CudaWeights(ops, model.path),
+                        progress=progress, **loader_options)
+    try:
+        weights = build_weights(model.gguf, model.config, loader.fetch)
+    finally:
+        stats = loader.finish()
+    return weights, stats
+
+
+def cuda_transformer(model: ModelFile, device: Any = None, *, progress: bool = False,
+                     ops: CudaOps | None = None) -> Transformer[DeviceTensor]:
+    """The model on a CUDA device (the first one when `device` is None)."""
+    if ops is None:
+        if device is None:
+            from vmm.device import open_device
+
+            device = open_device("cuda")
+        ops = CudaOps(device)
+    weights, stats = load_cuda_weights(model, ops, progress=progress)
+    if progress:
+        print(stats.report(), file=sys.stderr)
+    ops.lm_head = weights.output
+    return Transformer(model.config, weights, ops)
+
+
+def free_weights(weights: ModelWeights[DeviceTensor]) -> None:
+    """Give the weights' device memory back (after the last forward that uses them)."""
+    for w in weights.handles():
+        free = getattr(w.owner, "free", None)
+        if free is not None:
+            free()

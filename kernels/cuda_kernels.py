@@ -1,0 +1,166 @@
+"""The compiled kernels on one device: each kernel's argument list, loading, launching.
+
+`SIGNATURES` is the single Python statement of every kernel's parameters, in order. A
+wrong argument list is silent garbage on the device, so tests/test_kernel_build.py checks
+each entry against the parameter table NVRTC wrote into the cubin (offset and size of every
+parameter); a kernel added to a `.cu` file without an entry here fails that test too.
+
+Launching is cheap enough for hundreds of launches per round: each kernel owns, per
+thread, a small argument block of 8-byte slots and the array of pointers to them, built
+once; a launch is one `struct.pack_into` and one `cuLaunchKernel` with the array's address.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kernels.nvrtc_build import compile_kernel
+from vmm.cuda_driver import CudaContext, check, cu, driver
+
+# Parameter kinds: p = device pointer, i = int32, q = int64, f = float32, d = float64.
+_KIND_SIZE = {"p": 8, "i": 4, "q": 8, "f": 4, "d": 8}
+_KIND_FORMAT = {"p": "Q", "i": "i4x", "q": "q", "f": "f4x", "d": "d"}
+
+_DEQUANT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k",
+                  "q4_k", "q5_k", "q6_k")
+_ATTENTION = {f"attention_hd{d}": "pppppqqqiiifiiii" for d in (32, 64, 128, 256)}
+
+# kernel name -> (source file without .cu, parameter kinds in order)
+SIGNATURES: dict[str, tuple[str, str]] = {
+    "embed_rows": ("embed", "pppipiiif"),
+    "rms_norm_f32": ("norm", "pppiif"),
+    "rms_norm_bf16": ("norm", "pppiif"),
+    "add_rms_norm": ("norm", "pppppiif"),
+    "rope_norm": ("rope", "ppppiiidd"),
+    "rope_neox": ("rope", "ppppiiidd"),
+    "swiglu": ("elementwise", "pppq"),
+    "geglu": ("elementwise", "pppq"),
+    "softcap_f32": ("elementwise", "ppqf"),
+    "softcap_bf16": ("elementwise", "ppqf"),
+    "add_bias_bf16": ("elementwise", "ppqi"),
+    "add_bias_f32": ("elementwise", "ppqi"),
+    "gather_rows": ("elementwise", "pppiq"),
+    "kv_append": ("kv_append", "ppppiiqqq"),
+    **{name: ("attention", sig) for name, sig in _ATTENTION.items()},
+    "attention_merge": ("attention", "pppiiii"),
+    "sample_rows": ("sampler", "ppppiqp"),
+    **{f"dequant_{t}_{o}": ("dequant", "ppq") for t in _DEQUANT_TYPES for o in ("bf16", "f32")},
+}
+
+
+def expected_params(kinds: str) -> list[tuple[int, int]]:
+    """(offset, size) of each parameter of a kernel with these kinds, as the C ABI lays
+    them out (each aligned to its size)."""
+    out, at = [], 0
+    for k in kinds:
+        size = _KIND_SIZE[k]
+        at = (at + size - 1) // size * size
+        out.append((at, size))
+        at += size
+    return out
+
+
+class Kernel:
+    """One kernel function, launchable on any stream of its context."""
+
+    def __init__(self, name: str, function: Any, kinds: str, ctx: CudaContext) -> None:
+        self.name = name
+        self.function = function
+        self.kinds = kinds
+        self.ctx = ctx
+        self._format = "<" + "".join(_KIND_FORMAT[k] for k in kinds)
+        self._local = threading.local()
+        self._launch = driver().cuLaunchKernel
+
+    def _args_block(self) -> tuple[ctypes.Array, int]:
+        block = getattr(self._local, "block", None)
+        if block is None:
+            n = len(self.kinds)
+            data = (ctypes.c_uint64 * max(n, 1))()
+            ptrs = (ctypes.c_void_p * max(n, 1))(
+                *[ctypes.addressof(data) + 8 * i for i in range(n)])
+            block = self._local.block = (data, ptrs, ctypes.addressof(ptrs))
+        return block[0], block[2]
+
+    def launch(self, stream: Any, grid: tuple[int, int, int] | int,
+               block: tuple[int, int, int] | int, *args: int | float, smem: int = 0) -> None:
+        """Enqueue the kernel on `stream` (a CUstream handle) with `args` in declared order
+        (pointers as ints)."""
+        if len(args) != len(self.kinds):
+            raise TypeError(f"{self.name} takes {len(self.kinds)} arguments, got {len(args)}")
+        gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
+        bx, by, bz = (block, 1, 1) if isinstance(block, int) else block
+        if gx <= 0 or gy <= 0 or gz <= 0:
+            return  # nothing to do (an empty batch)
+        data, addr = self._args_block()
+        struct.pack_into(self._format, data, 0, *args)
+        self.ctx.bind()
+        check(self._launch(self.function, gx, gy, gz, bx, by, bz, smem, stream, addr, 0),
+              f"cuLaunchKernel({self.name})")
+
+
+@dataclass
+class _Module:
+    handle: Any
+    image_bytes: int
+
+
+class KernelLibrary:
+    """Every kernel for one device, compiled (or read from the cubin cache) and loaded on
+    first use, per source file."""
+
+    def __init__(self, ctx: CudaContext, arch: str | None = None) -> None:
+        self.ctx = ctx
+        if arch is None:
+            d = driver()
+            attr = d.CUdevice_attribute
+            major = cu("cuDeviceGetAttribute",
+                       attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, ctx.device)
+            minor = cu("cuDeviceGetAttribute",
+                       attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, ctx.device)
+            arch = f"sm_{major}{minor}"
+        self.arch = arch
+        self._modules: dict[str, _Module] = {}
+        self._kernels: dict[str, Kernel] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, name: str) -> Kernel:
+        k = self._kernels.get(name)
+        if k is not None:
+            return k
+        with self._lock:
+            k = self._kernels.get(name)
+            if k is None:
+                source, kinds = SIGNATURES[name]
+                module = self._module(source)
+                self.ctx.bind()
+                fn = cu("cuModuleGetFunction", module.handle, name.encode())
+                k = self._kernels[name] = Kernel(name, fn, kinds, self.ctx)
+            return k
+
+    def _module(self, source: str) -> _Module:
+        m = self._modules.get(source)
+        if m is None:
+            cubin = compile_kernel(source, self.arch)
+            self.ctx.bind()
+            handle = cu("cuModuleLoadData", cubin.image)
+            m = self._modules[source] = _Module(handle, len(cubin.image))
+        return m
+
+    def load_all(self) -> None:
+        """Compile and load everything now (start-up), rather than at first use."""
+        for name in SIGNATURES:
+            self[name]
+
+    def close(self) -> None:
+        with self._lock:
+            self._kernels.clear()
+            modules, self._modules = self._modules, {}
+        if not self.ctx.released:
+            self.ctx.bind()
+            for m in modules.values():
+                cu("cuModuleUnload", m.handle)

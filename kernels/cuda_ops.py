@@ -1,0 +1,603 @@
+"""The Ops protocol of kernels/model.py on a CUDA device, so the same `Transformer.forward`
+runs on cuda and cpu.
+
+Data types: activations that feed GEMMs are bf16, the residual stream is float32 (the
+embedding's output and the sum kept by `add_rms_norm`), logits are float32 (the lm head
+GEMM writes float32), weight matrices are bf16 and weight vectors (norms, biases, rope
+frequency factors) float32. Every kernel accumulates in float32. The KV cache is bf16.
+
+Memory: every op returns a fresh `DeviceTensor` from the stream-ordered allocator
+(cuMemAllocAsync on the compute stream, the pool keeping freed memory for reuse); when the
+last Python reference to it goes, its memory is freed in stream order after the work
+already enqueued, so a tensor may be dropped as soon as the launches that read it are
+enqueued. A tensor that another stream reads must be kept alive until that stream is done
+(the dispatcher copies sampled tokens out of buffers it owns, not out of these).
+
+Host data (token ids, positions, per-session descriptors) goes up through a pinned
+staging ring: a copy from pageable memory would synchronize the stream and undo the eager
+dispatch. Uploads are cached by the identity of the host object, so the positions the
+forward passes to every layer's rope are uploaded once per batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kernels.batch import ForwardBatch
+from kernels.cuda_kernels import KernelLibrary
+from kernels.sampling import POSITION_LIMIT, SamplingParams
+from loader.config import Activation, RopeStyle
+from vmm.cuda_driver import cu, driver
+from vmm.device import Event, HostBuffer
+from vmm.kv_layout import KVLayout
+from vmm.kv_region import StridedView
+
+ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8, "u8": 1}
+_NUMPY = {"f32": np.float32, "i32": np.int32, "i64": np.int64, "u8": np.uint8, "bf16": np.uint16}
+KV_DTYPE = np.dtype(np.uint16)  # the KV cache element on cuda: bf16, stored as its bits
+
+# Mirrors `struct SeqDesc` (kernels/cuda/common.cuh) and `struct SampleParams`
+# (kernels/cuda/sampler.cu); tests/test_cuda_ops.py checks the sizes.
+SEQ_DESC = np.dtype([("start", "<i4"), ("n_new", "<i4"), ("n_past", "<i4"), ("pad", "<i4"),
+                     ("kv_base", "<u8")])
+SAMPLE_PARAMS = np.dtype([("temperature", "<f4"), ("top_k", "<i4"), ("top_p", "<f4"),
+                          ("min_p", "<f4"), ("seed", "<u8"), ("position", "<i8")])
+
+ATT_QB = 16  # query vectors per attention block (ATT_QB in attention.cu)
+ATT_BK = 32  # keys per attention tile
+SAMPLER_THREADS = 1024  # sample_rows is written for exactly this block size
+_LOG2E = 1.4426950408889634
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), round to nearest even, NaN kept NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)
+
+
+def from_bf16_bits(b: np.ndarray) -> np.ndarray:
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceTensor:
+    """A tensor in device memory: address, shape and element type ("bf16", "f32", "i32",
+    "i64", "u8"). `owner` keeps the memory alive (several views may share one owner)."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: str
+    owner: Any = None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def reshape(self, *shape: int | tuple[int, ...]) -> DeviceTensor:
+        dims = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        dims = tuple(int(d) for d in dims)  # type: ignore[arg-type]
+        if dims.count(-1) == 1:
+            known = math.prod(d for d in dims if d != -1)
+            dims = tuple(self.size // known if d == -1 else d for d in dims)
+        if math.prod(dims) != self.size:
+            raise ValueError(f"cannot reshape {self.shape} to {dims}")
+        return DeviceTensor(self.ptr, dims, self.dtype, self.owner)
+
+    def view_at(self, byte_offset: int, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
+        """A sub-tensor sharing this memory (no bounds beyond the caller's word)."""
+        return DeviceTensor(self.ptr + byte_offset, shape, dtype, self.owner)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        download = getattr(self.owner, "download", None)
+        if download is None:
+            raise TypeError("this device tensor has no stream to download it through; use "
+                            "CudaOps.to_numpy")
+        out = download(self)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+
+@dataclass(frozen=True)
+class DeviceIds:
+    """Token ids that live on the device: row r's id is `rows[2r]`, or, when
+    `rows[2r + 1] >= 0`, `token_buf[rows[2r + 1]]` (the control thread's round metadata:
+    host id, source slot)."""
+
+    rows_ptr: int
+    n: int
+    token_buf_ptr: int
+    stride: int = 2
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class DeviceSessionKV(Protocol):
+    """A session's KV cache as the cuda ops see it (KVRegion and ContiguousDeviceKV)."""
+
+    capacity: int
+
+    def k_view(self, layer: int) -> StridedView: ...
+
+    def v_view(self, layer: int) -> StridedView: ...
+
+
+class _Allocation:
+    """Stream-ordered device memory: freed on its stream, after the work enqueued before
+    the last reference went away."""
+
+    __slots__ = ("__weakref__", "nbytes", "ops", "ptr")
+
+    def __init__(self, ops: CudaOps, nbytes: int) -> None:
+        self.ops = ops
+        self.nbytes = nbytes
+        ops.ctx.bind()
+        self.ptr = int(cu("cuMemAllocAsync", max(nbytes, 1), ops.stream.handle))
+
+    def download(self, t: DeviceTensor) -> np.ndarray:
+        return self.ops.to_numpy(t)
+
+    def __del__(self) -> None:
+        ptr, self.ptr = self.ptr, 0
+        if ptr and not self.ops.ctx.released:
+            with contextlib.suppress(Exception):  # interpreter shutdown, dead context
+                self.ops.ctx.bind()
+                cu("cuMemFreeAsync", driver().CUdeviceptr(ptr), self.ops.stream.handle)
+
+
+class _StagingRing:
+    """Pinned host memory for small uploads, reused in ring order: a region is rewritten
+    only after the event of the copy that last read it has completed."""
+
+    def __init__(self, ops: CudaOps, nbytes: int = 8 << 20) -> None:
+        self.ops = ops
+        self.buf: HostBuffer = ops.device.alloc_host(nbytes)
+        self.size = nbytes
+        self.head = 0
+        self.in_flight: collections.deque[tuple[int, int, Event]] = collections.deque()
+        self.lock = threading.Lock()
+
+    def upload(self, data: np.ndarray, out: DeviceTensor) -> None:
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        n = raw.size
+        if n == 0:
+            return
+        if n > self.size:  # rare: a one-off pinned buffer, freed once its copy is done
+            host = self.ops.device.alloc_host(n)
+            host.array[:n] = raw
+            self.ops.stream.copy_h2d(_Mem(out.ptr, n), host, n)
+            self.ops.stream.synchronize()
+            host.free()
+            return
+        with self.lock:
+            start = self.head if self.head + n <= self.size else 0
+            end = start + (n + 255) // 256 * 256
+            while self.in_flight and self.in_flight[0][0] < end and start < self.in_flight[0][1]:
+                self.in_flight.popleft()[2].synchronize()
+            self.buf.array[start:start + n] = raw
+            self.ops.stream.copy_h2d(_Mem(out.ptr, n), self.buf, n, src_offset=start)
+            ev = self.ops.stream.record(self.ops.device.event(timing=False))
+            self.in_flight.append((start, min(end, self.size), ev))
+            self.head = min(end, self.size)
+
+
+@dataclass(frozen=True)
+class _Mem:
+    ptr: int
+    nbytes: int
+
+
+@dataclass
+class _BatchMeta:
+    """A batch's per-session descriptors on the device, made once per forward."""
+
+    batch: ForwardBatch
+    seqs: DeviceTensor  # SEQ_DESC [n_seqs]
+    row_seq: DeviceTensor  # int32 [n_tokens]
+    first_kv: DeviceSessionKV
+    kv_base0: int
+    token_bytes: int
+    max_new: int
+    max_total: int
+    offsets: dict[int, tuple[int, int]]  # layer -> (K offset, V offset) in a token
+
+    def layer_offsets(self, layer: int) -> tuple[int, int]:
+        off = self.offsets.get(layer)
+        if off is None:
+            off = (self.first_kv.k_view(layer).ptr - self.kv_base0,
+                   self.first_kv.v_view(layer).ptr - self.kv_base0)
+            self.offsets[layer] = off
+        return off
+
+
+class ContiguousDeviceKV:
+    """A session's KV cache in one device allocation (token-major, bf16): the cuda
+    counterpart of vmm.kv_layout.ContiguousKV, for tests and single-request runs."""
+
+    def __init__(self, ops: CudaOps, layout: KVLayout, capacity: int) -> None:
+        if layout.dtype.itemsize != 2:
+            raise ValueError("the cuda KV cache is bf16: make the layout with KV_DTYPE")
+        self.layout = layout
+        self.capacity = capacity
+        self.buffer = ops.device.alloc(max(1, capacity * layout.token_bytes))
+        ops.fill(DeviceTensor(self.buffer.ptr, (self.buffer.nbytes,), "u8"), 0)
+
+    def _view(self, layer: int, kv: int) -> StridedView:
+        lay = self.layout
+        head = lay.head_dim * 2
+        ptr = self.buffer.ptr + (layer * 2 + kv) * lay.n_kv_heads * head
+        return StridedView(ptr, (self.capacity, lay.n_kv_heads, lay.head_dim),
+                           (lay.token_bytes, head, 2), lay.dtype)
+
+    def k_view(self, layer: int) -> StridedView:
+        return self._view(layer, 0)
+
+    def v_view(self, layer: int) -> StridedView:
+        return self._view(layer, 1)
+
+    def free(self) -> None:
+        self.buffer.free()
+
+
+class CudaOps:
+    """Ops over DeviceTensors, all enqueued on one stream."""
+
+    name = "cuda"
+
+    def __init__(self, device: Any, stream: Any = None, *, lm_head: DeviceTensor | None = None,
+                 poison_outputs: bool = False) -> None:
+        self.device = device
+        self.ctx = device.ctx
+        self.stream = stream if stream is not None else device.stream("compute")
+        self.kernels = KernelLibrary(self.ctx)
+        self.lm_head = lm_head  # the weight whose GEMM writes float32 logits
+        self.poison_outputs = poison_outputs  # fill fresh outputs with NaN bytes (tests)
+        d = driver()
+        self.sm_count = int(cu("cuDeviceGetAttribute",
+                               d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                               self.ctx.device))
+        self.ctx.bind()
+        pool = cu("cuDeviceGetDefaultMemPool", self.ctx.device)
+        cu("cuMemPoolSetAttribute", pool,
+           d.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(2**64 - 1))
+        self._ring = _StagingRing(self)
+        self._uploads: collections.OrderedDict[int, tuple[Any, DeviceTensor]] = (
+            collections.OrderedDict())
+        self._meta: _BatchMeta | None = None
+        self._gemm: Any = None
+        self._workspace: Any = None
+
+    @property
+    def _s(self) -> Any:
+        return self.stream.handle
+
+    # -- memory --------------------------------------------------------------------------
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        alloc = _Allocation(self, nbytes)
+        t = DeviceTensor(alloc.ptr, tuple(shape), dtype, alloc)
+        if self.poison_outputs and nbytes:
+            self.fill(t, 0xFF)  # NaN in bf16 and float32, -1 in ints
+        return t
+
+    def fill(self, t: DeviceTensor, byte: int) -> None:
+        self.ctx.bind()
+        cu("cuMemsetD8Async", driver().CUdeviceptr(t.ptr), byte, t.nbytes, self._s)
+
+    def upload(self, array: np.ndarray, dtype: str | None = None) -> DeviceTensor:
+        """A host array on the device (float arrays become bf16 when dtype == 'bf16')."""
+        a = np.asarray(array)
+        if dtype is None:
+            dtype = {np.dtype(np.float32): "f32", np.dtype(np.int32): "i32",
+                     np.dtype(np.int64): "i64", np.dtype(np.uint8): "u8"}[a.dtype]
+        data = to_bf16_bits(a) if dtype == "bf16" and a.dtype != np.uint16 else \
+            a.astype(_NUMPY[dtype], copy=False)
+        t = self.empty(a.shape, dtype)
+        self._ring.upload(data, t)
+        return t
+
+    def _uploaded(self, host: np.ndarray, dtype: str) -> DeviceTensor:
+        """`host` on the device, uploaded once while the same object is passed again."""
+        hit = self._uploads.get(id(host))
+        if hit is not None and hit[0] is host:
+            return hit[1]
+        t = self.upload(host, dtype)
+        self._uploads[id(host)] = (host, t)
+        while len(self._uploads) > 16:
+            self._uploads.popitem(last=False)
+        return t
+
+    def to_numpy(self, t: DeviceTensor) -> np.ndarray:
+        """Synchronize the stream and copy `t` to the host (bf16 becomes float32)."""
+        host = np.empty(t.shape, dtype=_NUMPY[t.dtype])
+        self.stream.synchronize()
+        if t.nbytes:
+            self.ctx.bind()
+            cu("cuMemcpyDtoH", host.ctypes.data, driver().CUdeviceptr(t.ptr), t.nbytes)
+        return from_bf16_bits(host) if t.dtype == "bf16" else host
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    # -- launch helpers ------------------------------------------------------------------
+
+    def _grid(self, n: int, block: int = 256) -> int:
+        return max(1, min(-(-n // block), self.sm_count * 32))
+
+    # -- elementwise and norms -----------------------------------------------------------
+
+    def embed(self, table: DeviceTensor, ids: Any, scale: float) -> DeviceTensor:
+        vocab, d = table.shape
+        _require(table, "bf16", "embedding table")
+        if isinstance(ids, DeviceIds):
+            n, ids_ptr, stride, buf = ids.n, ids.rows_ptr, ids.stride, ids.token_buf_ptr
+        else:
+            host = ids if isinstance(ids, np.ndarray) else np.asarray(ids, np.int32)
+            dev = self._uploaded(host, "i32")
+            n, ids_ptr, stride, buf = len(host), dev.ptr, 1, 0
+        out = self.empty((n, d), "f32")
+        self.kernels["embed_rows"].launch(self._s, n, 256, out.ptr, table.ptr, ids_ptr, stride,
+                                          buf, n, d, vocab, float(scale))
+        return out
+
+    def _norm_shape(self, dim: int, rows: int) -> tuple[tuple[int, int, int], int]:
+        if dim <= 256:
+            return (32, 8, 1), -(-rows // 8)
+        return (256 if dim <= 4096 else 1024, 1, 1), rows
+
+    def rms_norm(self, x: DeviceTensor, w: DeviceTensor, eps: float) -> DeviceTensor:
+        dim = x.shape[-1]
+        rows = x.size // dim
+        _require(w, "f32", "norm weight")
+        out = self.empty(x.shape, "bf16")
+        block, grid = self._norm_shape(dim, rows)
+        name = {"f32": "rms_norm_f32", "bf16": "rms_norm_bf16"}[x.dtype]
+        self.kernels[name].launch(self._s, grid, block, out.ptr, x.ptr, w.ptr, rows, dim,
+                                  float(eps))
+        return out
+
+    def add_rms_norm(self, residual: DeviceTensor, x: DeviceTensor, w: DeviceTensor,
+                     eps: float) -> tuple[DeviceTensor, DeviceTensor]:
+        _require(residual, "f32", "residual")
+        _require(x, "bf16", "sub-layer output")
+        dim = residual.shape[-1]
+        rows = residual.size // dim
+        h = self.empty(residual.shape, "f32")
+        y = self.empty(residual.shape, "bf16")
+        block, grid = self._norm_shape(dim, rows)
+        self.kernels["add_rms_norm"].launch(self._s, grid, block, h.ptr, y.ptr, residual.ptr,
+                                            x.ptr, w.ptr, rows, dim, float(eps))
+        return h, y
+
+    def linear(self, x: DeviceTensor, w: DeviceTensor,
+               bias: DeviceTensor | None = None) -> DeviceTensor:
+        from kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F
+
+        n_out, n_in = w.shape
+        _require(x, "bf16", "GEMM input")
+        _require(w, "bf16", "weight matrix")
+        if x.shape[-1] != n_in:
+            raise ValueError(f"linear: input {x.shape} does not match weight {w.shape}")
+        n_tok = x.size // n_in
+        logits = w is self.lm_head
+        y = self.empty((*x.shape[:-1], n_out), "f32" if logits else "bf16")
+        self.gemm.matmul(int(self._s), y.ptr, x.ptr, w.ptr, n_tok, n_in, n_out,
+                         CUDA_R_32F if logits else CUDA_R_16BF)
+        if bias is not None:
+            _require(bias, "f32", "bias")
+            name = "add_bias_f32" if logits else "add_bias_bf16"
+            self.kernels[name].launch(self._s, self._grid(y.size), 256, y.ptr, bias.ptr, y.size,
+                                      n_out)
+        return y
+
+    @property
+    def gemm(self) -> Any:
+        if self._gemm is None:
+            from kernels.cublaslt import WORKSPACE_BYTES, Gemm
+
+            self._workspace = self.device.alloc(WORKSPACE_BYTES)
+            self._gemm = Gemm(self._workspace.ptr, WORKSPACE_BYTES)
+        return self._gemm
+
+    def gated_ffn_act(self, gate: DeviceTensor, up: DeviceTensor,
+                      act: Activation) -> DeviceTensor:
+        _require(gate, "bf16", "gate")
+        _require(up, "bf16", "up")
+        out = self.empty(gate.shape, "bf16")
+        name = "swiglu" if act is Activation.SWIGLU else "geglu"
+        self.kernels[name].launch(self._s, self._grid(out.size), 256, out.ptr, gate.ptr, up.ptr,
+                                  out.size)
+        return out
+
+    def softcap(self, x: DeviceTensor, cap: float) -> DeviceTensor:
+        out = self.empty(x.shape, x.dtype)
+        self.kernels[f"softcap_{x.dtype}"].launch(self._s, self._grid(x.size), 256, out.ptr,
+                                                  x.ptr, x.size, float(cap))
+        return out
+
+    def rows(self, x: DeviceTensor, rows: Any) -> DeviceTensor:
+        host = rows if isinstance(rows, np.ndarray) else np.asarray(rows, np.int64)
+        idx = self._uploaded(host, "i64")
+        n = len(host)
+        row_bytes = (x.size // x.shape[0]) * x.itemsize
+        out = self.empty((n, *x.shape[1:]), x.dtype)
+        words = row_bytes // 2
+        self.kernels["gather_rows"].launch(self._s, self._grid(n * words), 256, out.ptr, x.ptr,
+                                           idx.ptr, n, words)
+        return out
+
+    # -- rotary embedding ----------------------------------------------------------------
+
+    def rope(self, x: DeviceTensor, positions: Any, *, style: RopeStyle, rope_dim: int,
+             base: float, scale: float,
+             freq_factors: DeviceTensor | None = None) -> DeviceTensor:
+        _require(x, "bf16", "rope input")
+        n_tok, n_heads, hd = x.shape
+        pos = self._uploaded(positions if isinstance(positions, np.ndarray)
+                             else np.asarray(positions, np.int32), "i32")
+        out = self.empty(x.shape, "bf16")
+        ff = 0
+        if freq_factors is not None:
+            _require(freq_factors, "f32", "rope frequency factors")
+            ff = freq_factors.ptr
+        block = min(128, max(32, -(-(rope_dim // 2) // 32) * 32))
+        name = "rope_neox" if style is RopeStyle.NEOX else "rope_norm"
+        self.kernels[name].launch(self._s, n_tok * n_heads, block, out.ptr, x.ptr, pos.ptr, ff,
+                                  n_heads, hd, rope_dim, float(base), float(scale))
+        return out
+
+    # -- KV cache and attention ----------------------------------------------------------
+
+    def _batch_meta(self, batch: ForwardBatch) -> _BatchMeta:
+        meta = self._meta
+        if meta is not None and meta.batch is batch:
+            return meta
+        if not batch.seqs:
+            raise ValueError("an empty batch has no KV to attend to")
+        descs = np.zeros(len(batch.seqs), SEQ_DESC)
+        row_seq = np.empty(len(batch.tokens), np.int32)
+        first = batch.seqs[0].kv
+        k0 = first.k_view(0)
+        token_bytes = k0.strides[0]
+        for i, s in enumerate(batch.seqs):
+            view = s.kv.k_view(0)
+            if view.strides != k0.strides or view.dtype.itemsize != 2:
+                raise ValueError("every session of a cuda batch needs a bf16 KV cache of one "
+                                 f"layout; got strides {view.strides}, dtype {view.dtype}")
+            descs[i] = (s.start, s.n_new, s.n_past, 0, view.ptr)
+            row_seq[s.start:s.end] = i
+        blob = np.concatenate([descs.view(np.uint8), row_seq.view(np.uint8)])
+        dev = self.upload(blob, "u8")
+        meta = _BatchMeta(
+            batch=batch,
+            seqs=dev.view_at(0, (len(descs),), "u8"),
+            row_seq=dev.view_at(descs.nbytes, (len(row_seq),), "i32"),
+            first_kv=first, kv_base0=k0.ptr, token_bytes=token_bytes,
+            max_new=max(s.n_new for s in batch.seqs),
+            max_total=max(s.n_total for s in batch.seqs), offsets={})
+        self._meta = meta
+        return meta
+
+    def kv_append(self, batch: ForwardBatch, layer: int, k: DeviceTensor,
+                  v: DeviceTensor) -> None:
+        _require(k, "bf16", "keys")
+        _require(v, "bf16", "values")
+        meta = self._batch_meta(batch)
+        n_tok = k.shape[0]
+        kv_dim = k.size // n_tok
+        k_off, v_off = meta.layer_offsets(layer)
+        self.kernels["kv_append"].launch(self._s, n_tok, 128, k.ptr, v.ptr, meta.seqs.ptr,
+                                         meta.row_seq.ptr, n_tok, kv_dim, k_off, v_off,
+                                         meta.token_bytes)
+
+    def attention(self, batch: ForwardBatch, layer: int, q: DeviceTensor, *, scale: float,
+                  window: int) -> DeviceTensor:
+        _require(q, "bf16", "queries")
+        meta = self._batch_meta(batch)
+        n_tok, n_heads, hd = q.shape
+        n_kv = meta.first_kv.k_view(layer).shape[1]
+        hpl = next((h for h in (32, 64, 128, 256) if hd <= h), None)
+        if hpl is None:
+            raise NotImplementedError(f"attention supports head_dim <= 256, not {hd}")
+        g = n_heads // n_kv
+        n_seqs = len(batch.seqs)
+        tiles = -(-meta.max_new * g // ATT_QB)
+        blocks = tiles * n_kv * n_seqs
+        n_splits = 1
+        if blocks < 2 * self.sm_count and meta.max_total > 512:
+            n_splits = max(1, min(32, -(-2 * self.sm_count // blocks),
+                                  -(-meta.max_total // 256)))
+        split_len = -(-meta.max_total // n_splits)
+        split_len = -(-split_len // ATT_BK) * ATT_BK
+        n_splits = -(-meta.max_total // split_len)
+        out = self.empty((n_tok, n_heads * hd), "bf16")
+        part_o = part_ml = None
+        if n_splits > 1:
+            part_o = self.empty((n_splits, n_tok, n_heads, hd), "f32")
+            part_ml = self.empty((n_splits, n_tok, n_heads, 2), "f32")
+        k_off, v_off = meta.layer_offsets(layer)
+        smem = (ATT_QB * hd + ATT_BK * (hd + 2)) * 2
+        self.kernels[f"attention_hd{hpl}"].launch(
+            self._s, (tiles, n_kv * n_splits, n_seqs), 128,
+            out.ptr, 0 if part_o is None else part_o.ptr, 0 if part_ml is None else part_ml.ptr,
+            q.ptr,
+            meta.seqs.ptr, k_off, v_off, meta.token_bytes, n_heads, n_kv, hd,
+            float(scale) * _LOG2E, int(window), n_splits, split_len, n_tok, smem=smem)
+        if part_o is not None and part_ml is not None:
+            self.kernels["attention_merge"].launch(
+                self._s, n_tok * n_heads, min(256, -(-hd // 32) * 32), out.ptr, part_o.ptr,
+                part_ml.ptr, n_tok, n_heads, hd, n_splits)
+        return out
+
+    # -- sampling ------------------------------------------------------------------------
+
+    def sample(self, logits: DeviceTensor, params: Sequence[SamplingParams],
+               positions: Sequence[int], *, out: DeviceTensor | None = None,
+               token_buf: int = 0, out_slots: DeviceTensor | None = None) -> DeviceTensor:
+        """One token per row of float32 `logits` [n, vocab] (kernels/sampling.py's rules),
+        written to `out` (int32 [n]) and, for rows whose `out_slots` entry is >= 0, to
+        `token_buf[slot]`. A row that cannot be sampled (NaN logits) gets -1."""
+        _require(logits, "f32", "logits")
+        n, vocab = logits.shape
+        if len(params) != n or len(positions) != n:
+            raise ValueError(f"{n} logit rows need {n} params and positions")
+        table = np.zeros(n, SAMPLE_PARAMS)
+        for i, (p, pos) in enumerate(zip(params, positions, strict=True)):
+            if not p.greedy and p.seed is None:
+                raise ValueError(f"params[{i}] has temperature > 0 but no seed; resolve it "
+                                 f"once per request with SamplingParams.resolve_seed()")
+            if getattr(p, "penalized", False):
+                raise NotImplementedError("repetition / presence / frequency penalties are "
+                                          "not in the device sampler yet")
+            if not 0 <= pos < POSITION_LIMIT:
+                raise ValueError(f"positions[{i}] must be in [0, 2**63), got {pos}")
+            table[i] = (p.temperature, p.top_k, p.top_p, p.min_p, p.seed or 0, pos)
+        dev = self.upload(table.view(np.uint8), "u8")
+        if out is None:
+            out = self.empty((n,), "i32")
+        self.kernels["sample_rows"].launch(
+            self._s, n, SAMPLER_THREADS, out.ptr, token_buf,
+            out_slots.ptr if out_slots is not None else 0, logits.ptr, vocab, vocab, dev.ptr)
+        return out
+
+    def close(self) -> None:
+        self.synchronize()
+        self._uploads.clear()
+        self._meta = None
+        if self._gemm is not None:
+            self._gemm.close()
+            self._workspace.free()
+            self._gemm = None
+        self.kernels.close()
+
+
+def _require(t: DeviceTensor, dtype: str, what: str) -> None:
+    if not isinstance(t, DeviceTensor):
+        raise TypeError(f"{what}: expected a DeviceTensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{what}: expected {dtype}, got {t.dtype} {t.shape}")

@@ -1,0 +1,420 @@
+"""The cuda ops against the numpy reference, on a GPU (skipped without one).
+
+Every op runs on fresh random inputs; inputs are rounded to bf16 first, so the comparison
+measures the op and not the rounding of its inputs, and outputs are poisoned (NaN bytes)
+before each run, so an element a kernel forgets to write fails. Tolerances are bf16's:
+relative error of the whole output under 1e-2 and each element within a few bf16 ulps.
+
+Then whole models: logits of synthetic models of each architecture, cuda vs cpu (top-1
+agreement >= 99%), and greedy generation of 64 tokens (the fraction of prompts with
+identical tokens is printed and must be a majority).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from kernels.batch import ForwardBatch, SeqSlice
+from kernels.numpy_ops import NumpyOps
+from kernels.sampling import SamplingParams, filter_candidates, sample
+from loader.config import Activation, RopeStyle
+from vmm.kv_layout import ContiguousKV, KVLayout
+
+pytestmark = pytest.mark.gpu
+Q = GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def device():
+    from vmm.cuda_driver import NoCudaDevice
+    from vmm.device import open_device
+
+    try:
+        d = open_device("cuda")
+    except NoCudaDevice as exc:
+        pytest.skip(f"no CUDA device ({exc})")
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def ops(device):
+    from kernels.cuda_ops import CudaOps
+
+    o = CudaOps(device, poison_outputs=True)
+    yield o
+    o.close()
+
+
+@pytest.fixture()
+def gemm_ops(ops):
+    pytest.importorskip("nvmath.bindings.cublasLt", reason="nvmath-python not installed")
+    return ops
+
+
+REF = NumpyOps()
+rng = np.random.default_rng(1234)
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    from kernels.cuda_ops import from_bf16_bits, to_bf16_bits
+
+    return from_bf16_bits(to_bf16_bits(np.asarray(x, np.float32)))
+
+
+def rand(*shape: int, scale: float = 1.0) -> np.ndarray:
+    return bf16(rng.standard_normal(shape).astype(np.float32) * scale)
+
+
+def close(got: np.ndarray, want: np.ndarray, *, rel: float = 1e-2, ulps: float = 4) -> None:
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    assert np.isfinite(got).all(), "an output element was not written (still NaN poison)"
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert err < rel, f"relative error {err:.2e}"
+    tol = ulps * 2.0**-8 * np.maximum(np.abs(want), np.abs(want).max() * 1e-3)
+    bad = np.abs(got - want) > tol
+    assert not bad.any(), f"{bad.sum()} elements off by more than {ulps} bf16 ulps"
+
+
+# -- elementwise and norms ---------------------------------------------------------------
+
+
+def test_embed_from_host_and_device_ids(ops) -> None:
+    from kernels.cuda_ops import DeviceIds
+
+    table = rand(100, 48)
+    t = ops.upload(table, "bf16")
+    ids = np.array([3, 0, 99, 3], np.int32)
+    close(ops.to_numpy(ops.embed(t, ids, 2.0)), REF.embed(table, ids, 2.0), ulps=1)
+    rows = ops.upload(np.array([7, -1, 0, 1, 5, -1], np.int32))  # [host id, slot] pairs
+    buf = ops.upload(np.array([42, 11], np.int32))
+    got = ops.to_numpy(ops.embed(t, DeviceIds(rows.ptr, 3, buf.ptr), 1.0))
+    close(got, table[[7, 11, 5]], ulps=0)
+    bad = ops.to_numpy(ops.embed(t, np.array([5, 100], np.int32), 1.0))
+    assert np.isnan(bad[1]).all() and np.isfinite(bad[0]).all()
+
+
+@pytest.mark.parametrize("dim,rows", [(64, 5), (300, 3), (5120, 2), (128, 37)])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_rms_norm(ops, dim, rows, dtype) -> None:
+    x, w = rand(rows, dim, scale=3.0), rand(dim)
+    got = ops.rms_norm(ops.upload(x, dtype), ops.upload(w), 1e-6)
+    close(ops.to_numpy(got), REF.rms_norm(x, w, 1e-6))
+
+
+def test_qk_norm_normalizes_each_head(ops) -> None:
+    x, w = rand(7, 4, 32), rand(32)
+    got = ops.rms_norm(ops.upload(x, "bf16").reshape(7, 4, 32), ops.upload(w), 1e-6)
+    close(ops.to_numpy(got), REF.rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dim", [64, 1000, 4096])
+def test_add_rms_norm(ops, dim) -> None:
+    r, x, w = rand(6, dim), rand(6, dim), rand(dim)
+    h, y = ops.add_rms_norm(ops.upload(r), ops.upload(x, "bf16"), ops.upload(w), 1e-5)
+    want_h, want_y = REF.add_rms_norm(r, x, w, 1e-5)
+    close(ops.to_numpy(h), want_h, ulps=0.01)
+    close(ops.to_numpy(y), want_y)
+
+
+@pytest.mark.parametrize("act", [Activation.SWIGLU, Activation.GEGLU])
+def test_gated_ffn_act(ops, act) -> None:
+    g, u = rand(5, 333, scale=4.0), rand(5, 333)
+    got = ops.gated_ffn_act(ops.upload(g, "bf16"), ops.upload(u, "bf16"), act)
+    close(ops.to_numpy(got), REF.gated_ffn_act(g, u, act))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_softcap(ops, dtype) -> None:
+    x = rand(3, 1000, scale=40.0)
+    close(ops.to_numpy(ops.softcap(ops.upload(x, dtype), 30.0)), REF.softcap(x, 30.0))
+
+
+def test_rows(ops) -> None:
+    x = rand(9, 70)
+    rows = np.array([8, 0, 8, 3], np.int64)
+    close(ops.to_numpy(ops.rows(ops.upload(x, "bf16"), rows)), x[rows], ulps=0)
+
+
+# -- rope --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("style", [RopeStyle.NORM, RopeStyle.NEOX])
+@pytest.mark.parametrize("rope_dim,factors", [(64, False), (32, False), (64, True)])
+def test_rope(ops, style, rope_dim, factors) -> None:
+    x = rand(6, 3, 64)
+    pos = np.array([0, 1, 17, 4095, 32767, 131071], np.int32)
+    ff = (1.0 + rng.random(rope_dim // 2) * 8).astype(np.float32) if factors else None
+    kw = dict(style=style, rope_dim=rope_dim, base=500000.0, scale=0.5)
+    got = ops.rope(ops.upload(x, "bf16").reshape(6, 3, 64), pos,
+                   freq_factors=ops.upload(ff) if factors else None, **kw)
+    close(ops.to_numpy(got), REF.rope(x, pos, freq_factors=ff, **kw))
+
+
+# -- KV cache and attention --------------------------------------------------------------
+
+
+def _sessions(ops, layout_dev, layout_host, specs):
+    """Sessions (n_past, n_new, capacity) with random cached KV, on host and device."""
+    from kernels.cuda_ops import ContiguousDeviceKV, to_bf16_bits
+
+    host, dev, start = [], [], 0
+    for n_past, n_new, cap in specs:
+        h = ContiguousKV(layout_host, cap)
+        h.data[:n_past] = rand(n_past, *layout_host.token_shape)
+        d = ContiguousDeviceKV(ops, layout_dev, cap)
+        bits = to_bf16_bits(h.data)
+        from vmm.device import MemoryRange
+
+        staging = ops.device.alloc_host(bits.nbytes)
+        staging.array[:] = bits.view(np.uint8).reshape(-1)
+        ops.stream.copy_h2d(MemoryRange(d.buffer.ptr, d.buffer.nbytes), staging, bits.nbytes)
+        ops.synchronize()
+        staging.free()
+        host.append(SeqSlice(start, n_new, n_past, h))
+        dev.append(SeqSlice(start, n_new, n_past, d))
+        start += n_new
+    return host, dev, start
+
+
+@pytest.mark.parametrize("hd,n_heads,n_kv", [(16, 4, 2), (64, 8, 8), (128, 16, 4), (256, 4, 1),
+                                              (80, 6, 2)])
+@pytest.mark.parametrize("window", [0, 7])
+def test_kv_append_and_attention(ops, hd, n_heads, n_kv, window) -> None:
+    from kernels.cuda_ops import KV_DTYPE
+
+    n_layers, layer = 3, 1
+    lay_h = KVLayout(n_layers, n_kv, hd)
+    lay_d = KVLayout(n_layers, n_kv, hd, KV_DTYPE)
+    specs = [(0, 19, 40), (5, 1, 8), (700, 1, 720), (33, 40, 100), (1500, 2, 1600)]
+    host, dev, n_tok = _sessions(ops, lay_d, lay_h, specs)
+    tokens = np.zeros(n_tok, np.int32)
+    bh = ForwardBatch(tokens, host, np.arange(n_tok))
+    bd = ForwardBatch(tokens, dev, np.arange(n_tok))
+    k, v, q = rand(n_tok, n_kv, hd), rand(n_tok, n_kv, hd), rand(n_tok, n_heads, hd)
+    REF.kv_append(bh, layer, k, v)
+    ops.kv_append(bd, layer, ops.upload(k, "bf16").reshape(n_tok, n_kv, hd),
+                  ops.upload(v, "bf16").reshape(n_tok, n_kv, hd))
+    for sh, sd in zip(host, dev, strict=True):  # the region holds what the reference holds
+        got = ops.to_numpy(_region_tensor(sd.kv, sh.kv.data.shape))
+        np.testing.assert_array_equal(got[: sh.n_total], bf16(sh.kv.data[: sh.n_total]))
+    scale = 1 / math.sqrt(hd)
+    want = REF.attention(bh, layer, q, scale=scale, window=window)
+    got = ops.attention(bd, layer, ops.upload(q, "bf16").reshape(n_tok, n_heads, hd),
+                        scale=scale, window=window)
+    close(ops.to_numpy(got), want)
+
+
+def _region_tensor(kv, shape):
+    from kernels.cuda_ops import DeviceTensor
+
+    return DeviceTensor(kv.buffer.ptr, shape, "bf16")
+
+
+def test_decode_attention_splits_long_contexts(ops) -> None:
+    """One decode row over 5000 positions: the kernel splits the context and merges."""
+    from kernels.cuda_ops import KV_DTYPE
+
+    lay_h, lay_d = KVLayout(1, 2, 128), KVLayout(1, 2, 128, KV_DTYPE)
+    host, dev, _ = _sessions(ops, lay_d, lay_h, [(5000, 1, 5001)])
+    q = rand(1, 8, 128)
+    k, v = rand(1, 2, 128), rand(1, 2, 128)
+    bh = ForwardBatch(np.zeros(1, np.int32), host, np.arange(1))
+    bd = ForwardBatch(np.zeros(1, np.int32), dev, np.arange(1))
+    REF.kv_append(bh, 0, k, v)
+    ops.kv_append(bd, 0, ops.upload(k, "bf16").reshape(1, 2, 128),
+                  ops.upload(v, "bf16").reshape(1, 2, 128))
+    for window in (0, 1000):
+        want = REF.attention(bh, 0, q, scale=0.1, window=window)
+        got = ops.attention(bd, 0, ops.upload(q, "bf16").reshape(1, 8, 128), scale=0.1,
+                            window=window)
+        close(ops.to_numpy(got), want)
+
+
+# -- sampling ----------------------------------------------------------------------------
+
+
+def _logits(n: int, vocab: int) -> np.ndarray:
+    x = rng.standard_normal((n, vocab)).astype(np.float32) * 3
+    x[:, rng.integers(0, vocab, 5)] += 8  # a few likely tokens
+    x[0, :] = np.round(x[0, :])  # many ties
+    return x
+
+
+def test_greedy_sampling_is_the_argmax_with_ties_to_the_lower_id(ops) -> None:
+    logits = _logits(16, 5000)
+    logits[3, [10, 20]] = 100.0  # a tie
+    params = [SamplingParams(temperature=0.0)] * 16
+    got = ops.to_numpy(ops.sample(ops.upload(logits), params, list(range(16))))
+    np.testing.assert_array_equal(got, sample(logits, params, list(range(16))))
+    assert got[3] == 10
+
+
+SAMPLERS = [
+    SamplingParams(temperature=1.0, seed=1),
+    SamplingParams(temperature=0.7, top_k=40, seed=2),
+    SamplingParams(temperature=1.3, top_p=0.9, seed=3),
+    SamplingParams(temperature=0.8, min_p=0.05, seed=4),
+    SamplingParams(temperature=1.0, top_k=100, top_p=0.8, min_p=0.02, seed=5),
+    SamplingParams(temperature=2.0, top_k=1, seed=6),
+]
+
+
+@pytest.mark.parametrize("vocab", [1000, 151936])
+def test_sampling_matches_the_reference(ops, vocab) -> None:
+    n = 96
+    logits = _logits(n, vocab)
+    params = [SAMPLERS[i % len(SAMPLERS)] for i in range(n)]
+    positions = [int(p) for p in rng.integers(0, 1 << 40, n)]
+    got = ops.to_numpy(ops.sample(ops.upload(logits), params, positions))
+    want = sample(logits, params, positions)
+    for i in range(n):  # always a token the reference's filters keep
+        assert got[i] in filter_candidates(logits[i], params[i]), i
+    agree = float(np.mean(got == want))
+    print(f"\nsampler agreement with the reference: {agree:.3f}")
+    assert agree >= 0.97
+
+
+def test_sampling_does_not_depend_on_the_batch(ops) -> None:
+    logits = _logits(8, 3000)
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=99)] * 8
+    alone = [int(ops.to_numpy(ops.sample(ops.upload(logits[i:i + 1]), params[:1], [i]))[0])
+             for i in range(8)]
+    together = ops.to_numpy(ops.sample(ops.upload(logits), params, list(range(8))))
+    assert alone == together.tolist()
+
+
+def test_sampling_writes_the_token_buffer_and_flags_nan_rows(ops) -> None:
+    logits = _logits(3, 100)
+    logits[1, 7] = np.nan
+    token_buf = ops.upload(np.full(4, -5, np.int32))
+    slots = ops.upload(np.array([2, 0, -1], np.int32))
+    params = [SamplingParams(temperature=0.0)] * 3
+    out = ops.sample(ops.upload(logits), params, [0, 1, 2], token_buf=token_buf.ptr,
+                     out_slots=slots)
+    got, buf = ops.to_numpy(out), ops.to_numpy(token_buf)
+    assert got[1] == -1 and got[0] == np.argmax(logits[0])
+    assert buf.tolist() == [-1, -5, int(got[0]), -5]
+
+
+# -- dequantization ----------------------------------------------------------------------
+
+
+def _blocks(qtype, n_blocks: int) -> np.ndarray:
+    """Random valid blocks: quantized from random floats where gguf-py can, else random
+    bytes with small finite f16 scales (the K-quants)."""
+    block, size = quants.GGML_QUANT_SIZES[qtype]
+    try:
+        return quants.quantize(rand(n_blocks * block), qtype).reshape(-1)
+    except NotImplementedError:
+        raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+        scale_at = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],
+                    Q.Q6_K: [208]}[qtype]
+        for at in scale_at:
+            raw[:, at:at + 2] = (rng.random((n_blocks, 1)) * 0.1 + 0.001).astype(
+                np.float16).view(np.uint8)
+        return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+                                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_dequantization_equals_gguf(ops, qtype) -> None:
+    from kernels.cuda_backend import DEQUANT_KERNEL
+    from kernels.cuda_ops import to_bf16_bits
+
+    raw = _blocks(qtype, 64)
+    want = quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
+    n = want.size
+    src = ops.upload(np.ascontiguousarray(raw).view(np.uint8))
+    for out_dtype in ("bf16", "f32"):
+        out = ops.empty((n,), out_dtype)
+        ops.kernels[f"dequant_{DEQUANT_KERNEL[qtype]}_{out_dtype}"].launch(
+            ops.stream.handle, -(-n // 256), 256, out.ptr, src.ptr, n)
+        got = ops.to_numpy(out)
+        if out_dtype == "f32":
+            np.testing.assert_array_equal(got, want)
+        else:  # equal after rounding to bf16, or within one bf16 ulp
+            diff = np.abs(to_bf16_bits(got).astype(np.int32) -
+                          to_bf16_bits(want).astype(np.int32))
+            assert diff.max() <= 1
+
+
+# -- whole models ------------------------------------------------------------------------
+
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+
+
+def _model(tmp_path, arch, **kw):
+    from loader.model_file import ModelFile
+    from loader.synthetic import SyntheticSpec, write_synthetic_model
+
+    spec = SyntheticSpec(arch, n_layers=3, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32,
+                         d_ff=256, vocab_size=512, weight_type=Q.Q8_0, **kw)
+    return ModelFile.open(write_synthetic_model(tmp_path / f"{arch}.gguf", spec))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_model_logits_cuda_vs_cpu(gemm_ops, device, tmp_path, arch) -> None:
+    from kernels.cpu_backend import cpu_transformer
+    from kernels.cuda_backend import cuda_transformer
+    from kernels.cuda_ops import KV_DTYPE, ContiguousDeviceKV, CudaOps
+
+    model = _model(tmp_path, arch)
+    cfg = model.config
+    cpu = cpu_transformer(model)
+    gpu = cuda_transformer(model, ops=CudaOps(device, poison_outputs=True))
+    ids = rng.integers(0, cfg.vocab_size, 40).astype(np.int32)
+    lay = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+    want = cpu.forward(ForwardBatch.single(ids, 0, ContiguousKV(lay, 64), np.arange(40)))
+    kv = ContiguousDeviceKV(gpu.ops, KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
+                                              KV_DTYPE), 64)
+    got = np.asarray(gpu.forward(ForwardBatch.single(ids, 0, kv, np.arange(40))))
+    agree = float(np.mean(got.argmax(-1) == want.argmax(-1)))
+    print(f"\n{arch}: top-1 agreement {agree:.3f}")
+    assert agree >= 0.99
+    close(got, want, rel=5e-2, ulps=1e9)
+
+
+def _greedy(transformer, kv, prompt, steps):
+    tokens, n_past, batch = [], 0, ForwardBatch.single(prompt, 0, kv)
+    for _ in range(steps):
+        logits = np.asarray(transformer.forward(batch), dtype=np.float32)
+        n_past += len(batch.tokens)
+        tokens.append(int(np.argmax(logits[0])))
+        batch = ForwardBatch.single([tokens[-1]], n_past, kv)
+    return tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generation_cuda_vs_cpu(gemm_ops, device, tmp_path, arch) -> None:
+    from kernels.cpu_backend import cpu_transformer
+    from kernels.cuda_backend import cuda_transformer
+    from kernels.cuda_ops import KV_DTYPE, ContiguousDeviceKV, CudaOps
+
+    model = _model(tmp_path, arch)
+    cfg = model.config
+    cpu = cpu_transformer(model)
+    gpu = cuda_transformer(model, ops=CudaOps(device))
+    same = 0
+    prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in (3, 9, 17, 30, 5)]
+    for prompt in prompts:
+        lay = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+        want = _greedy(cpu, ContiguousKV(lay, 128), prompt, 64)
+        kv = ContiguousDeviceKV(gpu.ops, KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
+                                                  KV_DTYPE), 128)
+        same += _greedy(gpu, kv, prompt, 64) == want
+    print(f"\n{arch}: identical 64-token greedy runs {same}/{len(prompts)}")
+    assert same > len(prompts) // 2
+
+
+@pytest.mark.skip(reason="the control thread runs rounds as host work on a cpu stream; the "
+                         "cuda round (DeviceIds, device sampler, KVRegion views) needs the "
+                         "interface change described in docs (issue 5 report)")
+def test_greedy_generation_through_the_dispatcher_eager_equals_sync() -> None:
+    pass

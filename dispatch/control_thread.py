@@ -41,7 +41,13 @@ from dispatch.prefix_cache import PrefixCache
 from dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
 from kernels.batch import ForwardBatch, SeqSlice
 from kernels.model import Transformer
-from kernels.sampling import sample
+from kernels.sampling import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    TokenCounts,
+    sample,
+    token_logprob,
+)
 from vmm.device import Device, Event, HostBuffer, StreamError
 from vmm.kv_layout import KVLayout, TokenMajorKV
 from vmm.page_pool import OutOfPages, PagePool
@@ -106,6 +112,17 @@ class ControlThread:
         self._meta_dev = device.alloc(meta_ints * 4)
         self._sampled_dev = [device.alloc(sc.max_batch * 4) for _ in range(n_slots)]
         self._token_buf = device.alloc(sc.max_batch * 4)  # each session's last sample
+        lp_cols = 1 + MAX_LOGPROBS
+        self._lp_dev = [device.alloc(sc.max_batch * lp_cols * 4) for _ in range(n_slots)]
+        self._lp_ids_dev = [device.alloc(sc.max_batch * MAX_LOGPROBS * 4)
+                            for _ in range(n_slots)]
+        self._lp_host = [device.alloc_host(sc.max_batch * lp_cols * 4) for _ in range(n_slots)]
+        self._lp_ids_host = [device.alloc_host(sc.max_batch * MAX_LOGPROBS * 4)
+                             for _ in range(n_slots)]
+        # penalty token counts live with the sampler, touched only by work on the compute
+        # stream; the control thread only says when to rebuild or forget a session's
+        self._sampler_state = _SamplerState(transformer.config.vocab_size)
+        self._forget: list[int] = []
         self._records: list[_RoundRecord | None] = [None] * n_slots
         self.round_id = 0
         self.last_event: Event | None = None
@@ -221,6 +238,8 @@ class ControlThread:
         self.generated.pop(msg.session_id, None)
         if s is None:
             return
+        if s.params.penalized:
+            self._forget.append(s.id)
         self.scheduler.remove(s)
         if s.region is None:
             return
@@ -249,7 +268,7 @@ class ControlThread:
         seqs = meta_host[n_rows * _ROW_FIELDS:
                          n_rows * _ROW_FIELDS + n_seqs * _SEQ_FIELDS].reshape(n_seqs, _SEQ_FIELDS)
         start = 0
-        kvs, params, sampled_rows = [], [], []
+        kvs, seq_work, sampled_rows = [], [], []
         for i, r in enumerate(plan.rows):
             s = r.session
             if r.from_slot:
@@ -260,22 +279,42 @@ class ControlThread:
             seqs[i] = (start, r.n_new, r.n_past, s.slot if r.samples else -1)
             assert s.region is not None
             kvs.append(TokenMajorKV(s.region.tokens()))
+            rebuild = None
+            if s.params.penalized and not s.counts_valid:
+                rebuild = s.tokens[:r.n_past]
+                s.counts_valid = True
+            seq_work.append(_SeqWork(s.id, s.prompt_len, s.params, r.samples, rebuild))
             if r.samples:
-                params.append(s.params)
                 sampled_rows.append((s, s.n_sampled))
             start += r.n_new
         n_meta = (n_rows * _ROW_FIELDS + n_seqs * _SEQ_FIELDS) * 4
+        logprob_n = [s.params.logprobs for s, _ in sampled_rows]
+        want_logprobs = any(n is not None for n in logprob_n)
 
         self.compute.copy_h2d(self._meta_dev, self._meta_host[slot], n_meta)
         trace.device_start = self.compute.record(self.device.event())
         run = _RoundWork(self.transformer, self._meta_dev, self._token_buf,
-                         self._sampled_dev[slot], n_rows, n_seqs, kvs, params)
+                         self._sampled_dev[slot], n_rows, n_seqs, kvs, seq_work,
+                         self._sampler_state, self._forget,
+                         (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
+                         else None)
+        self._forget = []
         self.compute.launch(run)
         done = self.compute.record(self.device.event())
         trace.device_end = done
         self.copy.wait_event(done)
         n_out = len(sampled_rows)
         self.copy.copy_d2h(self._tokens_host[slot], self._sampled_dev[slot], n_out * 4)
+        lp_values = lp_ids = None
+        if want_logprobs:
+            cols = 1 + MAX_LOGPROBS
+            self.copy.copy_d2h(self._lp_host[slot], self._lp_dev[slot], n_out * cols * 4)
+            self.copy.copy_d2h(self._lp_ids_host[slot], self._lp_ids_dev[slot],
+                               n_out * MAX_LOGPROBS * 4)
+            lp_values = self._lp_host[slot].array.view(np.float32)[:n_out * cols].reshape(
+                n_out, cols)
+            lp_ids = self._lp_ids_host[slot].array.view(np.int32)[
+                :n_out * MAX_LOGPROBS].reshape(n_out, MAX_LOGPROBS)
         copied = self.copy.record(self.device.event(timing=False))
         self.scheduler.launched(plan, done)
         self.last_event = done
@@ -290,7 +329,8 @@ class ControlThread:
                    and not r.from_slot}
         self.to_service.put(RoundDone(
             self.round_id, [s.id for s, _ in sampled_rows], [g for _, g in sampled_rows],
-            host_tokens, copied, prefill, trace))
+            host_tokens, copied, logprob_n=logprob_n, logprob_values=lp_values,
+            logprob_ids=lp_ids, prefill_tokens=prefill, trace=trace))
         self.round_id += 1
 
     def _harvest(self, slot: int, wait: bool = True) -> None:
@@ -331,17 +371,43 @@ class ControlThread:
         self.copy.close()
 
 
+@dataclass
+class _SeqWork:
+    """What the device side needs to know of one session in a round, beyond the metadata
+    rows: its sampling parameters, and for penalties where its prompt ends and, when its
+    token counts must be (re)built, the tokens before this round's rows."""
+
+    session_id: int
+    prompt_len: int
+    params: SamplingParams
+    samples: bool
+    rebuild: list[int] | None
+
+
+class _SamplerState:
+    """Per-session token counts for the penalties. Owned by the compute stream: only
+    `_RoundWork` (which runs there, in order) reads or changes it."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.counts: dict[int, TokenCounts] = {}
+
+
 class _RoundWork:
     """The device side of one round, run on the compute stream: gather the inputs (host
     ids for prefill, the token buffer for decode), forward, sample, write the samples to
-    the token buffer and to this round's output buffer."""
+    the token buffer and to this round's output buffer (and logprobs, if asked)."""
 
     def __init__(self, transformer: Transformer, meta: Any, token_buf: Any, sampled: Any,
-                 n_rows: int, n_seqs: int, kvs: list[TokenMajorKV], params: list) -> None:
+                 n_rows: int, n_seqs: int, kvs: list[TokenMajorKV], seq_work: list[_SeqWork],
+                 state: _SamplerState, forget: list[int],
+                 logprob_out: tuple[Any, Any] | None) -> None:
         self.transformer = transformer
         self.meta, self.token_buf, self.sampled = meta, token_buf, sampled
         self.n_rows, self.n_seqs = n_rows, n_seqs
-        self.kvs, self.params = kvs, params
+        self.kvs, self.seq_work = kvs, seq_work
+        self.state, self.forget = state, forget
+        self.logprob_out = logprob_out
 
     def __call__(self) -> None:
         meta = self.meta.array.view(np.int32)
@@ -353,16 +419,54 @@ class _RoundWork:
         ids = np.where(rows[:, 1] >= 0, token_buf[np.maximum(rows[:, 1], 0)], rows[:, 0])
         slices = [SeqSlice(int(st), int(n), int(past), kv)
                   for (st, n, past, _), kv in zip(seqs, self.kvs, strict=True)]
+        counts = self._count_inputs(ids, seqs)
         out = seqs[:, 3]
         sampling = out >= 0
         logit_rows = (seqs[:, 0] + seqs[:, 1] - 1)[sampling]
         positions = (seqs[:, 2] + seqs[:, 1])[sampling]
+        work = [w for w in self.seq_work if w.samples]
         batch = ForwardBatch(ids.astype(np.int32), slices, logit_rows.astype(np.int64))
         logits = np.asarray(self.transformer.forward(batch), dtype=np.float32)
-        tokens = sample(logits, self.params, positions.tolist()).astype(np.int32)
+        tokens = sample(logits, [w.params for w in work], positions.tolist(),
+                        [counts.get(w.session_id) for w in work]).astype(np.int32)
         token_buf[out[sampling]] = tokens
         self.sampled.array.view(np.int32)[: len(tokens)] = tokens
+        if self.logprob_out is not None:
+            self._write_logprobs(logits, tokens, work)
         self.kvs = []  # drop the views of the KV pages as soon as the work is done
+
+    def _count_inputs(self, ids: np.ndarray, seqs: np.ndarray) -> dict[int, TokenCounts]:
+        """Bring penalized sessions' token counts up to date with this round's inputs."""
+        st = self.state
+        for sid in self.forget:
+            st.counts.pop(sid, None)
+        for w, (start, n, past, _) in zip(self.seq_work, seqs, strict=True):
+            if not w.params.penalized:
+                continue
+            if w.rebuild is not None:
+                c = st.counts[w.session_id] = TokenCounts.empty(st.vocab)
+                c.add(w.rebuild[:w.prompt_len], as_output=False)
+                c.add(w.rebuild[w.prompt_len:], as_output=True)
+            c = st.counts[w.session_id]
+            inputs = ids[start:start + n]
+            split = max(0, min(n, w.prompt_len - int(past)))  # rows still in the prompt
+            c.add(inputs[:split], as_output=False)
+            c.add(inputs[split:], as_output=True)
+        return st.counts
+
+    def _write_logprobs(self, logits: np.ndarray, tokens: np.ndarray,
+                        work: list[_SeqWork]) -> None:
+        values_buf, ids_buf = self.logprob_out
+        values = values_buf.array.view(np.float32).reshape(-1, 1 + MAX_LOGPROBS)
+        top_ids = ids_buf.array.view(np.int32).reshape(-1, MAX_LOGPROBS)
+        for i, w in enumerate(work):
+            if w.params.logprobs is None:
+                continue
+            lp = token_logprob(logits[i], int(tokens[i]), w.params.logprobs)
+            values[i, 0] = lp.logprob
+            for j, (tid, v) in enumerate(lp.top):
+                values[i, 1 + j] = v
+                top_ids[i, j] = tid
 
 
 def _sync(event: Event | None) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels.sampling import SamplingParams
+from kernels.sampling import SamplingParams, TokenLogprob
 from vmm.device import Event
 
 
@@ -42,6 +42,7 @@ class Output:
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV was reused, not prefilled
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
 
 
 OutputSink = Callable[[Output], None]
@@ -109,6 +110,11 @@ class RoundDone:
     generation: list[int]
     tokens: np.ndarray  # int32 [len(sessions)]
     copied: Event
+    # per session: how many alternatives it asked for (None: no logprobs), and the host
+    # buffers the sampler's logprobs land in (valid once `copied` completes)
+    logprob_n: list[int | None] = field(default_factory=list)
+    logprob_values: np.ndarray | None = None  # float32 [rows, 1 + MAX_LOGPROBS]
+    logprob_ids: np.ndarray | None = None  # int32 [rows, MAX_LOGPROBS]
     prefill_tokens: dict[int, int] = field(default_factory=dict)  # session -> cached
     trace: RoundTrace | None = None
 

@@ -44,6 +44,7 @@ class Session:
     n_reused: int = 0  # prompt positions taken from the prefix cache
     last_event: Event | None = None  # recorded after the last round that touched its KV
     stopped: bool = False
+    counts_valid: bool = False  # the sampler's penalty counts match what is cached
     prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -240,6 +241,7 @@ class Scheduler:
                 s.region = None
             s.n_cached = 0
             s.n_reused = 0
+            s.counts_valid = False  # the recompute counts its tokens again
         self.pool.reclaim()
         if s in self.running:
             self.running.remove(s)

@@ -19,7 +19,13 @@ from dispatch.messages import FinishReason
 from dispatch.token_judge import TokenJudge
 from kernels.batch import ForwardBatch
 from kernels.model import Transformer
-from kernels.sampling import SamplingParams, sample
+from kernels.sampling import (
+    SamplingParams,
+    TokenCounts,
+    TokenLogprob,
+    sample,
+    token_logprob,
+)
 from loader.tokenizer import Tokenizer
 from vmm.kv_layout import ContiguousKV, KVLayout
 
@@ -32,6 +38,7 @@ class Chunk:
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
 
 
 @dataclass
@@ -78,18 +85,25 @@ class SequentialGeneration:
         self.stats = GenerationStats(prompt_tokens=n_prompt)
         t0 = time.perf_counter()
 
+        counts = TokenCounts.empty(cfg.vocab_size) if params.penalized else None
+        if counts is not None:
+            counts.add(self.prompt_ids, as_output=False)
         batch = ForwardBatch.single(list(self.prompt_ids), 0, kv)
         n_past = 0
         while True:
             logits = np.asarray(self.transformer.forward(batch), dtype=np.float32)
             n_past += len(batch.tokens)
-            token = int(sample(logits, [params], [n_past])[0])
+            token = int(sample(logits, [params], [n_past], [counts])[0])
+            if counts is not None:
+                counts.add([token], as_output=True)
+            logprobs = None if params.logprobs is None else [
+                token_logprob(logits[0], token, params.logprobs)]
             if self.stats.generated_tokens == 0:
                 self.stats.time_to_first_token_s = time.perf_counter() - t0
             self.stats.generated_tokens += 1
             self.stats.total_s = time.perf_counter() - t0
             text, finish = judge.accept(token)
-            yield Chunk(text, [token], finish)
+            yield Chunk(text, [token], finish, logprobs)
             if finish is not None:
                 return
             batch = ForwardBatch.single([token], n_past, kv)

@@ -32,6 +32,7 @@ from dispatch.messages import (
     Submit,
 )
 from dispatch.token_judge import TokenJudge
+from kernels.sampling import TokenLogprob
 from loader.tokenizer import Tokenizer
 from vmm.device import StreamError
 
@@ -150,34 +151,38 @@ class ServiceThread:
             if rd.trace is not None:
                 rd.trace.tokens_ready = time.perf_counter()
             tokens = rd.tokens.tolist()
+            logprobs = _logprobs(rd, tokens)
         finally:
             self.lookahead.release()  # whatever happens, the control thread goes on
         self.stats.rounds += 1
         for sid, cached in rd.prefill_tokens.items():
             if sid in self._requests:
                 self._requests[sid].cached_tokens = cached
-        for sid, gen, token in zip(rd.sessions, rd.generation, tokens, strict=True):
+        for sid, gen, token, lp in zip(rd.sessions, rd.generation, tokens, logprobs,
+                                       strict=True):
             req = self._requests.get(sid)
             if req is None or req.done or gen != len(req.generated):
                 self.stats.tokens_discarded += 1
                 continue
-            self._accept(req, token)
+            self._accept(req, token, lp)
         if self.on_round is not None:
             self.on_round(rd)
 
-    def _accept(self, req: _Request, token: int) -> None:
+    def _accept(self, req: _Request, token: int, lp: TokenLogprob | None) -> None:
         self.stats.tokens_accepted += 1
         text, finish = req.judge.accept(token)
+        logprobs = None if lp is None else [lp]
         if finish is not None:
-            self._finish(req, finish, text, [token])
+            self._finish(req, finish, text, [token], logprobs=logprobs)
         else:
             self._deliver(req, Output(req.request_id, text, [token],
                                       prompt_tokens=len(req.prompt_ids),
-                                      cached_tokens=req.cached_tokens))
+                                      cached_tokens=req.cached_tokens, logprobs=logprobs))
 
     def _finish(self, req: _Request, reason: FinishReason, text: str,
                 token_ids: list[int] | None = None, error: str | None = None,
-                tell_control: bool = True) -> None:
+                tell_control: bool = True,
+                logprobs: list[TokenLogprob] | None = None) -> None:
         req.done = True
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
         if tell_control:
@@ -187,7 +192,7 @@ class ServiceThread:
         del self._requests[req.request_id]
         self._deliver(req, Output(req.request_id, text, token_ids or [], reason, error,
                                   prompt_tokens=len(req.prompt_ids),
-                                  cached_tokens=req.cached_tokens))
+                                  cached_tokens=req.cached_tokens, logprobs=logprobs))
 
     def _deliver(self, req: _Request, out: Output) -> None:
         """Hand an output to the request's sink; a sink that raises cancels its request
@@ -198,3 +203,18 @@ class ServiceThread:
             traceback.print_exc()
             if not req.done:
                 self._finish(req, FinishReason.CANCELLED, "")
+
+
+def _logprobs(rd: RoundDone, tokens: list[int]) -> list[TokenLogprob | None]:
+    """The sampler's logprobs of a round, as objects, for the sessions that asked."""
+    if rd.logprob_values is None or rd.logprob_ids is None:
+        return [None] * len(tokens)
+    out: list[TokenLogprob | None] = []
+    for i, (token, n) in enumerate(zip(tokens, rd.logprob_n, strict=True)):
+        if n is None:
+            out.append(None)
+            continue
+        values, ids = rd.logprob_values[i], rd.logprob_ids[i]
+        out.append(TokenLogprob(token, float(values[0]), tuple(
+            (int(ids[j]), float(values[1 + j])) for j in range(n))))
+    return out

@@ -233,7 +233,8 @@ def test_small_pool_preempts_and_still_matches(model, preempt):
     for key in range(10):
         prompt = m.tokenizer.encode(" ".join(["delta gamma"] * rng.randint(4, 10)))
         reqs.append((key, prompt, SamplingParams(temperature=rng.choice([0.0, 1.0]),
-                                                 seed=key, max_tokens=40, ignore_eos=True)))
+                                                 seed=key, max_tokens=40, ignore_eos=True,
+                                                 frequency_penalty=0.5 * (key % 2))))
     layout_bytes = m.config.n_layers * 2 * m.config.kv_dim * 4  # float32 KV per token
     longest = max(len(p) for _, p, _ in reqs) + 40
     budget = 2 * longest * layout_bytes  # about two sessions' worth at full length
@@ -345,3 +346,35 @@ def test_a_sink_that_raises_cancels_only_its_own_request(model):
             model, prompt, params)[0]
         d.flush()
         assert not d.control.sessions
+
+
+def test_penalties_and_logprobs_match_the_request_run_alone(model):
+    """Penalty counts live beside the device sampler (no host help), including across a
+    chunked prefill, a prefix-cache hit and preemption; logprobs travel with the tokens."""
+    m, _ = model
+    prompt = m.tokenizer.encode("alpha beta alpha beta gamma delta alpha " * 3)
+    variants = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                       repetition_penalty=1.3, logprobs=3),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True,
+                       presence_penalty=0.7, frequency_penalty=0.4, logprobs=0),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
+    ]
+    with make(model, round_tokens=16) as d:
+        col = Collector()
+        for key, params in enumerate(variants):
+            d.submit(prompt, params, col.sink_for(key))
+        col.wait(len(variants))
+    for key, params in enumerate(variants):
+        chunks = list(SequentialGeneration(model[1], m.tokenizer, prompt, params))
+        ref_lps = [lp for c in chunks for lp in c.logprobs]
+        outs = col.outputs[key]
+        assert [t for o in outs for t in o.token_ids] == [t for c in chunks
+                                                           for t in c.token_ids]
+        lps = [lp for o in outs for lp in o.logprobs]
+        assert len(lps) == len(ref_lps) == 24
+        for got, ref in zip(lps, ref_lps, strict=True):
+            assert got.token == ref.token
+            assert got.logprob == pytest.approx(ref.logprob, abs=1e-4)
+            assert [t for t, _ in got.top] == [t for t, _ in ref.top]
+            assert len(got.top) == params.logprobs

@@ -277,3 +277,70 @@ def test_valid_edges_are_accepted_and_normalised():
     assert p.greedy and p.stop == ("a",) * 16 and isinstance(p.temperature, float)
     assert SamplingParams(temperature=1) == SamplingParams(temperature=1.0)
     assert hash(SamplingParams(stop=["x"])) == hash(SamplingParams(stop=("x",)))
+
+
+# -- penalties and logprobs -------------------------------------------------------------
+# References are written out by hand from the definitions (llama.cpp / HF for repetition,
+# OpenAI's API reference for presence and frequency).
+
+def _counts(vocab, prompt=(), output=()):
+    from kernels.sampling import TokenCounts
+
+    c = TokenCounts.empty(vocab)
+    c.add(list(prompt), as_output=False)
+    c.add(list(output), as_output=True)
+    return c
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    from kernels.sampling import apply_penalties
+
+    logits = np.array([2.0, -1.0, 3.0, 0.5], np.float32)
+    out = apply_penalties(logits, SamplingParams(repetition_penalty=2.0),
+                          _counts(4, prompt=[0], output=[1]))
+    np.testing.assert_allclose(out, [1.0, -2.0, 3.0, 0.5])
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    from kernels.sampling import apply_penalties
+
+    logits = np.zeros(4, np.float32)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits, params, _counts(4, prompt=[3, 3], output=[1, 1, 1, 2]))
+    # token 1: 0.5 + 3 * 0.25; token 2: 0.5 + 0.25; token 3 only in the prompt: untouched
+    np.testing.assert_allclose(out, [0.0, -1.25, -0.75, 0.0])
+
+
+def test_penalties_change_the_greedy_choice():
+    logits = np.array([[5.0, 4.9, 0.0]], np.float32)
+    plain = SamplingParams(temperature=0.0)
+    penalized = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    assert sample(logits, [plain], [0])[0] == 0
+    assert sample(logits, [penalized], [0], [_counts(3, output=[0])])[0] == 1
+
+
+def test_penalized_row_without_counts_is_refused():
+    with pytest.raises(ValueError, match="penalties"):
+        sample(np.zeros((1, 3), np.float32), [SamplingParams(presence_penalty=1.0)], [0])
+
+
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 0.0),
+                                          ("presence_penalty", 2.5),
+                                          ("frequency_penalty", -3.0), ("logprobs", 21),
+                                          ("logprobs", -1)])
+def test_invalid_penalty_and_logprob_settings_name_the_field(field, value):
+    with pytest.raises(InvalidSamplingParams, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_token_logprob_is_the_log_softmax_with_top_alternatives():
+    from kernels.sampling import token_logprob
+
+    logits = np.array([1.0, 3.0, 2.0, 3.0], np.float32)
+    ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+    lp = token_logprob(logits, 2, 3)
+    assert lp.token == 2 and lp.logprob == pytest.approx(ref[2])
+    # most likely first, ties by lower id
+    assert [t for t, _ in lp.top] == [1, 3, 2]
+    assert [v for _, v in lp.top] == pytest.approx([ref[1], ref[3], ref[2]])
+    assert token_logprob(logits, 0, 0).top == ()

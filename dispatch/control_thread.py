@@ -41,15 +41,9 @@ from dispatch.prefix_cache import PrefixCache
 from dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
 from kernels.batch import ForwardBatch, SeqSlice
 from kernels.model import Transformer
-from kernels.sampling import (
-    MAX_LOGPROBS,
-    SamplingParams,
-    TokenCounts,
-    sample,
-    token_logprob,
-)
+from kernels.sampling import MAX_LOGPROBS, SamplingParams, TokenCounts
 from vmm.device import Device, Event, HostBuffer, StreamError
-from vmm.kv_layout import KVLayout, TokenMajorKV
+from vmm.kv_layout import KVLayout
 from vmm.page_pool import OutOfPages, PagePool
 
 # ring slot metadata: per row [host token id, source slot or -1]; per session
@@ -91,7 +85,8 @@ class ControlThread:
         self.lookahead = lookahead
         self.context_length = context_length
         cfg = transformer.config
-        self.layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+        self.layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
+                               transformer.ops.kv_dtype)
         self.scheduler = Scheduler(config.scheduler, pool, self.layout, context_length,
                                    sync_event=_sync)
         self.scheduler.resolve_tokens = self._generated_tokens
@@ -101,7 +96,8 @@ class ControlThread:
         self.generated: dict[int, list[int]] = {}  # harvested samples, per session id
 
         sc = config.scheduler
-        self.compute = device.stream("compute")
+        # cuda ops enqueue on their own stream, which must be the round's compute stream
+        self.compute = getattr(transformer.ops, "stream", None) or device.stream("compute")
         self.copy = device.stream("copy")
         n_slots = config.lookahead + 2
         meta_ints = sc.max_round_tokens * _ROW_FIELDS + sc.max_batch * _SEQ_FIELDS
@@ -205,6 +201,10 @@ class ControlThread:
 
     def _add(self, msg: AddSession) -> None:
         s = Session(msg.session_id, list(msg.prompt_ids), msg.params, msg.max_new_tokens)
+        why = self.transformer.ops.unsupported(s.params)
+        if why is not None:
+            self.to_service.put(SessionFailed(s.id, why))
+            return
         if not self.scheduler.can_ever_fit(s):
             self.to_service.put(SessionFailed(s.id, (
                 f"the request needs {self.scheduler.pages_for(s.prompt_len + s.max_new)} KV "
@@ -268,7 +268,7 @@ class ControlThread:
         seqs = meta_host[n_rows * _ROW_FIELDS:
                          n_rows * _ROW_FIELDS + n_seqs * _SEQ_FIELDS].reshape(n_seqs, _SEQ_FIELDS)
         start = 0
-        kvs, seq_work, sampled_rows = [], [], []
+        kvs, seq_rows, seq_work, sampled_rows = [], [], [], []
         for i, r in enumerate(plan.rows):
             s = r.session
             if r.from_slot:
@@ -278,12 +278,14 @@ class ControlThread:
                 rows[start:start + r.n_new, 1] = -1
             seqs[i] = (start, r.n_new, r.n_past, s.slot if r.samples else -1)
             assert s.region is not None
-            kvs.append(TokenMajorKV(s.region.tokens()))
+            kvs.append(self.transformer.ops.session_kv(s.region))
+            seq_rows.append((start, r.n_new, r.n_past))
             rebuild = None
             if s.params.penalized and not s.counts_valid:
                 rebuild = s.tokens[:r.n_past]
                 s.counts_valid = True
-            seq_work.append(_SeqWork(s.id, s.prompt_len, s.params, r.samples, rebuild))
+            seq_work.append(_SeqWork(s.id, s.prompt_len, s.params, r.samples, s.slot,
+                                     rebuild))
             if r.samples:
                 sampled_rows.append((s, s.n_sampled))
             start += r.n_new
@@ -294,7 +296,7 @@ class ControlThread:
         self.compute.copy_h2d(self._meta_dev, self._meta_host[slot], n_meta)
         trace.device_start = self.compute.record(self.device.event())
         run = _RoundWork(self.transformer, self._meta_dev, self._token_buf,
-                         self._sampled_dev[slot], n_rows, n_seqs, kvs, seq_work,
+                         self._sampled_dev[slot], n_rows, seq_rows, kvs, seq_work,
                          self._sampler_state, self._forget,
                          (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
                          else None)
@@ -381,6 +383,7 @@ class _SeqWork:
     prompt_len: int
     params: SamplingParams
     samples: bool
+    slot: int  # the token-buffer row its sample goes to
     rebuild: list[int] | None
 
 
@@ -394,79 +397,63 @@ class _SamplerState:
 
 
 class _RoundWork:
-    """The device side of one round, run on the compute stream: gather the inputs (host
-    ids for prefill, the token buffer for decode), forward, sample, write the samples to
-    the token buffer and to this round's output buffer (and logprobs, if asked)."""
+    """The device side of one round, launched on the compute stream: the inputs (host ids
+    for prefill rows, the token buffer for decode rows), the forward, the sampler writing
+    this round's samples to the token buffer and to the round's output buffer (and
+    logprobs, if asked). Backend-specific steps are ops (`round_inputs`, `sample_round`);
+    on cuda this runs at launch and enqueues kernels, on cpu it runs on the stream."""
 
     def __init__(self, transformer: Transformer, meta: Any, token_buf: Any, sampled: Any,
-                 n_rows: int, n_seqs: int, kvs: list[TokenMajorKV], seq_work: list[_SeqWork],
-                 state: _SamplerState, forget: list[int],
+                 n_rows: int, seq_rows: list[tuple[int, int, int]], kvs: list[Any],
+                 seq_work: list[_SeqWork], state: _SamplerState, forget: list[int],
                  logprob_out: tuple[Any, Any] | None) -> None:
         self.transformer = transformer
         self.meta, self.token_buf, self.sampled = meta, token_buf, sampled
-        self.n_rows, self.n_seqs = n_rows, n_seqs
+        self.n_rows, self.seq_rows = n_rows, seq_rows
         self.kvs, self.seq_work = kvs, seq_work
         self.state, self.forget = state, forget
         self.logprob_out = logprob_out
 
     def __call__(self) -> None:
-        meta = self.meta.array.view(np.int32)
-        rows = meta[: self.n_rows * _ROW_FIELDS].reshape(self.n_rows, _ROW_FIELDS)
-        seqs = meta[self.n_rows * _ROW_FIELDS:
-                    self.n_rows * _ROW_FIELDS + self.n_seqs * _SEQ_FIELDS].reshape(
-                        self.n_seqs, _SEQ_FIELDS)
-        token_buf = self.token_buf.array.view(np.int32)
-        ids = np.where(rows[:, 1] >= 0, token_buf[np.maximum(rows[:, 1], 0)], rows[:, 0])
-        slices = [SeqSlice(int(st), int(n), int(past), kv)
-                  for (st, n, past, _), kv in zip(seqs, self.kvs, strict=True)]
-        counts = self._count_inputs(ids, seqs)
-        out = seqs[:, 3]
-        sampling = out >= 0
-        logit_rows = (seqs[:, 0] + seqs[:, 1] - 1)[sampling]
-        positions = (seqs[:, 2] + seqs[:, 1])[sampling]
-        work = [w for w in self.seq_work if w.samples]
-        batch = ForwardBatch(ids.astype(np.int32), slices, logit_rows.astype(np.int64))
-        logits = np.asarray(self.transformer.forward(batch), dtype=np.float32)
-        tokens = sample(logits, [w.params for w in work], positions.tolist(),
-                        [counts.get(w.session_id) for w in work]).astype(np.int32)
-        token_buf[out[sampling]] = tokens
-        self.sampled.array.view(np.int32)[: len(tokens)] = tokens
-        if self.logprob_out is not None:
-            self._write_logprobs(logits, tokens, work)
+        ops = self.transformer.ops
+        tokens = ops.round_inputs(self.meta, self.n_rows, self.token_buf)
+        slices = [SeqSlice(st, n, past, kv)
+                  for (st, n, past), kv in zip(self.seq_rows, self.kvs, strict=True)]
+        counts = self._count_inputs(tokens)
+        work = [(w, (st, n, past)) for w, (st, n, past) in zip(self.seq_work, self.seq_rows,
+                                                               strict=True) if w.samples]
+        logit_rows = np.array([st + n - 1 for _, (st, n, _) in work], dtype=np.int64)
+        batch = ForwardBatch(tokens, slices, logit_rows)
+        logits = self.transformer.forward(batch)
+        ops.sample_round(
+            logits, [w.params for w, _ in work], [past + n for _, (_, n, past) in work],
+            [counts.get(w.session_id) for w, _ in work], out=self.sampled,
+            token_buf=self.token_buf, out_slots=[w.slot for w, _ in work],
+            logprobs_out=self.logprob_out)
         self.kvs = []  # drop the views of the KV pages as soon as the work is done
 
-    def _count_inputs(self, ids: np.ndarray, seqs: np.ndarray) -> dict[int, TokenCounts]:
-        """Bring penalized sessions' token counts up to date with this round's inputs."""
+    def _count_inputs(self, tokens: Any) -> dict[int, TokenCounts]:
+        """Bring penalized sessions' token counts up to date with this round's inputs.
+        (Only backends whose `unsupported` accepts penalties ever get here with any.)"""
         st = self.state
         for sid in self.forget:
             st.counts.pop(sid, None)
-        for w, (start, n, past, _) in zip(self.seq_work, seqs, strict=True):
-            if not w.params.penalized:
-                continue
+        penalized = [(w, r) for w, r in zip(self.seq_work, self.seq_rows, strict=True)
+                     if w.params.penalized]
+        if not penalized:
+            return st.counts
+        ids = np.asarray(tokens)
+        for w, (start, n, past) in penalized:
             if w.rebuild is not None:
                 c = st.counts[w.session_id] = TokenCounts.empty(st.vocab)
                 c.add(w.rebuild[:w.prompt_len], as_output=False)
                 c.add(w.rebuild[w.prompt_len:], as_output=True)
             c = st.counts[w.session_id]
             inputs = ids[start:start + n]
-            split = max(0, min(n, w.prompt_len - int(past)))  # rows still in the prompt
+            split = max(0, min(n, w.prompt_len - past))  # rows still in the prompt
             c.add(inputs[:split], as_output=False)
             c.add(inputs[split:], as_output=True)
         return st.counts
-
-    def _write_logprobs(self, logits: np.ndarray, tokens: np.ndarray,
-                        work: list[_SeqWork]) -> None:
-        values_buf, ids_buf = self.logprob_out
-        values = values_buf.array.view(np.float32).reshape(-1, 1 + MAX_LOGPROBS)
-        top_ids = ids_buf.array.view(np.int32).reshape(-1, MAX_LOGPROBS)
-        for i, w in enumerate(work):
-            if w.params.logprobs is None:
-                continue
-            lp = token_logprob(logits[i], int(tokens[i]), w.params.logprobs)
-            values[i, 0] = lp.logprob
-            for j, (tid, v) in enumerate(lp.top):
-                values[i, 1 + j] = v
-                top_ids[i, j] = tid
 
 
 def _sync(event: Event | None) -> None:

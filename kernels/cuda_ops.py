@@ -267,6 +267,7 @@ class CudaOps:
     """Ops over DeviceTensors, all enqueued on one stream."""
 
     name = "cuda"
+    kv_dtype = KV_DTYPE
 
     def __init__(self, device: Any, stream: Any = None, *, lm_head: DeviceTensor | None = None,
                  poison_outputs: bool = False) -> None:
@@ -553,6 +554,36 @@ class CudaOps:
                 self._s, n_tok * n_heads, min(256, -(-hd // 32) * 32), out.ptr, part_o.ptr,
                 part_ml.ptr, n_tok, n_heads, hd, n_splits)
         return out
+
+    # -- what the dispatcher's rounds need beside the forward ----------------------------
+    # (written against kernels/numpy_ops.py's versions; not yet run on a GPU)
+
+    def unsupported(self, params: SamplingParams) -> str | None:
+        if params.penalized:
+            return ("repetition / presence / frequency penalties are not in the cuda "
+                    "sampler yet")
+        if params.logprobs is not None:
+            return "logprobs are not in the cuda sampler yet"
+        return None
+
+    def session_kv(self, region: Any) -> Any:
+        """The region itself: the kernels read its base pointer and strides."""
+        return region
+
+    def round_inputs(self, rows: Any, n_rows: int, token_buf: Any) -> DeviceIds:
+        """The embedding kernel gathers the ids on the device, from the metadata rows
+        `[host id, token-buffer slot or -1]` and the token buffer."""
+        return DeviceIds(rows.ptr, n_rows, token_buf.ptr)
+
+    def sample_round(self, logits: DeviceTensor, params: Sequence[SamplingParams],
+                     positions: Sequence[int], counts: Sequence[Any], *, out: Any,
+                     token_buf: Any, out_slots: Sequence[int],
+                     logprobs_out: Any = None) -> None:
+        if logprobs_out is not None:
+            raise NotImplementedError("logprobs are not in the cuda sampler yet")
+        slots = self.upload(np.asarray(out_slots, dtype=np.int32), "i32")
+        self.sample(logits, params, positions, out=DeviceTensor(out.ptr, (len(params),), "i32"),
+                    token_buf=token_buf.ptr, out_slots=slots)
 
     # -- sampling ------------------------------------------------------------------------
 

@@ -7,10 +7,25 @@ float32 (BLAS), no in-place tricks that hide what is computed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from kernels.batch import ForwardBatch
+from kernels.sampling import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    TokenCounts,
+    sample,
+    token_logprob,
+)
 from loader.config import Activation, RopeStyle
+from vmm.kv_layout import TokenMajorKV
+
+if TYPE_CHECKING:
+    from vmm.device import HostBuffer as Buffer
+    from vmm.kv_region import KVRegion
 
 _GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 
@@ -19,6 +34,49 @@ class NumpyOps:
     """Ops over numpy arrays. Activations are `[tokens, features]` float32."""
 
     name = "cpu"
+    kv_dtype = np.dtype(np.float32)  # the KV cache element
+
+    # -- what the dispatcher's rounds need beside the forward --------------------------
+
+    def unsupported(self, params: SamplingParams) -> str | None:
+        """Why this backend cannot serve a request with these parameters, if it cannot."""
+        return None
+
+    def session_kv(self, region: KVRegion) -> TokenMajorKV:
+        """A session's KV as the ops read it: a view taken now, at launch, so the work on
+        the stream sees fixed arrays while the control thread maps pages ahead."""
+        return TokenMajorKV(region.tokens())
+
+    def round_inputs(self, rows: Buffer, n_rows: int, token_buf: Buffer) -> np.ndarray:
+        """A round's token ids from its metadata rows `[host id, token-buffer slot or -1]`:
+        decode inputs are read from the token buffer the previous round's sampler wrote."""
+        meta = rows.array.view(np.int32)[: 2 * n_rows].reshape(n_rows, 2)
+        buf = token_buf.array.view(np.int32)
+        return np.where(meta[:, 1] >= 0, buf[np.maximum(meta[:, 1], 0)],
+                        meta[:, 0]).astype(np.int32)
+
+    def sample_round(self, logits: np.ndarray, params: Sequence[SamplingParams],
+                     positions: Sequence[int], counts: Sequence[TokenCounts | None], *,
+                     out: Buffer, token_buf: Buffer, out_slots: Sequence[int],
+                     logprobs_out: tuple[Buffer, Buffer] | None = None) -> None:
+        """Sample one token per row into `out` and into the token buffer at `out_slots`;
+        with `logprobs_out`, also each row's logprobs (rows whose params ask for them)."""
+        logits = np.asarray(logits, dtype=np.float32)
+        tokens = sample(logits, params, positions, counts).astype(np.int32)
+        token_buf.array.view(np.int32)[np.asarray(out_slots, np.int64)] = tokens
+        out.array.view(np.int32)[: len(tokens)] = tokens
+        if logprobs_out is None:
+            return
+        values = logprobs_out[0].array.view(np.float32).reshape(-1, 1 + MAX_LOGPROBS)
+        top_ids = logprobs_out[1].array.view(np.int32).reshape(-1, MAX_LOGPROBS)
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                continue
+            lp = token_logprob(logits[i], int(tokens[i]), p.logprobs)
+            values[i, 0] = lp.logprob
+            for j, (tid, v) in enumerate(lp.top):
+                values[i, 1 + j] = v
+                top_ids[i, j] = tid
 
     # -- elementwise and norms --------------------------------------------------------
 

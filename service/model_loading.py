@@ -4,9 +4,9 @@ Loading is the one slow, silent step before anything else happens (dequantizing 
 hundred MiB of weights takes seconds on the cpu backend), so it reports progress through a
 callback: the CLI draws a bar from it, the async API logs it.
 
-Only the cpu backend has kernels today. Asking for "cuda" fails here with the reason: no
-device (`vmm.cuda_driver.NoCudaDevice`), or a device but no cuda backend yet
-(`BackendUnavailable`); it never falls back to the cpu silently.
+Asking for "cuda" without a usable GPU fails here with the reason
+(`vmm.cuda_driver.NoCudaDevice`); it never falls back to the cpu silently. (The cuda
+backend, kernels/cuda_backend.py, has not yet run on a GPU.)
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ class LoadedModel:
 
 
 def check_device(spec: str) -> None:
-    """Raise if `spec` cannot run a model in this build: a malformed spec (ValueError), no
-    CUDA device (NoCudaDevice) or no cuda backend yet (BackendUnavailable)."""
+    """Raise if `spec` cannot run a model here: a malformed spec (ValueError) or no CUDA
+    device (NoCudaDevice)."""
     kind, _, index = spec.partition(":")
     if kind == "cpu" and not index:
         return
@@ -71,9 +71,6 @@ def check_device(spec: str) -> None:
         raise ValueError(f"unknown device {spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")
     device = open_device(spec)  # NoCudaDevice when there is no usable GPU
     device.close()
-    raise BackendUnavailable(
-        f"device {spec!r}: the cuda backend (kernels and weight upload) is not built yet; "
-        f"only the cpu backend is available (use device 'cpu')")
 
 
 def load_model(path: str | os.PathLike[str], device: str = "cpu", *,
@@ -90,8 +87,14 @@ def load_model(path: str | os.PathLike[str], device: str = "cpu", *,
     model = ModelFile.open(path)
     try:
         report("header")
-        transformer = _cpu_transformer(model, report)
-        dev = open_device(device, page_size=page_size)
+        if device == "cpu":
+            transformer = _cpu_transformer(model, report)
+            dev = open_device(device, page_size=page_size)
+        else:
+            from kernels.cuda_backend import cuda_transformer
+
+            dev = open_device(device, page_size=page_size)
+            transformer = cuda_transformer(model, dev, progress=on_progress is not None)
     except BaseException:
         model.close()
         raise

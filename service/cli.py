@@ -213,8 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     def engine_args(p: argparse.ArgumentParser) -> None:
         model_arg(p)
         p.add_argument("--device", "-d", default="cpu", metavar="DEVICE",
-                       help="where to run: 'cpu', 'cuda' or 'cuda:N' (default cpu; this "
-                            "build has only the cpu backend, cuda gives a clear error)")
+                       help="where to run: 'cpu', 'cuda' or 'cuda:N' (default cpu; the cuda "
+                            "backend is new and not yet verified on a GPU; without a GPU "
+                            "it says so and exits)")
         p.add_argument("--ctx", type=int, default=None, metavar="N",
                        help="context length limit in tokens (default: the model's)")
         p.add_argument("--kv-budget-mib", type=int, default=None, metavar="MIB",

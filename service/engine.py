@@ -17,6 +17,11 @@ A stream cancels its request when it is closed, garbage-collected (a `break` out
 to the pool (through the prefix cache). Cancelling is a message to the dispatcher, so it
 needs no event loop and is safe from `__del__`.
 
+Every sampling choice is a field of `SamplingParams` (kernels/sampling.py), penalties
+included. With `SamplingParams(logprobs=N)` each chunk, and the whole `Completion`, carries
+one `TokenLogprobs` per generated token: the token's text piece, bytes and log-probability,
+and its N most likely alternatives likewise.
+
 `SyncEngine` (service/sync_engine.py) is the same engine with plain iterators.
 """
 
@@ -37,7 +42,7 @@ from dispatch.control_thread import ControlConfig
 from dispatch.dispatcher import Dispatcher, DispatcherConfig
 from dispatch.messages import FinishReason, Output
 from dispatch.scheduler import SchedulerConfig
-from kernels.sampling import SamplingParams
+from kernels.sampling import SamplingParams, TokenLogprob
 from loader.model_file import ModelFile
 from loader.tokenizer import Tokenizer
 from service.chat_tokens import TurnMemory
@@ -84,27 +89,51 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """A token and its log-probability under the model: its id, its text piece (the
+    tokenizer's bytes for it, invalid UTF-8 as U+FFFD) and those bytes."""
+
+    token_id: int
+    text: str
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs(Logprob):
+    """A generated token's log-probability and its `top` most likely alternatives (most
+    likely first; the token itself among them when it is one). Log-probabilities are of the
+    model's distribution: log-softmax of the raw logits, before penalties, filters and
+    temperature."""
+
+    top: tuple[Logprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class Chunk:
     """A piece of a generation: new text, the token ids behind it, and, on the last
     chunk, why generation finished. Every chunk repeats the prompt's token count and how
-    many of them were reused from cached KV."""
+    many of them were reused from cached KV. With `SamplingParams.logprobs` set,
+    `logprobs` holds one entry per token id (else None)."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Completion:
-    """A whole generation."""
+    """A whole generation. `logprobs`: one entry per token id when asked for, else None."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason
     prompt_tokens: int
     cached_tokens: int
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -125,13 +154,16 @@ class RequestResult:
     raises `GenerationError` for a request that ended in an engine error.
     """
 
-    def __init__(self, engine: Engine, prompt: Prompt) -> None:
+    def __init__(self, engine: Engine, prompt: Prompt,
+                 params: SamplingParams | None = None) -> None:
         self.engine = engine
         self.prompt = prompt
         self.texts: list[str] = []
         self.ids: list[int] = []
         self.finish: FinishReason | None = None
         self.cached_tokens = 0
+        self.wants_logprobs = params is not None and params.logprobs is not None
+        self.logprobs: list[TokenLogprobs] = []
 
     def add(self, out: Output) -> Chunk:
         self.texts.append(out.text)
@@ -140,16 +172,29 @@ class RequestResult:
         if out.finish_reason is FinishReason.ERROR:
             self.finish = out.finish_reason
             raise GenerationError(out.error or "the engine failed")
+        logprobs = None
+        if self.wants_logprobs:
+            logprobs = self._logprobs(out)
+            self.logprobs.extend(logprobs)
         if out.finish_reason is not None:
             self.finish = out.finish_reason
             self.engine.finished_turn(self.prompt, self.completion())
         return Chunk(out.text, tuple(out.token_ids), out.finish_reason, len(self.prompt.ids),
-                     out.cached_tokens)
+                     out.cached_tokens, logprobs)
+
+    def _logprobs(self, out: Output) -> tuple[TokenLogprobs, ...]:
+        given = out.logprobs or []
+        if len(given) != len(out.token_ids):
+            self.finish = FinishReason.ERROR
+            raise GenerationError(f"the engine returned {len(given)} logprobs for "
+                                  f"{len(out.token_ids)} tokens")
+        return tuple(self.engine.token_logprobs(lp) for lp in given)
 
     def completion(self) -> Completion:
         assert self.finish is not None, "the request has not finished"
         return Completion("".join(self.texts), tuple(self.ids), self.finish,
-                          len(self.prompt.ids), self.cached_tokens)
+                          len(self.prompt.ids), self.cached_tokens,
+                          tuple(self.logprobs) if self.wants_logprobs else None)
 
 
 class _Inbox:
@@ -215,7 +260,7 @@ class MultiStream:
             for i, (prompt, (_, params)) in enumerate(zip(prompts, self._requests)):
                 def sink(out: Output, i: int = i) -> None:
                     waker.call_soon(inbox.put, i, out)
-                self._results[i] = RequestResult(engine, prompt)
+                self._results[i] = RequestResult(engine, prompt, params)
                 self._ids[i] = engine.submit(prompt.ids, params, sink)
         except BaseException:
             self.close()
@@ -417,6 +462,20 @@ class Engine:
             self.metrics.not_submitted(len(prompt_ids))
             raise
 
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """A token's text piece and bytes, as logprobs report them: the tokenizer's piece
+        (special tokens spelled out), invalid UTF-8 as U+FFFD."""
+        piece = self.tokenizer.piece(token_id)
+        return piece.decode("utf-8", "replace"), piece
+
+    def token_logprobs(self, lp: TokenLogprob) -> TokenLogprobs:
+        """The sampler's logprobs of one token, with the tokens' text."""
+        def entry(token_id: int, logprob: float) -> Logprob:
+            return Logprob(token_id, *self.token_piece(token_id), logprob)
+
+        top = tuple(entry(t, v) for t, v in lp.top)
+        return TokenLogprobs(lp.token, *self.token_piece(lp.token), lp.logprob, top)
+
     def finished_turn(self, prompt: Prompt, completion: Completion) -> None:
         """Remember a finished chat turn so the next one reuses its ids and KV."""
         if prompt.chat_text is not None:
@@ -500,8 +559,10 @@ __all__ = [
     "FinishReason",
     "GenerationError",
     "GenerationStream",
+    "Logprob",
     "MultiStream",
     "Prompt",
     "RequestResult",
     "SamplingParams",
+    "TokenLogprobs",
 ]

@@ -2,15 +2,33 @@
 
 Every request field is one of:
 - supported: validated strictly (a string where a number belongs is a 400, not coerced);
-- accepted only at its default (e.g. `presence_penalty: 0`, `logprobs: false`): any other
-  value is refused, because the engine cannot honour it and silently ignoring it would
-  return something the client did not ask for;
+- accepted only at its default (e.g. `logit_bias: {}`, `echo: false`): any other value is
+  refused, because the engine cannot honour it and silently ignoring it would return
+  something the client did not ask for;
 - informational (`user`): accepted, no effect on generation;
 - anything else: refused with a 400 naming the field.
 `null` counts as absent, as the OpenAI API treats it.
 
 Extensions many OpenAI-compatible servers accept are supported too: `top_k`, `min_p`,
-`ignore_eos`.
+`ignore_eos`, `repetition_penalty` (vLLM's: > 0, 1 = off, over prompt and output tokens).
+
+Log-probabilities are the model's (log-softmax of the raw logits, before penalties,
+filters and temperature), one entry per generated token, in OpenAI's two formats:
+
+- chat (`logprobs: true`, `top_logprobs: 0..20`): `choices[i].logprobs = {"content":
+  [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]},
+  ...], "refusal": null}`; a stream's chunks carry the entries of their own tokens;
+- legacy completions (`logprobs: 0..20`): `choices[i].logprobs = {"tokens": [...],
+  "token_logprobs": [...], "top_logprobs": [{token: logprob, ...}, ...], "text_offset":
+  [...]}`. Each `top_logprobs` dict holds the N most likely tokens and the sampled one
+  ("up to logprobs + 1 elements", as OpenAI documents; tokens whose text coincides share
+  a key, the more likely one kept). `text_offset[i]` is where token i starts in the
+  concatenated `tokens` (as vLLM computes it), continuing across a stream's chunks.
+
+A token's text is its tokenizer piece (special tokens spelled out), with bytes that are
+not valid UTF-8 on their own (part of a character split across tokens) as U+FFFD; `bytes`
+has the exact bytes. Log-probabilities below -9999.0 (-inf included) are reported as
+-9999.0, since JSON has no infinities.
 """
 
 from __future__ import annotations
@@ -24,8 +42,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dispatch.messages import FinishReason
-from kernels.sampling import InvalidSamplingParams, SamplingParams
-from service.engine import Completion
+from kernels.sampling import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams
+from service.engine import Completion, Logprob, TokenLogprobs
 
 MAX_CHOICES = 16  # n
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
@@ -86,6 +104,10 @@ class ChatMessage(_Strict):
         return {"role": role, "content": content or ""}
 
 
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
 class _Sampling(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -99,7 +121,21 @@ class _Sampling(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
     user: str | None = None
+
+    def check(self) -> None:
+        """Rules across fields, once the fields are valid (raises OpenAIError)."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true.",
+                              param="stream_options")
+
+    @property
+    def logprob_count(self) -> int | None:
+        """Alternatives per token to report (None: no logprobs)."""
+        return None
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """The engine's parameters for choice `choice` of this request. With a seed,
@@ -111,12 +147,17 @@ class _Sampling(_Strict):
             temperature, top_p = 0.0, 1.0
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                  top_k=max(0, self.top_k or 0), top_p=top_p,
-                                  min_p=self.min_p or 0.0, seed=seed, stop=stop,
-                                  ignore_eos=bool(self.ignore_eos))
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=temperature,
+                top_k=max(0, self.top_k or 0), top_p=top_p, min_p=self.min_p or 0.0,
+                seed=seed, stop=stop, ignore_eos=bool(self.ignore_eos),
+                repetition_penalty=_or(self.repetition_penalty, 1.0),
+                presence_penalty=_or(self.presence_penalty, 0.0),
+                frequency_penalty=_or(self.frequency_penalty, 0.0),
+                logprobs=self.logprob_count)
         except InvalidSamplingParams as e:
-            raise bad_request(f"Invalid value for '{e.field}': {e}", param=e.field) from None
+            raise bad_request(f"Invalid value for '{e.field}': {e}", param=e.field,
+                              code="invalid_value") from None
 
     @property
     def n_choices(self) -> int:
@@ -130,6 +171,18 @@ class _Sampling(_Strict):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("'top_logprobs' requires 'logprobs' to be true.",
+                              param="top_logprobs", code="invalid_value")
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -138,6 +191,11 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -157,22 +215,12 @@ class CompletionRequest(_Sampling):
 
 # Fields of OpenAI's APIs accepted only with these values (the engine cannot do others).
 _DEFAULT_ONLY_CHAT: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
-    "tools": ([],), "parallel_tool_calls": (True,), "response_format": ({"type": "text"},),
-    "modalities": (["text"],), "store": (False,), "service_tier": ("auto", "default"),
+    "logit_bias": ({},), "tools": ([],), "parallel_tool_calls": (True,),
+    "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,),
+    "service_tier": ("auto", "default"),
 }
 _DEFAULT_ONLY_COMPLETIONS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "logit_bias": ({},), "echo": (False,), "best_of": (1,),
-    "suffix": ("",),
-}
-_WHY_UNSUPPORTED = {
-    "logprobs": "log probabilities are not computed by this engine yet",
-    "top_logprobs": "log probabilities are not computed by this engine yet",
-    "presence_penalty": "penalties are not implemented by this engine's sampler yet",
-    "frequency_penalty": "penalties are not implemented by this engine's sampler yet",
-    "repetition_penalty": "penalties are not implemented by this engine's sampler yet",
+    "logit_bias": ({},), "echo": (False,), "best_of": (1,), "suffix": ("",),
 }
 # Known OpenAI fields with no support at all.
 _KNOWN_UNSUPPORTED = {
@@ -206,8 +254,8 @@ def _parse(body: Any, model: type[_M],
             kept[key] = value
         elif key in default_only:
             if not any(_same(value, ok) for ok in default_only[key]):
-                why = _WHY_UNSUPPORTED.get(key, "it is not supported by this server")
-                raise bad_request(f"'{key}' = {value!r} is not supported: {why}.", param=key,
+                raise bad_request(f"'{key}' = {value!r} is not supported by this server; "
+                                  f"only its default is.", param=key,
                                   code="unsupported_parameter")
         elif key in _KNOWN_UNSUPPORTED:
             raise bad_request(f"'{key}' is not supported by this server.", param=key,
@@ -219,9 +267,7 @@ def _parse(body: Any, model: type[_M],
         request = model.model_validate(kept)
     except ValidationError as e:
         raise _validation_error(e) from None
-    if request.stream_options is not None and not request.stream:
-        raise bad_request("'stream_options' is only allowed when 'stream' is true.",
-                          param="stream_options")
+    request.check()
     return request
 
 
@@ -334,23 +380,71 @@ class Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
+LOGPROB_FLOOR = -9999.0  # the least logprob reported; -inf becomes this (as vLLM)
+
+
+def _logprob(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _chat_entry(e: Logprob) -> dict[str, Any]:
+    return {"token": e.text, "logprob": _logprob(e.logprob), "bytes": list(e.bytes)}
+
+
+def chat_logprobs_body(entries: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
+    """Chat's `choices[i].logprobs` for these tokens (None when not asked for)."""
+    if entries is None:
+        return None
+    return {"content": [{**_chat_entry(e), "top_logprobs": [_chat_entry(t) for t in e.top]}
+                        for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs_body(entries: Sequence[TokenLogprobs] | None, offset: int = 0
+                             ) -> dict[str, Any] | None:
+    """Legacy completions' `choices[i].logprobs` for these tokens, the first starting at
+    text offset `offset` (None when not asked for)."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.text)
+    top: list[dict[str, float]] = []
+    for e in entries:
+        alternatives: dict[str, float] = {}
+        for t in (*e.top, e):  # the N most likely, then the sampled token if not among them
+            alternatives.setdefault(t.text, _logprob(t.logprob))
+        top.append(alternatives)
+    return {"tokens": [e.text for e in entries],
+            "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "top_logprobs": top, "text_offset": offsets}
+
+
+def text_length(entries: Sequence[TokenLogprobs]) -> int:
+    """How far these tokens move the legacy `text_offset`."""
+    return sum(len(e.text) for e in entries)
+
+
 def chat_completion_body(ids: ResponseIds, completions: Sequence[Completion]) -> dict[str, Any]:
     return {
         "id": ids.id, "object": "chat.completion", "created": ids.created,
         "model": ids.model, "system_fingerprint": None,
         "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
+                     "logprobs": chat_logprobs_body(c.logprobs),
+                     "finish_reason": finish_reason(c.finish_reason)}
                     for i, c in enumerate(completions)],
         "usage": Usage.of([completions]).body(),
     }
 
 
 def chat_chunk_body(ids: ResponseIds, index: int, delta: dict[str, Any],
-                    finish: str | None, include_usage: bool) -> dict[str, Any]:
+                    finish: str | None, include_usage: bool,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": ids.id, "object": "chat.completion.chunk", "created": ids.created,
         "model": ids.model, "system_fingerprint": None,
-        "choices": [{"index": index, "delta": delta, "logprobs": None,
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                      "finish_reason": finish}],
     }
     if include_usage:
@@ -364,7 +458,8 @@ def completion_body(ids: ResponseIds, groups: Sequence[Sequence[Completion]]
     return {
         "id": ids.id, "object": "text_completion", "created": ids.created,
         "model": ids.model, "system_fingerprint": None,
-        "choices": [{"index": i, "text": c.text, "logprobs": None,
+        "choices": [{"index": i, "text": c.text,
+                     "logprobs": completion_logprobs_body(c.logprobs),
                      "finish_reason": finish_reason(c.finish_reason)}
                     for i, c in enumerate(choices)],
         "usage": Usage.of(groups).body(),
@@ -372,11 +467,12 @@ def completion_body(ids: ResponseIds, groups: Sequence[Sequence[Completion]]
 
 
 def completion_chunk_body(ids: ResponseIds, index: int, text: str, finish: str | None,
-                          include_usage: bool) -> dict[str, Any]:
+                          include_usage: bool,
+                          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": ids.id, "object": "text_completion", "created": ids.created,
         "model": ids.model, "system_fingerprint": None,
-        "choices": [{"index": index, "text": text, "logprobs": None,
+        "choices": [{"index": index, "text": text, "logprobs": logprobs,
                      "finish_reason": finish}],
     }
     if include_usage:

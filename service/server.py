@@ -9,6 +9,9 @@ What a client can count on:
   for an oversized body, 429 when the queue is full), and the server keeps serving;
 - a field the engine cannot honour is refused, never silently ignored
   (service/openai_protocol.py);
+- penalties (`presence_penalty`, `frequency_penalty`, and vLLM's `repetition_penalty`) and
+  log-probabilities (chat: `logprobs` + `top_logprobs`; completions: `logprobs: N`) in
+  OpenAI's formats, streamed or not;
 - a client that goes away, mid-stream or while queued, cancels its requests, so their KV
   pages go back to the pool;
 - at most `max_concurrency` requests generate at once, `max_queue` more wait
@@ -48,12 +51,15 @@ from service.openai_protocol import (
     bad_request,
     chat_chunk_body,
     chat_completion_body,
+    chat_logprobs_body,
     completion_body,
     completion_chunk_body,
+    completion_logprobs_body,
     finish_reason,
     parse_chat_request,
     parse_completion_request,
     resolve_max_tokens,
+    text_length,
     usage_chunk_body,
 )
 
@@ -369,9 +375,10 @@ async def _chat_events(streams: MultiStream, ids: ResponseIds, n: int,
                                      include_usage))
     try:
         async for index, chunk in streams:
-            if chunk.text:
+            if chunk.text or chunk.logprobs:  # tokens that show no text still have logprobs
                 yield _event(chat_chunk_body(ids, index, {"content": chunk.text}, None,
-                                             include_usage))
+                                             include_usage,
+                                             chat_logprobs_body(chunk.logprobs)))
             if chunk.finish_reason is not None:
                 yield _event(chat_chunk_body(ids, index, {},
                                              finish_reason(chunk.finish_reason),
@@ -388,12 +395,17 @@ async def _chat_events(streams: MultiStream, ids: ResponseIds, n: int,
 
 async def _completion_events(streams: MultiStream, ids: ResponseIds, n_prompts: int, n: int,
                              include_usage: bool) -> AsyncIterator[str]:
+    offsets = [0] * (n_prompts * n)  # each choice's legacy text_offset so far
     try:
         async for index, chunk in streams:
             reason = finish_reason(chunk.finish_reason)
-            if chunk.text or reason is not None:
+            if chunk.text or reason is not None or chunk.logprobs:
+                logprobs = None
+                if chunk.logprobs:
+                    logprobs = completion_logprobs_body(chunk.logprobs, offsets[index])
+                    offsets[index] += text_length(chunk.logprobs)
                 yield _event(completion_chunk_body(ids, index, chunk.text, reason,
-                                                   include_usage))
+                                                   include_usage, logprobs))
     except GenerationError as e:
         yield _event(OpenAIError(500, f"Generation failed: {e}").body())
         yield _DONE

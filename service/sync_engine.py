@@ -91,7 +91,7 @@ class SyncStream:
     def __init__(self, engine: Engine, prompt: Prompt, params: SamplingParams) -> None:
         self._engine = engine
         self._outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
-        self._result = RequestResult(engine, prompt)
+        self._result = RequestResult(engine, prompt, params)
         self._finished = False
         self._request_id = engine.submit(prompt.ids, params, self._outputs.put)
 

@@ -1,5 +1,6 @@
 """The async Python API (`service.engine`) under asyncio and trio, and its synchronous
-wrapper: streaming, whole completions, chat with KV reuse, cancellation, errors."""
+wrapper: streaming, whole completions, logprobs and penalties (against the sequential
+reference loop), chat with KV reuse, cancellation, errors."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import pytest
 from dispatch.errors import EmptyPrompt, PromptTooLong
 from dispatch.messages import FinishReason
 from dispatch.sequential import SequentialGeneration
-from kernels.sampling import SamplingParams
+from kernels.sampling import SamplingParams, TokenLogprob
 from loader.synthetic import tiny_spec, write_synthetic_model
 from service.chat_tokens import TurnMemory
-from service.engine import Engine, GenerationError
+from service.engine import Engine, GenerationError, TokenLogprobs
 from service.model_loading import BackendUnavailable, LoadProgress
 from service.sync_engine import SyncEngine
 from vmm.cuda_driver import CudaError, NoCudaDevice
@@ -37,10 +38,15 @@ def engine(model_path):
         yield e
 
 
+def reference_chunks(engine: Engine, ids, params: SamplingParams):
+    """The same request run alone through the sequential loop, chunk by chunk."""
+    return list(SequentialGeneration(engine.loaded.transformer, engine.tokenizer, list(ids),
+                                     params))
+
+
 def reference(engine: Engine, ids, params: SamplingParams) -> tuple[list[int], str]:
     """The same request run alone through the sequential loop."""
-    chunks = list(SequentialGeneration(engine.loaded.transformer, engine.tokenizer, list(ids),
-                                       params))
+    chunks = reference_chunks(engine, ids, params)
     return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks)
 
 
@@ -127,6 +133,86 @@ def test_many_concurrent_generations_share_one_event_loop(engine, backend):
         expected = reference(engine, engine.tokenizer.encode(prompts[i]), params[i])[0]
         assert list(results[i].token_ids) == expected, i
     assert ticks > 40
+
+
+# -- log-probabilities and penalties ----------------------------------------------------------
+
+def assert_logprobs_match(engine: Engine, got: TokenLogprobs, want: TokenLogprob,
+                          n: int) -> None:
+    """`got` (the engine's) is `want` (the reference loop's) with each token's text."""
+    assert got.token_id == want.token
+    assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+    assert len(got.top) == len(want.top) == n
+    assert [t.token_id for t in got.top] == [t for t, _ in want.top]
+    assert [t.logprob for t in got.top] == pytest.approx([v for _, v in want.top], abs=1e-4)
+    for e in (got, *got.top):
+        piece = engine.tokenizer.piece(e.token_id)
+        assert (e.bytes, e.text) == (piece, piece.decode("utf-8", "replace"))
+    assert all(a.logprob >= b.logprob for a, b in itertools.pairwise(got.top))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logprobs_stream_with_each_token_and_equal_the_reference_loop(engine, backend):
+    prompt = "the cat sat on the mat"
+    ids = engine.tokenizer.encode(prompt)
+    cases = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5),
+             SamplingParams(temperature=0.9, seed=11, max_tokens=8, ignore_eos=True,
+                            logprobs=3, frequency_penalty=0.5),
+             SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)]
+
+    async def main():
+        streamed = []
+        for params in cases:
+            streamed.append([c async for c in engine.generate(prompt, params)])
+        return streamed, [await engine.complete(ids, params) for params in cases]
+
+    streamed, whole = anyio.run(main, backend=backend)
+    for params, chunks, completion in zip(cases, streamed, whole, strict=True):
+        want = [lp for c in reference_chunks(engine, ids, params) for lp in c.logprobs]
+        for c in chunks:
+            assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+        got = [lp for c in chunks for lp in c.logprobs]
+        assert [lp.token_id for lp in got] == [t for c in chunks for t in c.token_ids]
+        assert [lp.token_id for lp in completion.logprobs] == list(completion.token_ids)
+        assert len(got) == len(completion.logprobs) == len(want) == params.max_tokens
+        # streamed and whole (the second run reuses cached KV) both equal the reference
+        for g, c, w in zip(got, completion.logprobs, want, strict=True):
+            assert_logprobs_match(engine, g, w, params.logprobs)
+            assert_logprobs_match(engine, c, w, params.logprobs)
+            if params.greedy and params.logprobs:  # the sampled token is the most likely
+                assert (g.top[0].token_id, g.top[0].logprob) == (g.token_id, g.logprob)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_logprobs_chunks_and_completions_carry_none(engine, backend):
+    async def main():
+        chunks = [c async for c in engine.generate("no logprobs", GREEDY)]
+        return chunks, await engine.complete("no logprobs", GREEDY)
+
+    chunks, completion = anyio.run(main, backend=backend)
+    assert all(c.logprobs is None for c in chunks) and completion.logprobs is None
+
+
+REPETITIVE = "a b a b a b a b a b a b"
+
+
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 1.5}, {"presence_penalty": 2.0},
+                                     {"frequency_penalty": 2.0},
+                                     {"frequency_penalty": -1.0, "presence_penalty": 0.5}])
+def test_penalties_change_the_output_as_in_the_reference_loop(engine, penalty):
+    ids = engine.tokenizer.encode(REPETITIVE)
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    penalized = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **penalty)
+
+    async def main():
+        return (await engine.complete(REPETITIVE, plain),
+                await engine.complete(REPETITIVE, penalized))
+
+    without, with_ = anyio.run(main)
+    assert list(without.token_ids) == reference(engine, ids, plain)[0]
+    assert list(with_.token_ids) == reference(engine, ids, penalized)[0]
+    assert with_.text == reference(engine, ids, penalized)[1]
+    assert with_.token_ids != without.token_ids
 
 
 # -- cancellation -----------------------------------------------------------------------------
@@ -289,6 +375,23 @@ def test_sync_engine_gives_plain_iterators_with_the_same_results(engine):
     assert whole.text == "".join(c.text for c in chunks)
     reply = sync.chat_complete([{"role": "user", "content": "hi"}], GREEDY)
     assert reply.completion_tokens == 8
+
+
+def test_sync_engine_reports_the_same_logprobs(engine):
+    sync = SyncEngine(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=4,
+                            repetition_penalty=1.3)
+    chunks = list(sync.generate("plain iterator", params))
+    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    whole = sync.complete("plain iterator", params)
+    want = [lp for c in reference_chunks(engine, engine.tokenizer.encode("plain iterator"),
+                                         params) for lp in c.logprobs]
+    streamed = [lp for c in chunks for lp in c.logprobs]
+    for g, c, w in zip(streamed, whole.logprobs, want, strict=True):
+        assert_logprobs_match(engine, g, w, 4)
+        assert_logprobs_match(engine, c, w, 4)
+    reply = sync.chat_complete([{"role": "user", "content": "hi"}], params)
+    assert len(reply.logprobs) == reply.completion_tokens == 6
 
 
 def test_sync_iterator_left_early_cancels_its_session(engine):

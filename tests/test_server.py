@@ -1,8 +1,10 @@
 """The OpenAI-compatible server on the cpu backend and a synthetic model, over loopback:
-the official openai client, every bad input, disconnects, load, limits and metrics."""
+the official openai client, logprobs and penalties (against the sequential reference loop),
+every bad input, disconnects, load, limits and metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import signal
@@ -18,10 +20,16 @@ import openai
 import pytest
 import uvicorn
 
+from dispatch.sequential import SequentialGeneration
 from kernels.sampling import SamplingParams
 from loader.synthetic import tiny_spec, write_synthetic_model
 from service.admission import AdmissionGate, QueueFull
-from service.engine import Engine
+from service.engine import Engine, Logprob, TokenLogprobs
+from service.openai_protocol import (
+    LOGPROB_FLOOR,
+    chat_logprobs_body,
+    completion_logprobs_body,
+)
 from service.server import ServerConfig, create_app
 
 MODEL = "tiny-qwen3"
@@ -225,6 +233,180 @@ def test_second_chat_turn_reports_cached_prompt_tokens(client, engine):
         first.usage.prompt_tokens + first.usage.completion_tokens - 1
 
 
+# -- log-probabilities and penalties ---------------------------------------------------------
+
+def reference_logprobs(engine: Engine, ids, params: SamplingParams):
+    """The sampler's logprobs of the request run alone through the sequential loop."""
+    chunks = SequentialGeneration(engine.loaded.transformer, engine.tokenizer, list(ids),
+                                  params)
+    return [lp for c in chunks for lp in c.logprobs]
+
+
+def piece(engine: Engine, token_id: int) -> tuple[str, list[int]]:
+    raw = engine.tokenizer.piece(token_id)
+    return raw.decode("utf-8", "replace"), list(raw)
+
+
+def test_chat_logprobs_match_the_reference_loop_streamed_and_not(client, engine):
+    kwargs = dict(model=MODEL, messages=HI, max_tokens=8, temperature=0, logprobs=True,
+                  top_logprobs=3, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kwargs)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    want = reference_logprobs(engine, engine.prepare_chat(HI).ids, SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3))
+    for entry, ref in zip(content, want, strict=True):
+        assert (entry.token, entry.bytes) == piece(engine, ref.token)
+        assert entry.logprob == pytest.approx(ref.logprob, abs=1e-4)
+        assert len(entry.top_logprobs) == 3
+        for top, (tid, lp) in zip(entry.top_logprobs, ref.top, strict=True):
+            assert (top.token, top.bytes) == piece(engine, tid)
+            assert top.logprob == pytest.approx(lp, abs=1e-4)
+        # greedy: the sampled token is the most likely one
+        assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == \
+            (entry.token, entry.logprob)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == \
+        r.choices[0].message.content
+
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content],
+                                                          abs=1e-4)
+    assert all(len(e.top_logprobs) == 3 for e in streamed)
+    assert chunks[0].choices[0].logprobs is None  # the role chunk has no tokens
+
+
+def test_chat_logprobs_without_top_logprobs_have_no_alternatives(client):
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=4,
+                                       temperature=0.7, seed=5, logprobs=True,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(e.top_logprobs == [] for e in content)
+    assert all(e.logprob <= 0 for e in content)
+    plain = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_body_is_openai_shaped(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        body = http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": HI, "max_tokens": 2, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "ignore_eos": True}).json()
+    logprobs = body["choices"][0]["logprobs"]
+    assert set(logprobs) == {"content", "refusal"} and logprobs["refusal"] is None
+    for entry in logprobs["content"]:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert isinstance(entry["token"], str) and isinstance(entry["logprob"], float)
+        assert all(isinstance(b, int) and 0 <= b < 256 for b in entry["bytes"])
+        for top in entry["top_logprobs"]:
+            assert set(top) == {"token", "logprob", "bytes"}
+
+
+def test_completion_logprobs_match_the_reference_loop_streamed_and_not(client, engine):
+    kwargs = dict(model=MODEL, prompt="once upon a time", max_tokens=10, temperature=0,
+                  logprobs=5, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kwargs)
+    lp = r.choices[0].logprobs
+    want = reference_logprobs(engine, engine.tokenizer.encode("once upon a time"),
+                              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                             logprobs=5))
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == \
+        len(lp.text_offset) == r.usage.completion_tokens == 10
+    assert lp.tokens == [piece(engine, ref.token)[0] for ref in want]
+    assert lp.token_logprobs == pytest.approx([ref.logprob for ref in want], abs=1e-4)
+    offset = 0
+    for i, ref in enumerate(want):
+        assert lp.text_offset[i] == offset
+        offset += len(lp.tokens[i])
+        top = lp.top_logprobs[i]
+        expected = {}
+        for tid, value in ref.top:  # texts may coincide: the more likely one is kept
+            expected.setdefault(piece(engine, tid)[0], value)
+        assert top.keys() == expected.keys() and 1 <= len(top) <= 5
+        assert list(top.values()) == pytest.approx(list(expected.values()), abs=1e-4)
+        # greedy: the sampled token is the most likely, so it is in the dict already
+        assert top[lp.tokens[i]] == pytest.approx(lp.token_logprobs[i], abs=1e-6)
+        assert max(top.values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)
+
+    streamed = list(client.completions.create(**kwargs, stream=True))
+    parts = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    assert [v for p in parts for v in p.token_logprobs] == pytest.approx(lp.token_logprobs,
+                                                                         abs=1e-4)
+    assert [d.keys() for p in parts for d in p.top_logprobs] == \
+        [d.keys() for d in lp.top_logprobs]
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+
+def test_completion_logprobs_zero_give_only_the_sampled_token(client):
+    r = client.completions.create(model=MODEL, prompt=["alpha", "beta"], n=2, max_tokens=3,
+                                  temperature=1.0, seed=9, logprobs=0,
+                                  extra_body={"ignore_eos": True})
+    assert len(r.choices) == 4
+    for choice in r.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == 3
+        assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs,
+                                                          strict=True)]
+    plain = client.completions.create(model=MODEL, prompt="alpha", max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_logprob_bodies_floor_minus_infinity_and_keep_the_likelier_of_equal_texts():
+    alt = [Logprob(7, "\ufffd", b"\xe2", -1.0), Logprob(8, "\ufffd", b"\x80", -2.0),
+           Logprob(9, "z", b"z", float("-inf"))]
+    entries = [TokenLogprobs(8, "\ufffd", b"\x80", -2.0, tuple(alt)),
+               TokenLogprobs(3, "ab", b"ab", float("-inf"), ())]
+    legacy = completion_logprobs_body(entries, offset=5)
+    assert legacy == {"tokens": ["\ufffd", "ab"], "token_logprobs": [-2.0, LOGPROB_FLOOR],
+                      "top_logprobs": [{"\ufffd": -1.0, "z": LOGPROB_FLOOR},
+                                       {"ab": LOGPROB_FLOOR}],
+                      "text_offset": [5, 6]}
+    chat_body = chat_logprobs_body(entries)
+    assert chat_body["content"][0]["top_logprobs"][1] == {"token": "\ufffd", "logprob": -2.0,
+                                                          "bytes": [0x80]}
+    assert chat_body["content"][1]["logprob"] == LOGPROB_FLOOR
+    assert json.loads(json.dumps(chat_body, allow_nan=False)) == chat_body
+    assert chat_logprobs_body(None) is None and completion_logprobs_body(None) is None
+
+
+REPETITIVE = "a b a b a b a b a b a b"
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
+                                     {"repetition_penalty": 1.5}])
+def test_penalties_change_the_output_as_in_the_reference_loop(client, engine, penalty):
+    ids = engine.tokenizer.encode(REPETITIVE)
+    plain = client.completions.create(model=MODEL, prompt=REPETITIVE, max_tokens=24,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(model=MODEL, prompt=REPETITIVE, max_tokens=24,
+                                  temperature=0, logprobs=0,
+                                  extra_body={"ignore_eos": True, **penalty})
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0,
+                            **penalty)
+    chunks = list(SequentialGeneration(engine.loaded.transformer, engine.tokenizer, ids,
+                                       params))
+    assert r.choices[0].text == "".join(c.text for c in chunks)
+    assert r.choices[0].logprobs.tokens == [piece(engine, t)[0] for c in chunks
+                                            for t in c.token_ids]
+    assert r.choices[0].text != plain.choices[0].text
+    streamed = list(client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=12, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, **penalty}))
+    whole = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=12,
+                                           temperature=0,
+                                           extra_body={"ignore_eos": True, **penalty})
+    expected = SequentialGeneration(engine.loaded.transformer, engine.tokenizer,
+                                    engine.prepare_chat(HI).ids, dataclasses.replace(
+                                        params, max_tokens=12))
+    text = "".join(c.text for c in expected)
+    assert whole.choices[0].message.content == text
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+
+
 # -- bad input: the right status and error body, then good requests still work ---------------
 
 def chat(**fields):
@@ -255,19 +437,49 @@ BAD_REQUESTS = [
     ("chat/completions", chat(stop=[""]), 400, "stop", None),
     ("chat/completions", chat(stream_options={"include_usage": True}), 400,
      "stream_options", None),
-    ("chat/completions", chat(logprobs=True), 400, "logprobs", "unsupported_parameter"),
-    ("chat/completions", chat(top_logprobs=3), 400, "top_logprobs", "unsupported_parameter"),
-    ("chat/completions", chat(presence_penalty=0.5), 400, "presence_penalty",
-     "unsupported_parameter"),
-    ("chat/completions", chat(frequency_penalty=1), 400, "frequency_penalty",
+    ("chat/completions", chat(logprobs="yes"), 400, "logprobs", "invalid_type"),
+    ("chat/completions", chat(logprobs=1), 400, "logprobs", "invalid_type"),
+    ("chat/completions", chat(top_logprobs=3), 400, "top_logprobs", "invalid_value"),
+    ("chat/completions", chat(logprobs=False, top_logprobs=0), 400, "top_logprobs",
+     "invalid_value"),
+    ("chat/completions", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs",
+     "invalid_value"),
+    ("chat/completions", chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs",
+     "invalid_value"),
+    ("chat/completions", chat(logprobs=True, top_logprobs=2.5), 400, "top_logprobs",
+     "invalid_type"),
+    ("chat/completions", chat(presence_penalty=2.5), 400, "presence_penalty",
+     "invalid_value"),
+    ("chat/completions", chat(presence_penalty="high"), 400, "presence_penalty",
+     "invalid_type"),
+    ("chat/completions", chat(frequency_penalty=-2.01), 400, "frequency_penalty",
+     "invalid_value"),
+    ("chat/completions", chat(repetition_penalty=0), 400, "repetition_penalty",
+     "invalid_value"),
+    ("chat/completions", b'{"model": "tiny-qwen3", "messages": [{"role": "user", '
+     b'"content": "x"}], "repetition_penalty": Infinity}', 400, "repetition_penalty",
+     "invalid_value"),
+    ("chat/completions", chat(logit_bias={"5": 1}), 400, "logit_bias",
      "unsupported_parameter"),
     ("chat/completions", chat(tools=[{"type": "function"}]), 400, "tools",
      "unsupported_parameter"),
     ("chat/completions", chat(tool_choice="auto"), 400, "tool_choice",
      "unsupported_parameter"),
     ("chat/completions", chat(temprature=0.5), 400, "temprature", "unknown_parameter"),
-    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs",
-     "unsupported_parameter"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs",
+     "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs",
+     "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs",
+     "invalid_type"),
+    ("completions", {"model": MODEL, "prompt": "x", "top_logprobs": 2}, 400,
+     "top_logprobs", "unknown_parameter"),
+    ("completions", {"model": MODEL, "prompt": "x", "presence_penalty": -3}, 400,
+     "presence_penalty", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "frequency_penalty": 2.5}, 400,
+     "frequency_penalty", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "repetition_penalty": -1}, 400,
+     "repetition_penalty", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo",
      "unsupported_parameter"),
     ("completions", {"model": MODEL, "prompt": [1, "a"]}, 400, "prompt", "invalid_type"),
@@ -300,8 +512,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
 def test_the_openai_client_raises_the_matching_exceptions(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=HI)
-    with pytest.raises(openai.BadRequestError, match="penalt"):
-        client.chat.completions.create(model=MODEL, messages=HI, presence_penalty=1.0)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty") as e:
+        client.chat.completions.create(model=MODEL, messages=HI, presence_penalty=3.0)
+    assert e.value.param == "presence_penalty"
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=HI, top_logprobs=2)
 
 
 def test_body_too_large_unknown_route_and_wrong_method(server):

@@ -101,6 +101,9 @@ def _sampling(args: argparse.Namespace, **extra: object) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           seed=args.seed, stop=tuple(args.stop or ()),
+                          repetition_penalty=args.repeat_penalty,
+                          presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty,
                           ignore_eos=getattr(args, "ignore_eos", False), **extra)
 
 
@@ -238,6 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="random seed for reproducible sampling (default: random)")
         p.add_argument("--stop", action="append", metavar="TEXT",
                        help="stop when TEXT is generated (repeatable; TEXT is not printed)")
+        p.add_argument("--repeat-penalty", type=float, default=1.0,
+                       help="divide the logits of tokens already in the prompt or reply by "
+                            "this (multiply when negative); 1 = off (default 1)")
+        p.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="subtract this from tokens already generated, in [-2, 2] "
+                            "(default 0)")
+        p.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="subtract this per earlier occurrence in the reply, in [-2, 2] "
+                            "(default 0)")
 
     g = sub.add_parser("generate", help="stream a completion of a prompt to stdout",
                        description="Stream a completion of PROMPT to stdout, then a one-line "

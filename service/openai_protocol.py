@@ -438,18 +438,24 @@ def chat_completion_body(ids: ResponseIds, completions: Sequence[Completion]) ->
     }
 
 
-def chat_chunk_body(ids: ResponseIds, index: int, delta: dict[str, Any],
-                    finish: str | None, include_usage: bool,
-                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def _chunk_body(ids: ResponseIds, obj: str, choice: dict[str, Any],
+                include_usage: bool) -> dict[str, Any]:
+    """One streamed chunk of either route: the envelope is the same, the choice differs."""
     body: dict[str, Any] = {
-        "id": ids.id, "object": "chat.completion.chunk", "created": ids.created,
-        "model": ids.model, "system_fingerprint": None,
-        "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                     "finish_reason": finish}],
+        "id": ids.id, "object": obj, "created": ids.created,
+        "model": ids.model, "system_fingerprint": None, "choices": [choice],
     }
     if include_usage:
         body["usage"] = None
     return body
+
+
+def chat_chunk_body(ids: ResponseIds, index: int, delta: dict[str, Any],
+                    finish: str | None, include_usage: bool,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return _chunk_body(ids, "chat.completion.chunk",
+                       {"index": index, "delta": delta, "logprobs": logprobs,
+                        "finish_reason": finish}, include_usage)
 
 
 def completion_body(ids: ResponseIds, groups: Sequence[Sequence[Completion]]
@@ -469,15 +475,9 @@ def completion_body(ids: ResponseIds, groups: Sequence[Sequence[Completion]]
 def completion_chunk_body(ids: ResponseIds, index: int, text: str, finish: str | None,
                           include_usage: bool,
                           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": ids.id, "object": "text_completion", "created": ids.created,
-        "model": ids.model, "system_fingerprint": None,
-        "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                     "finish_reason": finish}],
-    }
-    if include_usage:
-        body["usage"] = None
-    return body
+    return _chunk_body(ids, "text_completion",
+                       {"index": index, "text": text, "logprobs": logprobs,
+                        "finish_reason": finish}, include_usage)
 
 
 def usage_chunk_body(ids: ResponseIds, obj: str, usage: Usage) -> dict[str, Any]:

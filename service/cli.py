@@ -20,7 +20,9 @@ from dispatch.errors import RequestError
 from loader.demo_model import DemoModelMissing, demo_model_path
 from loader.errors import ModelFileError
 from loader.model_file import ModelFile
-from service.model_loading import BackendUnavailable, LoadProgress, ProgressCallback
+from service.bench import add_bench_parser
+from service.model_loading import LoadProgress, ProgressCallback
+from service.profiler import add_profile_parser
 from vmm.cuda_driver import CudaError, NoCudaDevice
 
 if TYPE_CHECKING:
@@ -322,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=512, help="chunk size in tokens (default 512)")
     p.add_argument("--quiet", "-q", action="store_true", help="no loading messages")
     p.set_defaults(func=cmd_perplexity)
+    add_profile_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -330,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (ModelFileError, RequestError, DemoModelMissing, FileNotFoundError,
-            NoCudaDevice, CudaError, BackendUnavailable, ValueError) as e:
+            NoCudaDevice, CudaError, ValueError) as e:
         print(f"eagerlm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -4,17 +4,14 @@ Written by hand: the exposition format is a few lines of text and this avoids a 
 Request timings are taken on the dispatcher's service thread, where outputs are produced,
 so they do not include the hop to an event loop; readers are other threads, hence the lock.
 
-The bubble fraction says how much of the time the device sat idle between rounds while
-sessions were decoding: over consecutive rounds i, i+1 where round i+1 decodes (so some
-session had work all along), idle = device_end(i) -> device_start(i+1) and busy =
-device_start(i+1) -> device_end(i+1), from the rounds' device events. Gaps before a round
-that only prefills follow an idle engine and are not bubbles.
+The bubble fraction is the profiler's (service/round_timeline.py): device idle between
+rounds over wall time, in runs of consecutive decode-only rounds, where the device always
+had work the host knew about.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 import threading
 import time
@@ -22,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dispatch.messages import Output, RoundTrace
+from service.round_timeline import DeviceClock, spans_from_traces, steady_bubble
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -192,22 +190,19 @@ class EngineMetrics:
 
 def bubble_fraction(traces: Iterable[RoundTrace],
                     window: int = BUBBLE_WINDOW_ROUNDS) -> float:
-    """Device idle / (idle + busy) over the last `window` consumed rounds (module doc)."""
-    recent = _snapshot(traces)[-window:]
-    done = sorted((t for t in recent if t.tokens_ready and t.device_start is not None
-                   and t.device_end is not None), key=lambda t: t.round_id)
-    idle = busy = 0.0
-    for a, b in itertools.pairwise(done):
-        if b.round_id != a.round_id + 1 or b.n_decode == 0:
-            continue
-        try:
-            gap = a.device_end.elapsed_ms(b.device_start)  # type: ignore[union-attr]
-            run = b.device_start.elapsed_ms(b.device_end)  # type: ignore[union-attr]
-        except Exception:  # an event without timing: not measurable, skip the pair
-            continue
-        idle += max(0.0, gap)
-        busy += max(0.0, run)
-    return idle / (idle + busy) if idle + busy > 0 else 0.0
+    """Device idle over wall time in steady decode, over the last `window` consumed rounds:
+    the profiler's definition (service/round_timeline.py), on device times taken relative
+    to the first of those rounds (only differences matter)."""
+    recent = [t for t in _snapshot(traces)[-window:] if t.tokens_ready
+              and t.device_start is not None and t.device_end is not None]
+    if not recent:
+        return 0.0
+    try:
+        first = min(recent, key=lambda t: t.round_id)
+        spans = spans_from_traces(recent, DeviceClock(first.device_start, 0.0))
+    except Exception:  # an event without timing: not measurable
+        return 0.0
+    return steady_bubble(spans).fraction
 
 
 def _snapshot(traces: Iterable[RoundTrace]) -> list[RoundTrace]:

@@ -26,10 +26,6 @@ from loader.weights import build_weights, dequantize
 from vmm.device import Device, open_device
 
 
-class BackendUnavailable(RuntimeError):
-    """The device exists but this build has no backend (kernels) for it."""
-
-
 @dataclass(frozen=True)
 class LoadProgress:
     """One step of loading: `stage` is "header", "weights" or "ready"; `done` of `total`

@@ -1,0 +1,233 @@
+"""The engine under measurement: open a model (a GGUF file or a synthetic one), start a
+dispatcher with given settings, and run a planned workload through it, timing every token
+where it reaches the user (the request's output sink, on the service thread).
+
+Shared by `eagerlm profile`, `eagerlm bench` and `benchmarks/`, so every number they
+report comes from the same driver; the command-line arguments that describe the model and
+the dispatcher settings are defined here once for both commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import queue
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dispatch.control_thread import ControlConfig
+from dispatch.dispatcher import Dispatcher, DispatcherConfig
+from dispatch.messages import Output
+from dispatch.scheduler import SchedulerConfig
+from kernels.model import Transformer
+from kernels.sampling import SamplingParams
+from loader.model_file import ModelFile
+from service.request_metrics import RequestRecord
+from service.workload import LengthRange, PlannedRequest
+from vmm.device import Device
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    device: str = "cpu"
+    max_batch: int = 32
+    max_round_tokens: int = 512
+    lookahead: int = 2
+    kv_budget_mb: int = 1024
+    prefix_cache: bool = True
+
+    def dispatcher_config(self, sync: bool) -> DispatcherConfig:
+        return DispatcherConfig(
+            control=ControlConfig(SchedulerConfig(max_batch=self.max_batch,
+                                                  max_round_tokens=self.max_round_tokens),
+                                  lookahead=self.lookahead, sync=sync,
+                                  prefix_cache=self.prefix_cache),
+            kv_budget_bytes=self.kv_budget_mb << 20)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve on its device; `close` releases the device and removes a
+    synthetic model's temporary file."""
+
+    model: ModelFile
+    transformer: Transformer
+    label: str
+    device: Device
+    _tmpdir: str | None = field(default=None, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.tokenizer.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.model.config.context_length
+
+    def close(self) -> None:
+        self.device.close()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+
+def synthetic_names() -> list[str]:
+    from loader.config import SUPPORTED_ARCHITECTURES
+    from loader.synthetic import SHAPES
+
+    return ["tiny", *(f"tiny-{a}" for a in SUPPORTED_ARCHITECTURES), *SHAPES]
+
+
+def load_model(model_path: str | None, synthetic: str | None,
+               min_context: int = 256, device: str = "cpu") -> LoadedModel:
+    """Open `model_path`, or write the synthetic model `synthetic` (see `synthetic_names`:
+    `tiny` is a 2-layer qwen3 for tests, the others are real shapes with random weights)
+    to a temporary file; with neither, the demo model. Loaded on `device` the way the
+    engine loads (service/model_loading.py)."""
+    from service.model_loading import load_model as load_on_device
+
+    if synthetic is None:
+        if model_path is None:
+            from loader.demo_model import demo_model_path
+
+            model_path = demo_model_path()
+        on = load_on_device(model_path, device)
+        return LoadedModel(on.model, on.transformer, Path(model_path).name, on.device)
+
+    import dataclasses
+
+    from loader.synthetic import SHAPES, tiny_spec, write_synthetic_model
+
+    if synthetic == "tiny" or synthetic.startswith("tiny-"):
+        arch = synthetic.partition("-")[2] or "qwen3"
+        spec = tiny_spec(arch, context_length=max(256, min_context))
+    elif synthetic in SHAPES:
+        spec = SHAPES[synthetic]
+        if spec.context_length < min_context:
+            spec = dataclasses.replace(spec, context_length=min_context)
+    else:
+        raise ValueError(f"unknown synthetic model {synthetic!r}; choose from "
+                         f"{', '.join(synthetic_names())}")
+    tmpdir = tempfile.mkdtemp(prefix="eagerlm-synthetic-")
+    try:
+        path = write_synthetic_model(Path(tmpdir) / f"{synthetic}.gguf", spec)
+        on = load_on_device(path, device)
+        return LoadedModel(on.model, on.transformer, f"synthetic {synthetic}", on.device,
+                           tmpdir)
+    except BaseException:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
+
+
+def start_engine(loaded: LoadedModel, settings: DispatchSettings, sync: bool) -> Dispatcher:
+    return Dispatcher(loaded.device, loaded.transformer, loaded.model.tokenizer,
+                      settings.dispatcher_config(sync))
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    start: float  # perf_counter when the first request was due
+    end: float  # when the last request finished
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """Every benchmark request: greedy, EOS ignored, so it yields exactly `max_tokens`."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_requests(engine: Dispatcher, requests: Sequence[PlannedRequest],
+                 stall_timeout_s: float = 600.0) -> RunResult:
+    """Submit each request at its arrival time (from this thread), record each token's
+    time at the sink, and return once every request has finished.
+
+    Raises TimeoutError if no request finishes for `stall_timeout_s` (a hung engine)."""
+    finished: queue.SimpleQueue[int] = queue.SimpleQueue()
+    records = [RequestRecord(r.index, 0.0, len(r.prompt_ids)) for r in requests]
+
+    def sink_for(rec: RequestRecord):
+        def sink(out: Output) -> None:
+            now = time.perf_counter()
+            if out.token_ids:
+                rec.token_times.extend([now] * len(out.token_ids))
+            if out.finish_reason is not None:
+                rec.finish_reason = out.finish_reason.value
+                rec.error = out.error
+                finished.put(rec.index)
+        return sink
+
+    start = time.perf_counter()
+    for req, rec in sorted(zip(requests, records), key=lambda p: p[0].arrival_s):
+        delay = start + req.arrival_s - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        rec.arrival = time.perf_counter()
+        engine.submit(req.prompt_ids, greedy(req.max_tokens), sink_for(rec))
+    for _ in records:
+        try:
+            finished.get(timeout=stall_timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no request finished in {stall_timeout_s:.0f} s") from None
+    return RunResult(records, start, time.perf_counter())
+
+
+def warm_up(engine: Dispatcher, vocab_size: int) -> None:
+    """One short request, so first-call costs (allocations, page mapping) are not charged
+    to the measured run; then forget its traces."""
+    req = PlannedRequest(0, [i % vocab_size for i in range(1, 9)], 4, 0.0)
+    run_requests(engine, [req], stall_timeout_s=300.0)
+    engine.traces.clear()
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}/s"
+
+
+# -- command-line arguments shared by `eagerlm profile` and `eagerlm bench` ---------------
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model / --synthetic / --device, shared with `eagerlm bench`."""
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", "-m", metavar="PATH",
+                       help="GGUF model file (default: the demo model, if installed)")
+    which.add_argument("--synthetic", metavar="NAME",
+                       help="a synthetic model with random weights instead: "
+                            + ", ".join(synthetic_names()))
+    p.add_argument("--device", default="cpu",
+                   help="'cpu', 'cuda' or 'cuda:N' (cuda: not yet verified on a GPU)")
+
+
+def add_engine_args(p: argparse.ArgumentParser, max_batch: int) -> None:
+    p.add_argument("--max-batch", type=int, default=max_batch,
+                   help=f"most sessions per round (default {max_batch})")
+    p.add_argument("--max-round-tokens", type=int, default=512,
+                   help="prefill + decode tokens per round (default 512)")
+    p.add_argument("--lookahead", type=int, default=2,
+                   help="rounds launched ahead of the service thread in eager mode (default 2)")
+    p.add_argument("--kv-budget-mb", type=int, default=1024,
+                   help="KV page pool size on the cpu device, MiB (default 1024)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+
+
+def engine_settings(args: argparse.Namespace) -> DispatchSettings:
+    return DispatchSettings(device=args.device, max_batch=args.max_batch,
+                          max_round_tokens=args.max_round_tokens, lookahead=args.lookahead,
+                          kv_budget_mb=args.kv_budget_mb)
+
+
+def rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("the request rate must be > 0 (inf: all at once)")
+    return value
+
+
+def length_range(text: str) -> LengthRange:
+    try:
+        return LengthRange.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -1,0 +1,398 @@
+"""`eagerlm profile`: run a workload in eager and/or sync mode and report, from the
+dispatcher's per-round instrumentation, where the time goes.
+
+Per mode: the rounds on one host timeline (`round_timeline`), the bubble fraction in steady
+decode, host time per round, the lookahead actually reached, and the request latencies
+(TTFT, ITL percentiles, output tokens/s). Written to the output folder: `trace.json`
+(Perfetto / chrome://tracing), `timeline.png` (a window of rounds, the modes one above the
+other), `summary.txt` (the table printed) and `profile.json` (every number).
+
+What "the profiler" costs: the dispatcher always records a `RoundTrace` per round (a few
+timestamps and two timing events). The profiler adds a collector thread that, while the run
+goes on, takes those traces out of the dispatcher's deque and queries the events' timings,
+so a long run holds neither an unbounded number of device events nor a full deque; trace
+and plot building happen after the run. `--overhead-repeats N` measures the cost: the same
+workload N times with the collector and N times without, alternating, on one engine, and
+compares output tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dispatch.dispatcher import Dispatcher
+from dispatch.messages import RoundTrace
+from service.harness import (
+    DispatchSettings,
+    LoadedModel,
+    RunResult,
+    add_engine_args,
+    add_model_args,
+    engine_settings,
+    length_range,
+    load_model,
+    rate,
+    rate_label,
+    run_requests,
+    start_engine,
+    warm_up,
+)
+from service.model_loading import check_device
+from service.request_metrics import LatencySummary, summarize
+from service.round_timeline import (
+    DeviceClock,
+    RoundSpan,
+    TimelineStats,
+    spans_from_traces,
+    timeline_stats,
+    union_length,
+)
+from service.trace_export import TracedRun, chrome_trace, write_chrome_trace
+from service.workload import LengthRange, PlannedRequest, WorkloadSpec, make_workload
+
+MODES = ("eager", "sync")
+
+
+class RoundCollector:
+    """Converts the dispatcher's round traces to host-time spans on a thread of its own
+    while a run goes on.
+
+    It reads `engine.traces` without taking anything out (the engine's /metrics reads the
+    same deque), newest first, stopping at the last round it has already seen: each pass
+    costs only the rounds that are new. Passes are rare (every `interval_s`): the deque
+    keeps the last 100 000 rounds, so one pass every 2 s keeps up with rounds as short as
+    20 us, and on the cpu backend every wake-up of an extra thread can stall a
+    multithreaded BLAS call."""
+
+    def __init__(self, engine: Dispatcher, clock: DeviceClock, interval_s: float = 2.0) -> None:
+        self.engine = engine
+        self.clock = clock
+        self.interval_s = interval_s
+        self.spans: list[RoundSpan] = []
+        self.cpu_s = 0.0  # CPU time the collector used (its own cost, measured directly)
+        traces = engine.traces
+        self._seen = traces[-1].round_id if traces else -1  # earlier rounds are not ours
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="eagerlm-profiler",
+                                        daemon=True)
+
+    def __enter__(self) -> RoundCollector:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._wait_consumed()
+        t0 = time.thread_time()
+        self._collect()  # what arrived since the thread's last pass
+        self.cpu_s += time.thread_time() - t0
+        self.spans.sort(key=lambda s: s.round_id)
+
+    def _wait_consumed(self, timeout_s: float = 2.0) -> None:
+        """Let the service thread hand over the last launched rounds: a request's final
+        tokens reach its sink just before its round's trace is recorded."""
+        deadline = time.perf_counter() + timeout_s
+        traces = self.engine.traces
+        while time.perf_counter() < deadline:
+            last = self.engine.control.round_id - 1
+            if last < 0 or (traces and traces[-1].round_id >= last):
+                return
+            time.sleep(0.001)
+
+    def _run(self) -> None:
+        t0 = time.thread_time()
+        while not self._stop.wait(self.interval_s):
+            self._collect()
+        self.cpu_s += time.thread_time() - t0
+
+    def _collect(self) -> None:
+        new: list[RoundTrace] = []
+        for _ in range(100):
+            try:
+                new = list(itertools.takewhile(lambda t: t.round_id > self._seen,
+                                               reversed(self.engine.traces)))
+                break
+            except RuntimeError:  # the service thread appended meanwhile: read again
+                continue
+        if new:
+            self._seen = new[0].round_id
+            self.spans.extend(spans_from_traces(new, self.clock))
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    workload: WorkloadSpec
+    engine: DispatchSettings = field(default_factory=DispatchSettings)
+    modes: tuple[str, ...] = MODES
+    min_batch: int = 1  # steady decode: rounds with at least this many decoding sessions
+    window: int = 12  # rounds in the PNG
+    warm_up: bool = True
+
+
+@dataclass
+class ModeProfile:
+    mode: str
+    spans: list[RoundSpan]
+    run: RunResult
+    latency: LatencySummary
+    timeline: TimelineStats
+    device_busy: float  # busy union over the whole run's wall time
+    clock_uncertainty_s: float
+
+
+def profile_mode(loaded: LoadedModel, settings: ProfileSettings, mode: str,
+                 requests: Sequence[PlannedRequest]) -> ModeProfile:
+    """One run of the workload in `mode` ("eager" or "sync") with the collector on."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
+    with start_engine(loaded, settings.engine, sync=mode == "sync") as engine:
+        if settings.warm_up:
+            warm_up(engine, loaded.vocab_size)
+        clock = DeviceClock.calibrate(engine.device)
+        with RoundCollector(engine, clock) as collector:
+            run = run_requests(engine, requests)
+    spans = collector.spans
+    busy = union_length((s.device_start, s.device_end) for s in spans)
+    wall = run.end - run.start
+    return ModeProfile(mode, spans, run, summarize(run.records),
+                       timeline_stats(spans, settings.min_batch),
+                       busy / wall if wall > 0 else 0.0, clock.uncertainty_s)
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """The profiler's cost, two ways: output tokens/s of the same workload with the
+    collector off and on (pairs run back to back, so slow drift of the machine cancels),
+    and the CPU time the collector thread itself used over the runs' wall time (a direct
+    measure, free of run-to-run noise)."""
+
+    off_tok_s: list[float]
+    on_tok_s: list[float]
+    collector_cpu_s: list[float]
+    on_wall_s: list[float]
+
+    @property
+    def fraction(self) -> float:
+        """Throughput lost with the profiler on: 1 - median of the on/off ratios of the
+        pairs (negative: on was faster, i.e. the cost is below the noise)."""
+        return 1.0 - statistics.median(
+            on / off for on, off in zip(self.on_tok_s, self.off_tok_s, strict=True))
+
+    @property
+    def cpu_fraction(self) -> float:
+        return sum(self.collector_cpu_s) / sum(self.on_wall_s)
+
+
+def measure_overhead(loaded: LoadedModel, settings: ProfileSettings,
+                     requests: Sequence[PlannedRequest], repeats: int) -> Overhead:
+    """Alternate off/on runs on one eager engine; the prefix cache is flushed between runs
+    so each does the same work."""
+    off: list[float] = []
+    on: list[float] = []
+    cpu: list[float] = []
+    wall: list[float] = []
+    with start_engine(loaded, settings.engine, sync=False) as engine:
+        warm_up(engine, loaded.vocab_size)
+        clock = DeviceClock.calibrate(engine.device)
+        for i in range(repeats):
+            order = ((False, off), (True, on))
+            for collect, results in order if i % 2 == 0 else order[::-1]:  # no order bias
+                engine.flush()
+                engine.traces.clear()
+                if collect:
+                    with RoundCollector(engine, clock) as collector:
+                        run = run_requests(engine, requests)
+                    cpu.append(collector.cpu_s)
+                    wall.append(run.end - run.start)
+                else:
+                    run = run_requests(engine, requests)
+                results.append(summarize(run.records).output_tok_s)
+    return Overhead(off, on, cpu, wall)
+
+
+# -- reporting ---------------------------------------------------------------------------
+
+def format_summary(profiles: Sequence[ModeProfile], overhead: Overhead | None = None,
+                   header: str = "") -> str:
+    """The plain-text table: one column per mode."""
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(label: str, fmt) -> None:
+        rows.append((label, [fmt(p) for p in profiles]))
+
+    row("rounds (steady decode)", lambda p: f"{p.timeline.n_rounds} ({p.timeline.n_steady})")
+    row("bubble, steady decode", lambda p: f"{p.timeline.bubble:.1%}")
+    row("device busy, whole run", lambda p: f"{p.device_busy:.1%}")
+    row("decode batch (mean)", lambda p: f"{p.timeline.batch_mean:.1f}")
+    row("host ms/round (plan+launch)", lambda p: f"{p.timeline.host_ms:.3f}")
+    row("  plan ms", lambda p: f"{p.timeline.plan_ms:.3f}")
+    row("  launch ms", lambda p: f"{p.timeline.launch_ms:.3f}")
+    row("device ms/round", lambda p: f"{p.timeline.device_ms:.2f}")
+    row("device end -> tokens ms", lambda p: f"{p.timeline.ready_ms:.3f}")
+    row("rounds in flight mean/max",
+        lambda p: f"{p.timeline.lookahead_mean:.2f}/{p.timeline.lookahead_max}")
+    row("TTFT ms p50/p90/p99", lambda p: _pcts(p.latency.ttft))
+    row("ITL ms p50/p90/p99", lambda p: _pcts(p.latency.itl))
+    row("output tokens", lambda p: f"{p.latency.output_tokens}")
+    row("output tok/s", lambda p: f"{p.latency.output_tok_s:.1f}")
+    width = max(len(label) for label, _ in rows) + 2
+    col = max(16, *(len(v) + 2 for _, vals in rows for v in vals))
+    lines = [header] if header else []
+    lines.append("".ljust(width) + "".join(p.mode.rjust(col) for p in profiles))
+    lines += [label.ljust(width) + "".join(v.rjust(col) for v in vals) for label, vals in rows]
+    lines.append("(steady decode: consecutive decode-only rounds; times in the steady rounds)")
+    if overhead is not None:
+        o = overhead
+        lines.append(
+            f"profiler overhead: {o.fraction:+.1%} of output tok/s (median of {len(o.on_tok_s)}"
+            f" off/on pairs; off {statistics.median(o.off_tok_s):.1f}, on "
+            f"{statistics.median(o.on_tok_s):.1f} tok/s); collector thread CPU "
+            f"{o.cpu_fraction:.2%} of wall time")
+    return "\n".join(lines)
+
+
+def _pcts(d) -> str:
+    return f"{d.p50:.1f}/{d.p90:.1f}/{d.p99:.1f}"
+
+
+def profile_json(profiles: Sequence[ModeProfile], overhead: Overhead | None,
+                 metadata: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"metadata": metadata, "modes": {}}
+    for p in profiles:
+        out["modes"][p.mode] = {
+            "timeline": dataclasses.asdict(p.timeline),
+            "latency": dataclasses.asdict(p.latency) | {
+                "output_tok_s": p.latency.output_tok_s},
+            "device_busy": p.device_busy, "clock_uncertainty_s": p.clock_uncertainty_s,
+            "rounds": [dataclasses.asdict(s) for s in p.spans]}
+    if overhead is not None:
+        out["overhead"] = dataclasses.asdict(overhead) | {
+            "fraction": overhead.fraction, "cpu_fraction": overhead.cpu_fraction}
+    return out
+
+
+@dataclass(frozen=True)
+class ProfileOutputs:
+    trace: Path
+    summary: Path
+    json: Path
+    png: Path | None
+
+
+def write_outputs(out_dir: Path, profiles: Sequence[ModeProfile], overhead: Overhead | None,
+                  settings: ProfileSettings, metadata: dict[str, Any], png: bool = True
+                  ) -> tuple[ProfileOutputs, str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [TracedRun(p.mode, p.spans, p.run.records, p.run.start) for p in profiles]
+    trace = write_chrome_trace(out_dir / "trace.json", chrome_trace(runs, metadata))
+    header = " ".join(f"{k}={v}" for k, v in metadata.items())
+    text = format_summary(profiles, overhead, header)
+    summary = out_dir / "summary.txt"
+    summary.write_text(text + "\n", encoding="utf-8")
+    js = out_dir / "profile.json"
+    js.write_text(json.dumps(profile_json(profiles, overhead, metadata), indent=1),
+                  encoding="utf-8")
+    png_path = None
+    if png:
+        from service.timeline_plot import plot_timeline
+
+        png_path = plot_timeline(out_dir / "timeline.png",
+                                 [(p.mode, p.spans) for p in profiles], settings.window,
+                                 title=header)
+    return ProfileOutputs(trace, summary, js, png_path), text
+
+
+def run_profile(loaded: LoadedModel, settings: ProfileSettings, out_dir: Path,
+                overhead_repeats: int = 0, png: bool = True
+                ) -> tuple[list[ModeProfile], Overhead | None, ProfileOutputs, str]:
+    """Everything `eagerlm profile` does once the model is loaded."""
+    requests = make_workload(settings.workload, loaded.vocab_size, loaded.context_length)
+    profiles = [profile_mode(loaded, settings, mode, requests) for mode in settings.modes]
+    overhead = (measure_overhead(loaded, settings, requests, overhead_repeats)
+                if overhead_repeats > 0 else None)
+    w, e = settings.workload, settings.engine
+    metadata = {"model": loaded.label, "device": e.device,
+                "date": time.strftime("%Y-%m-%d"), "requests": w.n_requests,
+                "prompt_len": str(w.input_len), "output_len": str(w.output_len),
+                "rate": rate_label(w.request_rate), "max_batch": e.max_batch,
+                "lookahead": e.lookahead}
+    outputs, text = write_outputs(out_dir, profiles, overhead, settings, metadata, png)
+    return profiles, overhead, outputs, text
+
+
+# -- command line ------------------------------------------------------------------------
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    check_device(args.device)  # a clear error before anything is loaded
+    workload = WorkloadSpec(args.requests or args.max_batch, args.prompt_len, args.output_len,
+                            args.request_rate, args.seed)
+    settings = ProfileSettings(workload, engine_settings(args),
+                               MODES if args.mode == "both" else (args.mode,),
+                               min_batch=args.min_batch, window=args.window)
+    need = args.prompt_len.high + args.output_len.high + 1
+    if not args.quiet:
+        print("loading the model...", file=sys.stderr, flush=True)
+    loaded = load_model(args.model, args.synthetic, min_context=need, device=args.device)
+    try:
+        if not args.quiet:
+            print(f"profiling {loaded.label}: {workload.n_requests} requests, prompt "
+                  f"{workload.input_len}, output {workload.output_len} tokens, rate "
+                  f"{rate_label(workload.request_rate)}, modes {'+'.join(settings.modes)}",
+                  file=sys.stderr, flush=True)
+        _, _, outputs, text = run_profile(loaded, settings, Path(args.out),
+                                          args.overhead_repeats, png=not args.no_png)
+    finally:
+        loaded.close()
+    print(text)
+    written = [outputs.trace, outputs.png, outputs.summary, outputs.json]
+    print("wrote " + ", ".join(str(p) for p in written if p is not None), file=sys.stderr)
+    return 0
+
+
+def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `eagerlm profile` to the CLI's subcommands (handler: `cmd_profile`)."""
+    p = subparsers.add_parser(
+        "profile", help="timeline, bubble fraction and latencies of eager vs sync dispatch",
+        description="Run a workload and report from the dispatcher's per-round "
+                    "instrumentation: bubble fraction in steady decode, host time per round, "
+                    "lookahead reached, TTFT / ITL percentiles, output tokens/s. Writes "
+                    "trace.json (open in ui.perfetto.dev), timeline.png, summary.txt and "
+                    "profile.json to --out.")
+    add_model_args(p)
+    p.add_argument("--mode", choices=(*MODES, "both"), default="both",
+                   help="dispatch mode(s) to profile (default both)")
+    p.add_argument("--requests", "-n", type=int, default=None,
+                   help="number of requests (default: --max-batch)")
+    p.add_argument("--prompt-len", type=length_range, default=LengthRange(32, 32),
+                   metavar="N|MIN-MAX", help="prompt tokens per request (default 32)")
+    p.add_argument("--output-len", type=length_range, default=LengthRange(32, 32),
+                   metavar="N|MIN-MAX", help="generated tokens per request (default 32)")
+    p.add_argument("--request-rate", type=rate, default=math.inf,
+                   help="Poisson arrivals per second (default inf: all at once)")
+    add_engine_args(p, max_batch=8)
+    p.add_argument("--min-batch", type=int, default=1,
+                   help="steady decode counts rounds with at least this many decoding "
+                        "sessions (default 1)")
+    p.add_argument("--window", type=int, default=12, help="rounds drawn in the PNG")
+    p.add_argument("--overhead-repeats", type=int, default=0, metavar="N",
+                   help="also measure the profiler's own overhead: N runs with and N "
+                        "without it (default 0: skip)")
+    p.add_argument("--out", "-o", default="eagerlm-profile",
+                   help="output folder (default ./eagerlm-profile)")
+    p.add_argument("--no-png", action="store_true", help="skip the PNG (no matplotlib)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress messages")
+    p.set_defaults(func=cmd_profile)
+    return p

@@ -1,0 +1,244 @@
+"""Rounds on one clock: the dispatcher's per-round traces turned into host-time intervals,
+and what the profiler computes from them (bubble fraction, host time, lookahead reached).
+
+Everything here except `DeviceClock.calibrate` and `spans_from_traces` is a pure function
+of plain numbers, so tests can build a timeline with known gaps and check the results
+exactly.
+
+## The common clock
+
+Host timestamps in a `RoundTrace` are `time.perf_counter()` seconds. Device times are
+events; an event pair gives a duration (`elapsed_ms`) but not a place on the host timeline.
+`DeviceClock` records one *anchor* event whose host time is known and places every other
+event at `anchor_host + anchor.elapsed_ms(event)`: the same code on both backends, through
+the public `Event` interface only.
+
+- cpu: a `CpuEvent` stamps `perf_counter_ns` when its stream's thread reaches it, so the
+  anchor's host time is exact and every converted time is the event's own stamp.
+- cuda (when built): the host brackets the anchor (host time before recording it, after
+  synchronizing on it); the midpoint is used and half the bracket (a few microseconds on an
+  idle stream) is the clock's `uncertainty_s`. GPU timer and host clock drift by parts per
+  million, nothing over a profiling run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from dispatch.messages import RoundTrace
+from vmm.device import Device, Event
+
+
+@dataclass(frozen=True)
+class DeviceClock:
+    """Places device events on the host's `perf_counter` timeline (seconds)."""
+
+    anchor: Event
+    anchor_host_s: float
+    uncertainty_s: float = 0.0
+
+    @classmethod
+    def calibrate(cls, device: Device) -> DeviceClock:
+        """Record an anchor on a stream of its own (idle, so it completes at once)."""
+        stream = device.stream("profiler-clock")
+        try:
+            event = device.event()
+            before = time.perf_counter()
+            stream.record(event)
+            event.synchronize()
+            after = time.perf_counter()
+        finally:
+            stream.close()
+        stamp = _host_stamp(event)
+        if stamp is not None:
+            return cls(event, stamp, 0.0)
+        return cls(event, (before + after) / 2, (after - before) / 2)
+
+    def host_time(self, event: Event) -> float:
+        """The host time (perf_counter seconds) at which `event` completed on the device."""
+        return self.anchor_host_s + self.anchor.elapsed_ms(event) / 1e3
+
+
+def _host_stamp(event: Event) -> float | None:
+    """The exact host time of a completed event, on backends that stamp one (cpu)."""
+    from vmm.cpu_device import CpuEvent
+
+    if isinstance(event, CpuEvent) and event._time_ns is not None:
+        return event._time_ns / 1e9  # perf_counter_ns: the same clock as perf_counter
+    return None
+
+
+@dataclass(frozen=True)
+class RoundSpan:
+    """One round with every time on the host clock (perf_counter seconds)."""
+
+    round_id: int
+    plan_start: float
+    plan_end: float
+    launch_end: float
+    device_start: float
+    device_end: float
+    tokens_ready: float
+    n_decode: int = 0
+    n_prefill_tokens: int = 0
+    n_sessions: int = 0
+    pages_in_use: int = 0
+
+    @property
+    def host_s(self) -> float:
+        """Host time the control thread spent on the round: planning plus launching."""
+        return self.launch_end - self.plan_start
+
+    @property
+    def device_s(self) -> float:
+        return self.device_end - self.device_start
+
+    @property
+    def decode_only(self) -> bool:
+        return self.n_decode > 0 and self.n_prefill_tokens == 0
+
+
+def spans_from_traces(traces: Iterable[RoundTrace], clock: DeviceClock) -> list[RoundSpan]:
+    """Convert consumed rounds' traces (their events completed), sorted by round id."""
+    spans = []
+    for t in traces:
+        if t.device_start is None or t.device_end is None:
+            continue
+        spans.append(RoundSpan(
+            t.round_id, t.plan_start, t.plan_end, t.launch_end,
+            clock.host_time(t.device_start), clock.host_time(t.device_end), t.tokens_ready,
+            t.n_decode, t.n_prefill_tokens, t.n_sessions, t.pages_in_use))
+    return sorted(spans, key=lambda s: s.round_id)
+
+
+# -- pure computations -----------------------------------------------------------------
+
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by the intervals (overlaps counted once)."""
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def bubble_fraction(intervals: Sequence[tuple[float, float]]) -> float:
+    """Fraction of the window from the first start to the last end that no interval covers:
+    the device's idle share when the intervals are its busy times."""
+    if not intervals:
+        return 0.0
+    window = max(b for _, b in intervals) - min(a for a, _ in intervals)
+    if window <= 0:
+        return 0.0
+    return 1.0 - union_length(intervals) / window
+
+
+def steady_decode_runs(spans: Sequence[RoundSpan], min_batch: int = 1) -> list[list[RoundSpan]]:
+    """Maximal runs of consecutive rounds (by id) that only decode, at least `min_batch`
+    sessions each, two rounds or more.
+
+    Why only these: between such rounds the device always has work the host knows about,
+    so any idle time there is the dispatcher's doing. Around arrivals, prefills and the
+    start and end of a run, the device may idle for lack of work, which no dispatcher
+    can fix."""
+    runs: list[list[RoundSpan]] = []
+    current: list[RoundSpan] = []
+    for s in sorted(spans, key=lambda x: x.round_id):
+        ok = s.decode_only and s.n_decode >= min_batch
+        if ok and current and s.round_id == current[-1].round_id + 1:
+            current.append(s)
+            continue
+        if len(current) >= 2:
+            runs.append(current)
+        current = [s] if ok else []
+    if len(current) >= 2:
+        runs.append(current)
+    return runs
+
+
+@dataclass(frozen=True)
+class Bubble:
+    """Device idle time between rounds over the steady-decode windows."""
+
+    idle_s: float
+    window_s: float
+    n_rounds: int
+
+    @property
+    def fraction(self) -> float:
+        return self.idle_s / self.window_s if self.window_s > 0 else 0.0
+
+
+def steady_bubble(spans: Sequence[RoundSpan], min_batch: int = 1) -> Bubble:
+    """Idle over wall time, summed over every steady-decode run (each run's window goes
+    from its first round's device start to its last round's device end)."""
+    idle = window = 0.0
+    n = 0
+    for run in steady_decode_runs(spans, min_batch):
+        busy = [(s.device_start, s.device_end) for s in run]
+        w = max(b for _, b in busy) - min(a for a, _ in busy)
+        idle += w - union_length(busy)
+        window += w
+        n += len(run)
+    return Bubble(idle, window, n)
+
+
+def in_flight_at_launch(spans: Sequence[RoundSpan]) -> list[int]:
+    """For each round (by id order): how many launched rounds, itself included, the service
+    thread had not yet taken the tokens of when it finished launching. This is the
+    lookahead actually reached: 1 in sync mode, up to `k` when eager."""
+    ordered = sorted(spans, key=lambda x: x.round_id)
+    ready = [s.tokens_ready for s in ordered]
+    if any(b < a for a, b in itertools.pairwise(ready)):  # never: the service is in order
+        return [sum(1 for p in ordered[: i + 1] if p.tokens_ready > s.launch_end)
+                for i, s in enumerate(ordered)]
+    return [i + 1 - bisect.bisect_right(ready, s.launch_end, 0, i + 1)
+            for i, s in enumerate(ordered)]
+
+
+@dataclass(frozen=True)
+class TimelineStats:
+    """What the profiler reports about a run's rounds (times in milliseconds)."""
+
+    n_rounds: int
+    n_steady: int
+    bubble: float  # device idle fraction in steady decode
+    plan_ms: float  # mean over steady rounds (all rounds if none)
+    launch_ms: float
+    host_ms: float  # plan + launch
+    device_ms: float
+    ready_ms: float  # device end -> tokens in the service thread
+    lookahead_mean: float
+    lookahead_max: int
+    batch_mean: float
+
+
+def timeline_stats(spans: Sequence[RoundSpan], min_batch: int = 1) -> TimelineStats:
+    bubble = steady_bubble(spans, min_batch)
+    steady_ids = {s.round_id for run in steady_decode_runs(spans, min_batch) for s in run}
+    chosen = [s for s in spans if s.round_id in steady_ids] or list(spans)
+    flight = dict(zip((s.round_id for s in sorted(spans, key=lambda x: x.round_id)),
+                      in_flight_at_launch(spans)))
+    flights = [flight[s.round_id] for s in chosen]
+
+    def mean_ms(values: list[float]) -> float:
+        return 1e3 * sum(values) / len(values) if values else 0.0
+
+    return TimelineStats(
+        n_rounds=len(spans), n_steady=bubble.n_rounds, bubble=bubble.fraction,
+        plan_ms=mean_ms([s.plan_end - s.plan_start for s in chosen]),
+        launch_ms=mean_ms([s.launch_end - s.plan_end for s in chosen]),
+        host_ms=mean_ms([s.host_s for s in chosen]),
+        device_ms=mean_ms([s.device_s for s in chosen]),
+        ready_ms=mean_ms([s.tokens_ready - s.device_end for s in chosen]),
+        lookahead_mean=sum(flights) / len(flights) if flights else 0.0,
+        lookahead_max=max(flights, default=0),
+        batch_mean=sum(s.n_decode for s in chosen) / len(chosen) if chosen else 0.0)

@@ -97,7 +97,9 @@ class ControlThread:
 
         sc = config.scheduler
         # cuda ops enqueue on their own stream, which must be the round's compute stream
-        self.compute = getattr(transformer.ops, "stream", None) or device.stream("compute")
+        ops_stream = getattr(transformer.ops, "stream", None)
+        self._owns_compute = ops_stream is None  # the ops' stream outlives this thread
+        self.compute = ops_stream or device.stream("compute")
         self.copy = device.stream("copy")
         n_slots = config.lookahead + 2
         meta_ints = sc.max_round_tokens * _ROW_FIELDS + sc.max_batch * _SEQ_FIELDS
@@ -369,7 +371,8 @@ class ControlThread:
         self.sessions.clear()
         with contextlib.suppress(StreamError):  # a failed device has nothing left to drain
             self._drain_device()
-        self.compute.close()
+        if self._owns_compute:
+            self.compute.close()
         self.copy.close()
 
 

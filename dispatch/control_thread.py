@@ -374,6 +374,13 @@ class ControlThread:
         if self._owns_compute:
             self.compute.close()
         self.copy.close()
+        self._records = [None] * len(self._records)  # their host arrays view the buffers
+        buffers = [self._meta_dev, self._token_buf, *self._meta_host, *self._tokens_host,
+                   *self._sampled_dev, *self._lp_dev, *self._lp_ids_dev, *self._lp_host,
+                   *self._lp_ids_host]
+        for buf in buffers:
+            with contextlib.suppress(Exception):  # a view still held keeps a host buffer
+                buf.free()
 
 
 @dataclass

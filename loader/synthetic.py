@@ -186,7 +186,7 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> 
     if spec.final_logit_softcap:
         w.add_final_logit_softcapping(spec.final_logit_softcap)
     for key, value in vocab.metadata().items():
-        _add_metadata(w, key, value)
+        add_metadata(w, key, value)
     if spec.chat_template is not None:
         w.add_chat_template(spec.chat_template)
 
@@ -215,7 +215,8 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> 
     return path
 
 
-def _add_metadata(w: GGUFWriter, key: str, value: object) -> None:
+def add_metadata(w: GGUFWriter, key: str, value: object) -> None:
+    """One metadata key/value, typed as llama.cpp reads it (ints as uint32)."""
     if isinstance(value, bool):
         w.add_bool(key, value)
     elif isinstance(value, int):

@@ -27,7 +27,7 @@ from kernels.sampling import (
     token_logprob,
 )
 from loader.tokenizer import Tokenizer
-from vmm.kv_layout import ContiguousKV, KVLayout
+from vmm.kv_layout import KVLayout
 
 
 @dataclass
@@ -79,8 +79,8 @@ class SequentialGeneration:
         cfg, tok, params = self.transformer.config, self.tokenizer, self.params
         n_prompt = len(self.prompt_ids)
         budget = min(params.max_tokens, self.context - n_prompt)
-        kv = ContiguousKV(KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim),
-                          n_prompt + budget)
+        kv = self.transformer.ops.contiguous_kv(
+            KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), n_prompt + budget)
         judge = TokenJudge(tok, params, budget)
         self.stats = GenerationStats(prompt_tokens=n_prompt)
         t0 = time.perf_counter()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 import threading
 from collections.abc import Sequence
@@ -565,6 +566,9 @@ class CudaOps:
         if params.logprobs is not None:
             return "logprobs are not in the cuda sampler yet"
         return None
+
+    def contiguous_kv(self, layout: KVLayout, capacity: int) -> ContiguousDeviceKV:
+        return ContiguousDeviceKV(self, dataclasses.replace(layout, dtype=KV_DTYPE), capacity)
 
     def session_kv(self, region: Any) -> Any:
         """The region itself: the kernels read its base pointer and strides."""

@@ -36,7 +36,8 @@ class Ops(Protocol[A]):
     def attention(self, batch: ForwardBatch, layer: int, q: A, *, scale: float,
                   window: int) -> A: ...
 
-    # Beside the forward, the dispatcher's rounds use: `kv_dtype`, `unsupported(params)`,
+    # Beside the forward: `contiguous_kv(layout, capacity)` (one session's cache), and for
+    # the dispatcher's rounds `kv_dtype`, `unsupported(params)`,
     # `session_kv(region)`, `round_inputs(rows, n_rows, token_buf)` and
     # `sample_round(...)` (see NumpyOps for what each does).
 

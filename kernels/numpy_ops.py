@@ -7,6 +7,7 @@ float32 (BLAS), no in-place tricks that hide what is computed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from kernels.sampling import (
     token_logprob,
 )
 from loader.config import Activation, RopeStyle
-from vmm.kv_layout import TokenMajorKV
+from vmm.kv_layout import ContiguousKV, KVLayout, TokenMajorKV
 
 if TYPE_CHECKING:
     from vmm.device import HostBuffer as Buffer
@@ -41,6 +42,10 @@ class NumpyOps:
     def unsupported(self, params: SamplingParams) -> str | None:
         """Why this backend cannot serve a request with these parameters, if it cannot."""
         return None
+
+    def contiguous_kv(self, layout: KVLayout, capacity: int) -> ContiguousKV:
+        """A single session's cache in one allocation (sequential loop, perplexity)."""
+        return ContiguousKV(dataclasses.replace(layout, dtype=self.kv_dtype), capacity)
 
     def session_kv(self, region: KVRegion) -> TokenMajorKV:
         """A session's KV as the ops read it: a view taken now, at launch, so the work on

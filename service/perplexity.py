@@ -17,7 +17,7 @@ import numpy as np
 from kernels.batch import ForwardBatch
 from kernels.model import Transformer
 from loader.tokenizer import Tokenizer
-from vmm.kv_layout import ContiguousKV, KVLayout
+from vmm.kv_layout import KVLayout
 
 
 @dataclass
@@ -60,7 +60,8 @@ def perplexity(transformer: Transformer, tokenizer: Tokenizer, text: str, ctx: i
         if bos_id is not None:
             chunk[0] = bos_id
         rows = np.arange(first, ctx - 1, dtype=np.int64)
-        batch = ForwardBatch.single(chunk, 0, ContiguousKV(layout, ctx), logit_rows=rows)
+        kv = transformer.ops.contiguous_kv(layout, ctx)
+        batch = ForwardBatch.single(chunk, 0, kv, logit_rows=rows)
         logp = log_softmax(np.asarray(transformer.forward(batch)))
         nll = -logp[np.arange(len(rows)), targets]
         total += float(nll.sum())

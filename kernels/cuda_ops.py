@@ -195,9 +195,15 @@ class _StagingRing:
             host.free()
             return
         with self.lock:
-            start = self.head if self.head + n <= self.size else 0
+            wrap = self.head + n > self.size
+            start = 0 if wrap else self.head
             end = start + (n + 255) // 256 * 256
-            while self.in_flight and self.in_flight[0][0] < end and start < self.in_flight[0][1]:
+            # The in-flight copies are queued in ring order from `head` on: those at or past
+            # head (the previous lap's) are the oldest. Wrapping skips the tail [head, size),
+            # so its copies must leave the queue first, or the check below would stop at one
+            # of them and miss a newer copy at the front of the ring that the write overlaps.
+            while self.in_flight and ((wrap and self.in_flight[0][0] >= self.head) or (
+                    self.in_flight[0][0] < end and start < self.in_flight[0][1])):
                 self.in_flight.popleft()[2].synchronize()
             self.buf.array[start:start + n] = raw
             self.ops.stream.copy_h2d(_Mem(out.ptr, n), self.buf, n, src_offset=start)
@@ -611,7 +617,9 @@ class CudaOps:
                                           "not in the device sampler yet")
             if not 0 <= pos < POSITION_LIMIT:
                 raise ValueError(f"positions[{i}] must be in [0, 2**63), got {pos}")
-            table[i] = (p.temperature, p.top_k, p.top_p, p.min_p, p.seed or 0, pos)
+            # top_k >= vocab is off, as 0 is; clamped so a huge one fits the int32 field
+            table[i] = (p.temperature, min(p.top_k, vocab), p.top_p, p.min_p, p.seed or 0,
+                        pos)
         dev = self.upload(table.view(np.uint8), "u8")
         if out is None:
             out = self.empty((n,), "i32")

@@ -68,7 +68,9 @@ class NumpyOps:
         with `logprobs_out`, also each row's logprobs (rows whose params ask for them)."""
         logits = np.asarray(logits, dtype=np.float32)
         tokens = sample(logits, params, positions, counts).astype(np.int32)
-        token_buf.array.view(np.int32)[np.asarray(out_slots, np.int64)] = tokens
+        slots = np.asarray(out_slots, np.int64)
+        keep = slots >= 0  # as the device sampler: a negative slot writes no token buffer row
+        token_buf.array.view(np.int32)[slots[keep]] = tokens[keep]
         out.array.view(np.int32)[: len(tokens)] = tokens
         if logprobs_out is None:
             return

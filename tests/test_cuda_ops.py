@@ -281,6 +281,18 @@ def test_sampling_matches_the_reference(ops, vocab) -> None:
     assert agree >= 0.97
 
 
+def test_sampling_treats_negative_zero_as_zero(ops) -> None:
+    """-0.0 == +0.0, so the top-k boundary among zeros goes to the lower id, whatever the
+    sign bit (np.round gives -0.0 for small negative logits)."""
+    row = np.array([-0.0, 1.0, 0.0, -0.0, 0.0, -3.0], np.float32)
+    logits = np.tile(row, (64, 1))
+    params = [SamplingParams(temperature=1.0, top_k=2, seed=7)] * 64
+    positions = list(range(64))
+    got = ops.to_numpy(ops.sample(ops.upload(logits), params, positions))
+    assert set(got.tolist()) <= {0, 1}
+    np.testing.assert_array_equal(got, sample(logits, params, positions))
+
+
 def test_sampling_does_not_depend_on_the_batch(ops) -> None:
     logits = _logits(8, 3000)
     params = [SamplingParams(temperature=1.0, top_p=0.95, seed=99)] * 8

@@ -184,3 +184,54 @@ def test_launch_packs_each_argument_into_its_own_slot() -> None:
                     "grid": (3, 2, 1, 128, 1, 1, 96, 0)}
     with pytest.raises(TypeError):
         k.launch(None, 1, 1, 1, 2)
+
+
+def test_staging_ring_waits_for_every_copy_it_overwrites() -> None:
+    """The pinned upload ring (kernels/cuda_ops.py) never rewrites bytes that a queued copy
+    has yet to read, also when it wraps past a tail the previous lap left in flight."""
+    from kernels.cuda_ops import DeviceTensor, _StagingRing
+
+    class Ev:
+        def __init__(self, stream) -> None:
+            self.stream, self.upto = stream, len(stream.copies)
+
+        def synchronize(self) -> None:  # copies of one stream complete in order
+            self.stream.done = max(self.stream.done, self.upto)
+
+    class FakeStream:
+        def __init__(self) -> None:
+            self.copies: list[tuple[int, int]] = []
+            self.done = 0
+
+        def copy_h2d(self, dst, src, n, src_offset=0) -> None:
+            lo, hi = src_offset, src_offset + n
+            for a, b in self.copies[self.done:]:
+                assert not (a < hi and lo < b), f"[{lo}, {hi}) rewrites in-flight [{a}, {b})"
+            self.copies.append((lo, hi))
+
+        def record(self, event) -> Ev:
+            return Ev(self)
+
+    class Host:
+        def __init__(self, n: int) -> None:
+            self.array, self.nbytes = np.zeros(n, np.uint8), n
+
+    class FakeOps:
+        class device:
+            alloc_host = Host
+
+            @staticmethod
+            def event(timing: bool = False) -> None:
+                return None
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        ops = FakeOps()
+        ops.stream = FakeStream()
+        ring = _StagingRing(ops, nbytes=4096)  # type: ignore[arg-type]
+        sizes = [1024, 1024, 1024, 1024, 3000, 1500] if trial == 0 else \
+            rng.integers(1, 4097, 40) // rng.choice([1, 16], 40)
+        for n in sizes:
+            ring.upload(np.zeros(int(n), np.uint8), DeviceTensor(0, (int(n),), "u8"))
+            if rng.random() < 0.1:  # the GPU catches up
+                ops.stream.done = len(ops.stream.copies)

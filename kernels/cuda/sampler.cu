@@ -54,8 +54,10 @@ struct SamplerShared {
 };
 
 // The position of a token in (logit descending) order as an unsigned key: larger is first.
+// -0.0 takes +0.0's key: the two compare equal, so the reference breaks their tie by id.
 __device__ __forceinline__ unsigned order_key(float x) {
-  const unsigned b = __float_as_uint(x);
+  const unsigned raw = __float_as_uint(x);
+  const unsigned b = (raw << 1) == 0u ? 0u : raw;
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
@@ -306,7 +308,9 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
       // 3. temperature on the survivors and the draw, in id order.
       const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
       const int lo = min(vocab, tid * chunk), hi = min(vocab, lo + chunk);
-      const float inv_t = 1.0f / p.temperature;
+      // A subnormal temperature makes 1 / T infinite and (mx - mx) * inf NaN: clamp to the
+      // largest float, which still sends every other weight to 0 as the reference does.
+      const float inv_t = fminf(1.0f / p.temperature, __int_as_float(0x7f7fffff));
       u64 sum = 0;
       int last_nonzero = -1;
       for (int i = lo; i < hi; ++i) {

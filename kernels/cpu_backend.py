@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from kernels.model import Transformer
 from kernels.numpy_ops import NumpyOps
+from loader.gguf_file import TensorInfo
 from loader.model_file import ModelFile
-from loader.weights import load_numpy_weights
+from loader.weights import build_weights, dequantize
 
 
-def cpu_transformer(model: ModelFile) -> Transformer[np.ndarray]:
-    """Dequantize every weight of the file to float32 and pair them with numpy ops."""
-    return Transformer(model.config, load_numpy_weights(model.gguf, model.config), NumpyOps())
+def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | None = None
+                    ) -> Transformer[np.ndarray]:
+    """Dequantize every weight of the file to float32 and pair them with numpy ops.
+
+    `on_bytes(done, total)` is called as tensors load (bytes of the file's tensor data), so
+    a caller can show progress; it starts at (0, total) and ends at (total, total)."""
+    f = model.gguf
+    total = sum(info.n_bytes for info in f.tensors.values())
+    done = 0
+
+    def fetch(info: TensorInfo) -> np.ndarray:
+        nonlocal done
+        array = dequantize(f, info)
+        done += info.n_bytes
+        if on_bytes is not None:
+            on_bytes(done, total)
+        return array
+
+    if on_bytes is not None:
+        on_bytes(0, total)
+    weights = build_weights(f, model.config, fetch)
+    if on_bytes is not None:
+        on_bytes(total, total)  # tensors the architecture does not use count as done
+    return Transformer(model.config, weights, NumpyOps())

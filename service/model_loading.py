@@ -16,13 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
+from kernels.cpu_backend import cpu_transformer
 from kernels.model import Transformer
-from kernels.numpy_ops import NumpyOps
-from loader.gguf_file import TensorInfo
 from loader.model_file import ModelFile
-from loader.weights import build_weights, dequantize
 from vmm.device import Device, open_device
 
 
@@ -84,7 +80,8 @@ def load_model(path: str | os.PathLike[str], device: str = "cpu", *,
     try:
         report("header")
         if device == "cpu":
-            transformer = _cpu_transformer(model, report)
+            transformer = cpu_transformer(model, lambda done, total: report("weights", done,
+                                                                              total))
             dev = open_device(device, page_size=page_size)
         else:
             from kernels.cuda_backend import cuda_transformer
@@ -96,23 +93,3 @@ def load_model(path: str | os.PathLike[str], device: str = "cpu", *,
         raise
     report("ready")
     return LoadedModel(model, dev, transformer)
-
-
-def _cpu_transformer(model: ModelFile,
-                     report: Callable[[str, int, int], None]) -> Transformer[np.ndarray]:
-    """`kernels.cpu_backend.cpu_transformer`, reporting bytes of weights as they load."""
-    f = model.gguf
-    total = sum(info.n_bytes for info in f.tensors.values())
-    done = 0
-    report("weights", 0, total)
-
-    def fetch(info: TensorInfo) -> np.ndarray:
-        nonlocal done
-        array = dequantize(f, info)
-        done += info.n_bytes
-        report("weights", done, total)
-        return array
-
-    weights = build_weights(f, model.config, fetch)
-    report("weights", total, total)  # tensors the architecture does not use count as done
-    return Transformer(model.config, weights, NumpyOps())

@@ -75,6 +75,20 @@ __device__ __forceinline__ u64 fixed_point(float w) {
   return (u64)__double2ull_rn((double)w * FX_ONE);
 }
 
+// Warp-wide argmax: every lane ends with the largest value and, among equal values, the
+// lowest id (the reference's tie rule).
+__device__ __forceinline__ void warp_argmax(float& best, int& best_id) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ob = __shfl_xor_sync(FULL_MASK, best, o);
+    const int oi = __shfl_xor_sync(FULL_MASK, best_id, o);
+    if (ob > best || (ob == best && oi < best_id)) {
+      best = ob;
+      best_id = oi;
+    }
+  }
+}
+
 __device__ __forceinline__ u64 mix64(u64 z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -245,15 +259,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
       best_id = i;
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ob = __shfl_xor_sync(FULL_MASK, best, o);
-    const int oi = __shfl_xor_sync(FULL_MASK, best_id, o);
-    if (ob > best || (ob == best && oi < best_id)) {
-      best = ob;
-      best_id = oi;
-    }
-  }
+  warp_argmax(best, best_id);
   if (lane == 0) {
     sm.best[warp] = best;
     sm.best_id[warp] = best_id;
@@ -262,15 +268,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
   if (warp == 0) {
     best = lane < SMP_WARPS ? sm.best[lane] : -EAGERLM_INF;
     best_id = lane < SMP_WARPS ? sm.best_id[lane] : NO_ID;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ob = __shfl_xor_sync(FULL_MASK, best, o);
-      const int oi = __shfl_xor_sync(FULL_MASK, best_id, o);
-      if (ob > best || (ob == best && oi < best_id)) {
-        best = ob;
-        best_id = oi;
-      }
-    }
+    warp_argmax(best, best_id);
     if (lane == 0) {
       sm.best[0] = best;
       sm.best_id[0] = best_id;

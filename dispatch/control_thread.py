@@ -337,7 +337,7 @@ class ControlThread:
             logprob_ids=lp_ids, prefill_tokens=prefill, trace=trace))
         self.round_id += 1
 
-    def _harvest(self, slot: int, wait: bool = True) -> None:
+    def _harvest(self, slot: int) -> None:
         """Copy a finished round's samples into the sessions' histories (needed only to
         recompute a preempted session) before its ring slot is reused."""
         rec = self._records[slot]

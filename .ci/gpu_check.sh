@@ -15,7 +15,7 @@ status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # the modules with GPU tests (each also runs its cpu cases); the server and API tests
   # need packages the image lacks and no GPU, so they stay with CI
-  python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda_ops.py tests/test_vmm.py \
+  python3 -m pytest -q -rs -p no:cacheprovider -k "not emulated" tests/test_cuda_*.py tests/test_vmm.py \
     tests/test_device.py tests/test_slab_loader.py tests/test_kernel_build.py \
     2>&1 | tee "$out/gpu_tests.log"
   status=${PIPESTATUS[0]}
@@ -24,5 +24,13 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmarks/bench_vmm.py --backend cuda 2>&1 | tee "$out/bench_vmm.log"
   python3 benchmarks/bench_load.py 2>&1 | tee "$out/bench_load.log"
   python3 benchmarks/bench_gemm.py 2>&1 | tee "$out/bench_gemm.log"
+  python3 benchmarks/bench_decode_attention.py 2>&1 | tee "$out/bench_attention.log"
+  python3 benchmarks/bench_prefill_attention.py 2>&1 | tee -a "$out/bench_attention.log"
+  python3 benchmarks/bench_gpu_decode.py --shapes qwen3-0.6b,llama-3.2-1b,llama-3.1-8b \
+    2>&1 | tee "$out/bench_decode.log"
+  for shape in qwen3-0.6b llama-3.2-1b; do
+    python3 benchmarks/peer_transformers.py --shape $shape --device cuda --num-requests 64 \
+      2>&1 | tee -a "$out/peer_transformers.log"
+  done
 fi
 exit "$status"

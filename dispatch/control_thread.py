@@ -59,6 +59,7 @@ class ControlConfig:
     sync: bool = False  # wait for each round's stop decisions before planning the next
     prefix_cache: bool = True
     prefix_cache_entries: int = 64
+    cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (on backends that can)
 
 
 @dataclass
@@ -121,6 +122,10 @@ class ControlThread:
         # stream; the control thread only says when to rebuild or forget a session's
         self._sampler_state = _SamplerState(transformer.config.vocab_size)
         self._forget: list[int] = []
+        make_graphs = getattr(transformer.ops, "decode_graphs", None)
+        self._graphs = make_graphs(
+            transformer, self._token_buf, max_batch=sc.max_batch, max_context=context_length,
+            layout=self.layout, enabled=config.cuda_graphs) if make_graphs else None
         self._records: list[_RoundRecord | None] = [None] * n_slots
         self.round_id = 0
         self.last_event: Event | None = None
@@ -302,6 +307,8 @@ class ControlThread:
                          self._sampler_state, self._forget,
                          (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
                          else None)
+        if self._graphs is not None and n_rows == n_seqs:  # a decode round: maybe a replay
+            run.graph = (self._graphs, rows.copy())
         self._forget = []
         self.compute.launch(run)
         done = self.compute.record(self.device.event())
@@ -371,6 +378,9 @@ class ControlThread:
         self.sessions.clear()
         with contextlib.suppress(StreamError):  # a failed device has nothing left to drain
             self._drain_device()
+        if self._graphs is not None:
+            with contextlib.suppress(Exception):  # a failed device: nothing to destroy
+                self._graphs.close()
         if self._owns_compute:
             self.compute.close()
         self.copy.close()
@@ -423,9 +433,13 @@ class _RoundWork:
         self.kvs, self.seq_work = kvs, seq_work
         self.state, self.forget = state, forget
         self.logprob_out = logprob_out
+        self.graph: tuple[Any, np.ndarray] | None = None  # (DecodeGraphs, host rows)
 
     def __call__(self) -> None:
         ops = self.transformer.ops
+        if self.graph is not None and self._replay(*self.graph):
+            self.kvs = []
+            return
         tokens = ops.round_inputs(self.meta, self.n_rows, self.token_buf)
         slices = [SeqSlice(st, n, past, kv)
                   for (st, n, past), kv in zip(self.seq_rows, self.kvs, strict=True)]
@@ -441,6 +455,16 @@ class _RoundWork:
             token_buf=self.token_buf, out_slots=[w.slot for w, _ in work],
             logprobs_out=self.logprob_out)
         self.kvs = []  # drop the views of the KV pages as soon as the work is done
+
+    def _replay(self, graphs: Any, rows: np.ndarray) -> bool:
+        """A decode round in which every session samples, without penalties or logprobs,
+        as a captured graph's replay; False when it must run eagerly."""
+        if self.logprob_out is not None or not all(w.samples and not w.params.penalized
+                                                   for w in self.seq_work):
+            return False
+        self._count_inputs(None)  # forgets ended sessions' counts; nothing else to count
+        return graphs.run(rows, [past for _, _, past in self.seq_rows], self.kvs,
+                          [w.params for w in self.seq_work], self.sampled)
 
     def _count_inputs(self, tokens: Any) -> dict[int, TokenCounts]:
         """Bring penalized sessions' token counts up to date with this round's inputs.

@@ -7,7 +7,7 @@ batch); the forward and the ops read nothing else about the sessions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -47,6 +47,10 @@ class ForwardBatch:
     tokens: np.ndarray  # int32 [T]
     seqs: list[SeqSlice]
     logit_rows: np.ndarray  # int64 [R]: rows of the batch whose next-token logits are wanted
+    # A backend's own description of the batch, already on its device (a captured CUDA
+    # graph reads every per-round value from fixed buffers): when set, the ops use it
+    # instead of deriving one from `seqs`.
+    device_meta: Any = None
     positions: np.ndarray = field(init=False)  # int32 [T]
 
     def __post_init__(self) -> None:

@@ -28,6 +28,9 @@ _KIND_FORMAT = {"p": "Q", "i": "i4x", "q": "q", "f": "f4x", "d": "d"}
 _DEQUANT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k",
                   "q4_k", "q5_k", "q6_k")
 _ATTENTION = {f"attention_hd{d}": "pppppqqqiiifiiii" for d in (32, 64, 128, 256)}
+# attention_decode.cu: one kernel per (head dim, query heads per block)
+_ATTENTION_DECODE = {f"attention_decode_hd{d}_g{g}": "pppppqqqiifiiii"
+                     for d in (64, 128, 256) for g in (1, 2, 4, 8)}
 
 # kernel name -> (source file without .cu, parameter kinds in order)
 SIGNATURES: dict[str, tuple[str, str]] = {
@@ -47,6 +50,10 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "kv_append": ("kv_append", "ppppiiqqq"),
     **{name: ("attention", sig) for name, sig in _ATTENTION.items()},
     "attention_merge": ("attention", "pppiiii"),
+    "attention_prefill_hd64": ("attention_prefill", "pppqqqiifi"),
+    "attention_prefill_hd128": ("attention_prefill", "pppqqqiifi"),
+    "mma_selftest": ("attention_prefill", "pppi"),  # tests only: mma.cuh fragment layouts
+    **{name: ("attention_decode", sig) for name, sig in _ATTENTION_DECODE.items()},
     "sample_rows": ("sampler", "ppppiqp"),
     **{f"dequant_{t}_{o}": ("dequant", "ppq") for t in _DEQUANT_TYPES for o in ("bf16", "f32")},
 }

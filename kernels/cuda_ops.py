@@ -54,8 +54,44 @@ SAMPLE_PARAMS = np.dtype([("temperature", "<f4"), ("top_k", "<i4"), ("top_p", "<
 
 ATT_QB = 16  # query vectors per attention block (ATT_QB in attention.cu)
 ATT_BK = 32  # keys per attention tile
+PF_BM = 128  # query vectors per block of attention_prefill.cu (PF_BM there)
+PF_BN = 64  # keys per K/V tile of attention_prefill.cu (PF_BN there)
+PF_MIN_NEW = 16  # batches whose longest session adds this many rows take the prefill kernel
 SAMPLER_THREADS = 1024  # sample_rows is written for exactly this block size
 _LOG2E = 1.4426950408889634
+
+# Decode attention (kernels/cuda/attention_decode.cu): head dims with a kernel, query heads
+# per block (G), threads per block (DEC_THREADS), and how the context is split.
+DECODE_HEAD_DIMS = (64, 128, 256)
+DECODE_GROUPS = (1, 2, 4, 8)
+DECODE_THREADS = 128
+DECODE_MIN_SPLIT = 256  # keys: shorter splits cost more in partials and merging than they gain
+DECODE_MAX_SPLITS = 64
+DECODE_BLOCKS_PER_SM = 8  # split until the grid has about this many blocks per SM
+
+
+def decode_head_group(g: int) -> tuple[int, int]:
+    """(G, chunks) for GQA group size g: the decode kernel's query heads per block and how
+    many blocks share one KV head (1 unless g > 8)."""
+    G = next((x for x in DECODE_GROUPS if x >= g), DECODE_GROUPS[-1])
+    return G, -(-g // G)
+
+
+def decode_attention_splits(max_keys: int, n_seqs: int, n_kv_heads: int, n_heads: int,
+                            sm_count: int) -> tuple[int, int]:
+    """(n_splits, split_len) of a decode attention launch for sessions of at most
+    `max_keys` visible keys (n_past + 1, or the window if smaller): the context is split
+    until the grid has about DECODE_BLOCKS_PER_SM blocks per SM, splits of at least
+    DECODE_MIN_SPLIT keys. Any pair is correct for any lengths (the last split takes what
+    lies beyond n_splits * split_len), so a CUDA graph may size it by a bound."""
+    _, chunks = decode_head_group(max(1, n_heads // max(1, n_kv_heads)))
+    blocks = max(1, n_seqs * n_kv_heads * chunks)
+    max_keys = max(1, max_keys)
+    want = -(-DECODE_BLOCKS_PER_SM * sm_count // blocks)
+    n = max(1, min(want, DECODE_MAX_SPLITS, -(-max_keys // DECODE_MIN_SPLIT)))
+    split_len = -(-max_keys // n)
+    split_len = -(-split_len // 64) * 64
+    return -(-max_keys // split_len), split_len
 
 
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -275,6 +311,7 @@ class CudaOps:
 
     name = "cuda"
     kv_dtype = KV_DTYPE
+    use_decode_attention = True  # False: decode rounds use attention.cu too (benchmarks)
 
     def __init__(self, device: Any, stream: Any = None, *, lm_head: DeviceTensor | None = None,
                  poison_outputs: bool = False) -> None:
@@ -296,6 +333,10 @@ class CudaOps:
         self._uploads: collections.OrderedDict[int, tuple[Any, DeviceTensor]] = (
             collections.OrderedDict())
         self._meta: _BatchMeta | None = None
+        # The mma.sync prefill kernel (attention_prefill.cu) passes its own tests but not
+        # yet batches that mix decode rows with long contexts into a prefill round
+        # (tests/test_cuda_ops.py::test_kv_append_and_attention): off until fixed.
+        self.tensor_core_prefill = False
         self._gemm: Any = None
         self._workspace: Any = None
 
@@ -329,8 +370,12 @@ class CudaOps:
         self._ring.upload(data, t)
         return t
 
-    def _uploaded(self, host: np.ndarray, dtype: str) -> DeviceTensor:
-        """`host` on the device, uploaded once while the same object is passed again."""
+    def _uploaded(self, host: np.ndarray | DeviceTensor, dtype: str) -> DeviceTensor:
+        """`host` on the device, uploaded once while the same object is passed again. A
+        DeviceTensor is already there (a captured graph's inputs live in fixed buffers)."""
+        if isinstance(host, DeviceTensor):
+            _require(host, dtype, "index input")
+            return host
         hit = self._uploads.get(id(host))
         if hit is not None and hit[0] is host:
             return hit[1]
@@ -449,7 +494,8 @@ class CudaOps:
         return out
 
     def rows(self, x: DeviceTensor, rows: Any) -> DeviceTensor:
-        host = rows if isinstance(rows, np.ndarray) else np.asarray(rows, np.int64)
+        host = rows if isinstance(rows, (np.ndarray, DeviceTensor)) else \
+            np.asarray(rows, np.int64)
         idx = self._uploaded(host, "i64")
         n = len(host)
         row_bytes = (x.size // x.shape[0]) * x.itemsize
@@ -466,7 +512,7 @@ class CudaOps:
              freq_factors: DeviceTensor | None = None) -> DeviceTensor:
         _require(x, "bf16", "rope input")
         n_tok, n_heads, hd = x.shape
-        pos = self._uploaded(positions if isinstance(positions, np.ndarray)
+        pos = self._uploaded(positions if isinstance(positions, (np.ndarray, DeviceTensor))
                              else np.asarray(positions, np.int32), "i32")
         out = self.empty(x.shape, "bf16")
         ff = 0
@@ -482,6 +528,8 @@ class CudaOps:
     # -- KV cache and attention ----------------------------------------------------------
 
     def _batch_meta(self, batch: ForwardBatch) -> _BatchMeta:
+        if batch.device_meta is not None:  # made by the caller, in fixed device buffers
+            return batch.device_meta
         meta = self._meta
         if meta is not None and meta.batch is batch:
             return meta
@@ -529,6 +577,16 @@ class CudaOps:
         meta = self._batch_meta(batch)
         n_tok, n_heads, hd = q.shape
         n_kv = meta.first_kv.k_view(layer).shape[1]
+        if meta.max_new == 1 and self._decode_attention_ok(meta, layer, n_heads, n_kv, hd):
+            keys = meta.max_total if window <= 0 else min(meta.max_total, window)
+            n_splits, split_len = decode_attention_splits(keys, len(batch.seqs), n_kv, n_heads,
+                                                          self.sm_count)
+            return self._attention_decode(meta, layer, q, scale=scale, window=window,
+                                          n_splits=n_splits, split_len=split_len,
+                                          n_seqs=len(batch.seqs))
+        if (self.tensor_core_prefill and meta.max_new >= PF_MIN_NEW
+                and self._prefill_attention_ok(meta, q, n_kv)):
+            return self._attention_prefill(meta, layer, q, scale=scale, window=window)
         hpl = next((h for h in (32, 64, 128, 256) if hd <= h), None)
         if hpl is None:
             raise NotImplementedError(f"attention supports head_dim <= 256, not {hd}")
@@ -555,6 +613,71 @@ class CudaOps:
             out.ptr, 0 if part_o is None else part_o.ptr, 0 if part_ml is None else part_ml.ptr,
             q.ptr,
             meta.seqs.ptr, k_off, v_off, meta.token_bytes, n_heads, n_kv, hd,
+            float(scale) * _LOG2E, int(window), n_splits, split_len, n_tok, smem=smem)
+        if part_o is not None and part_ml is not None:
+            self.kernels["attention_merge"].launch(
+                self._s, n_tok * n_heads, min(256, -(-hd // 32) * 32), out.ptr, part_o.ptr,
+                part_ml.ptr, n_tok, n_heads, hd, n_splits)
+        return out
+
+    def _decode_attention_ok(self, meta: _BatchMeta, layer: int, n_heads: int, n_kv: int,
+                             hd: int) -> bool:
+        """Whether attention_decode.cu serves this layer: a head dim it has a kernel for,
+        and K/V rows 16-byte aligned (its loads are uint4; KV regions start page- or
+        allocation-aligned, so the first session's base stands for all)."""
+        if not self.use_decode_attention or hd not in DECODE_HEAD_DIMS or n_heads % n_kv:
+            return False
+        k_off, v_off = meta.layer_offsets(layer)
+        return all(x % 16 == 0 for x in (meta.kv_base0, meta.token_bytes, k_off, v_off))
+
+    @staticmethod
+    def _prefill_attention_ok(meta: _BatchMeta, q: DeviceTensor, n_kv: int) -> bool:
+        """attention_prefill.cu's reach: head dims 64 and 128, whole GQA groups, and 16-byte
+        aligned Q and K/V rows (its cp.async loads); a captured decode batch has no `batch`."""
+        _, n_heads, hd = q.shape
+        return (hd in (64, 128) and n_heads % n_kv == 0 and meta.batch is not None
+                and q.ptr % 16 == 0 and meta.token_bytes % 16 == 0 and meta.kv_base0 % 16 == 0)
+
+    def _attention_prefill(self, meta: _BatchMeta, layer: int, q: DeviceTensor, *,
+                           scale: float, window: int) -> DeviceTensor:
+        """Tensor-core flash attention (kernels/cuda/attention_prefill.cu): one block per
+        PF_BM query vectors (row, head of the group) of one session and KV head."""
+        n_tok, n_heads, hd = q.shape
+        n_kv = meta.first_kv.k_view(layer).shape[1]
+        tiles = -(-meta.max_new * (n_heads // n_kv) // PF_BM)
+        out = self.empty((n_tok, n_heads * hd), "bf16")
+        k_off, v_off = meta.layer_offsets(layer)
+        smem = 2 * PF_BN * hd * 2  # one K and one V tile of bf16
+        self.kernels[f"attention_prefill_hd{hd}"].launch(
+            self._s, (n_kv, tiles, len(meta.batch.seqs)), PF_BM // 16 * 32, out.ptr, q.ptr,
+            meta.seqs.ptr, k_off, v_off, meta.token_bytes, n_heads, n_kv,
+            float(scale) * _LOG2E, int(window), smem=smem)
+        return out
+
+    def _attention_decode(self, meta: _BatchMeta, layer: int, q: DeviceTensor, *,
+                          scale: float, window: int, n_splits: int, split_len: int,
+                          n_seqs: int | None = None) -> DeviceTensor:
+        """Attention of a decode batch (every session of `meta` has at most one row; q is
+        [rows, n_heads, hd]) with attention_decode.cu: one block per (split, KV head,
+        session), splits merged by attention_merge. `n_splits` / `split_len` come from
+        decode_attention_splits, for the longest session or for any bound: the launch is
+        right for every length. `n_seqs` defaults to one session per row."""
+        n_tok, n_heads, hd = q.shape
+        n_kv = meta.first_kv.k_view(layer).shape[1]
+        group, chunks = decode_head_group(n_heads // n_kv)
+        n_seqs = n_tok if n_seqs is None else n_seqs
+        out = self.empty((n_tok, n_heads * hd), "bf16")
+        part_o = part_ml = None
+        if n_splits > 1:
+            part_o = self.empty((n_splits, n_tok, n_heads, hd), "f32")
+            part_ml = self.empty((n_splits, n_tok, n_heads, 2), "f32")
+        k_off, v_off = meta.layer_offsets(layer)
+        n_groups = DECODE_THREADS // (hd // 8)  # key groups per block (NG in the kernel)
+        smem = (n_groups * group * hd + 2 * n_groups * group + 2 * group) * 4
+        self.kernels[f"attention_decode_hd{hd}_g{group}"].launch(
+            self._s, (n_splits, n_kv * chunks, n_seqs), DECODE_THREADS,
+            out.ptr, 0 if part_o is None else part_o.ptr, 0 if part_ml is None else part_ml.ptr,
+            q.ptr, meta.seqs.ptr, k_off, v_off, meta.token_bytes, n_heads, n_kv,
             float(scale) * _LOG2E, int(window), n_splits, split_len, n_tok, smem=smem)
         if part_o is not None and part_ml is not None:
             self.kernels["attention_merge"].launch(
@@ -607,26 +730,29 @@ class CudaOps:
         n, vocab = logits.shape
         if len(params) != n or len(positions) != n:
             raise ValueError(f"{n} logit rows need {n} params and positions")
-        table = np.zeros(n, SAMPLE_PARAMS)
-        for i, (p, pos) in enumerate(zip(params, positions, strict=True)):
-            if not p.greedy and p.seed is None:
-                raise ValueError(f"params[{i}] has temperature > 0 but no seed; resolve it "
-                                 f"once per request with SamplingParams.resolve_seed()")
-            if getattr(p, "penalized", False):
-                raise NotImplementedError("repetition / presence / frequency penalties are "
-                                          "not in the device sampler yet")
-            if not 0 <= pos < POSITION_LIMIT:
-                raise ValueError(f"positions[{i}] must be in [0, 2**63), got {pos}")
-            # top_k >= vocab is off, as 0 is; clamped so a huge one fits the int32 field
-            table[i] = (p.temperature, min(p.top_k, vocab), p.top_p, p.min_p, p.seed or 0,
-                        pos)
-        dev = self.upload(table.view(np.uint8), "u8")
+        table = sample_table(params, positions, vocab)
         if out is None:
             out = self.empty((n,), "i32")
+        self.sample_device(logits, self.upload(table.view(np.uint8), "u8"), out=out,
+                           token_buf=token_buf, out_slots=out_slots)
+        return out
+
+    def sample_device(self, logits: DeviceTensor, table: DeviceTensor, *, out: DeviceTensor,
+                      token_buf: int = 0, out_slots: DeviceTensor | None = None) -> None:
+        """`sample` with its parameter table (SAMPLE_PARAMS rows) already on the device."""
+        n, vocab = logits.shape
         self.kernels["sample_rows"].launch(
             self._s, n, SAMPLER_THREADS, out.ptr, token_buf,
-            out_slots.ptr if out_slots is not None else 0, logits.ptr, vocab, vocab, dev.ptr)
-        return out
+            out_slots.ptr if out_slots is not None else 0, logits.ptr, vocab, vocab, table.ptr)
+
+    def decode_graphs(self, transformer: Any, token_buf: Any, *, max_batch: int,
+                      max_context: int, layout: KVLayout, enabled: bool = True) -> Any:
+        """Decode rounds replayed as CUDA graphs (kernels/cuda_graphs.py)."""
+        from kernels.cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs(self, transformer, token_buf, max_batch=max_batch,
+                            max_context=max_context,
+                            layout=dataclasses.replace(layout, dtype=KV_DTYPE), enabled=enabled)
 
     def close(self) -> None:
         self.synchronize()
@@ -637,6 +763,25 @@ class CudaOps:
             self._workspace.free()
             self._gemm = None
         self.kernels.close()
+
+
+def sample_table(params: Sequence[SamplingParams], positions: Sequence[int],
+                 vocab: int) -> np.ndarray:
+    """The sampler's per-row parameters (SAMPLE_PARAMS), checked."""
+    table = np.zeros(len(params), SAMPLE_PARAMS)
+    for i, (p, pos) in enumerate(zip(params, positions, strict=True)):
+        if not p.greedy and p.seed is None:
+            raise ValueError(f"params[{i}] has temperature > 0 but no seed; resolve it "
+                             f"once per request with SamplingParams.resolve_seed()")
+        if getattr(p, "penalized", False):
+            raise NotImplementedError("repetition / presence / frequency penalties are "
+                                      "not in the device sampler yet")
+        if not 0 <= pos < POSITION_LIMIT:
+            raise ValueError(f"positions[{i}] must be in [0, 2**63), got {pos}")
+        # top_k >= vocab is off, as 0 is; clamped so a huge one fits the int32 field
+        table[i] = (p.temperature, min(p.top_k, vocab), p.top_p, p.min_p, p.seed or 0,
+                    pos)
+    return table
 
 
 def _require(t: DeviceTensor, dtype: str, what: str) -> None:

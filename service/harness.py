@@ -39,13 +39,15 @@ class DispatchSettings:
     lookahead: int = 2
     kv_budget_mb: int = 1024
     prefix_cache: bool = True
+    cuda_graphs: bool = True
 
     def dispatcher_config(self, sync: bool) -> DispatcherConfig:
         return DispatcherConfig(
             control=ControlConfig(SchedulerConfig(max_batch=self.max_batch,
                                                   max_round_tokens=self.max_round_tokens),
                                   lookahead=self.lookahead, sync=sync,
-                                  prefix_cache=self.prefix_cache),
+                                  prefix_cache=self.prefix_cache,
+                                  cuda_graphs=self.cuda_graphs),
             kv_budget_bytes=self.kv_budget_mb << 20)
 
 

@@ -1,0 +1,259 @@
+"""Decode rounds as CUDA graphs: the whole forward plus the sampler, replayed with one launch.
+
+A decode round issues hundreds of kernels (a dozen per layer); launched one by one from
+Python, the host needs more time per round than a small model's GPU work takes, and the
+GPU idles between launches. A graph captured once replays them all with a single
+`cuGraphLaunch`, host work per round then being: fill one small pinned blob, one
+host-to-device copy, one launch, one device-to-device copy of the sampled tokens.
+
+A graph may be replayed only if nothing it reads moved, so everything that changes from
+round to round lives in fixed device buffers that the round overwrites (`_Inputs`):
+- per row: [host token id, token-buffer slot] (decode rows read the previous round's
+  sample from the token buffer on the device, as in the eager path);
+- per session: the SeqDesc (start, n_new = 1, n_past, KV base address: a session's KV
+  region never moves, so its base pointer is simply data), the row -> session map,
+  the rope position, the logits row, the sampler's parameters and output slot.
+Batches are padded up to a bucket size (1, 2, 4, 8, 16, 24, 32, 48, 64, ...) with rows
+that read token 0, attend over a one-token scratch KV and sample into nowhere (slot -1);
+the context length is bucketed by powers of two (at least 512), which fixes how the
+attention kernels split long contexts. One graph per (batch bucket, context bucket),
+captured the first time it is needed (after one eager warm-up run, which loads modules
+and plans GEMMs outside the capture) and kept.
+
+Rounds that prefill, or ask for logprobs or penalties, run eagerly. `enabled = False`
+turns graphs off entirely (the tests compare both paths token for token). If capture
+fails on some driver, that bucket stays eager and the reason is kept in `failures`.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kernels.batch import ForwardBatch, SeqSlice
+from kernels.cuda_ops import (
+    SAMPLE_PARAMS,
+    SEQ_DESC,
+    ContiguousDeviceKV,
+    CudaOps,
+    DeviceIds,
+    DeviceTensor,
+    _BatchMeta,
+    sample_table,
+)
+from kernels.model import Transformer
+from kernels.sampling import SamplingParams
+from vmm.cuda_driver import check, cu, driver
+from vmm.kv_layout import KVLayout
+
+MIN_CONTEXT_BUCKET = 512
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, ... up to and including max_batch."""
+    out, b = [1, 2, 4, 8], 16
+    while b < max_batch:
+        out += [b, b + b // 2]
+        b *= 2
+    return sorted({x for x in out if x < max_batch} | {max_batch})
+
+
+def context_bucket(n_total: int, max_context: int) -> int:
+    """The smallest power of two >= n_total (and >= 512), capped at the model's context."""
+    b = max(MIN_CONTEXT_BUCKET, 1 << max(0, math.ceil(math.log2(max(1, n_total)))))
+    return min(b, max(max_context, n_total))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Byte offsets of each field in a graph's input blob for `batch` rows."""
+
+    batch: int
+
+    def _offsets(self) -> dict[str, int]:
+        b, at, out = self.batch, 0, {}
+        for name, size in (("rows", 8 * b), ("seqs", SEQ_DESC.itemsize * b), ("row_seq", 4 * b),
+                           ("positions", 4 * b), ("logit_rows", 8 * b),
+                           ("params", SAMPLE_PARAMS.itemsize * b), ("out_slots", 4 * b)):
+            out[name] = at
+            at += -(-size // 16) * 16
+        out["end"] = at
+        return out
+
+    def offset(self, name: str) -> int:
+        return self._offsets()[name]
+
+    @property
+    def nbytes(self) -> int:
+        return self._offsets()["end"]
+
+
+@dataclass
+class _Graph:
+    batch: int
+    context: int
+    graph: Any
+    exec: Any
+    inputs: Any  # DeviceBuffer: the blob
+    out: Any  # DeviceBuffer: int32 [batch] sampled tokens
+
+
+class DecodeGraphs:
+    """Captured decode rounds for one transformer, one token buffer and one KV layout."""
+
+    def __init__(self, ops: CudaOps, transformer: Transformer, token_buf: Any, *,
+                 max_batch: int, max_context: int, layout: KVLayout,
+                 enabled: bool = True) -> None:
+        self.ops = ops
+        self.transformer = transformer
+        self.token_buf = token_buf
+        self.max_context = max_context
+        self.buckets = batch_buckets(max_batch)
+        self.enabled = enabled
+        self.scratch = ContiguousDeviceKV(ops, layout, 1)  # what padding rows attend over
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.failures: dict[tuple[int, int], str] = {}
+        self.replays = 0
+        self.captured = 0
+
+    # -- per round -----------------------------------------------------------------------
+
+    def run(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
+            params: Sequence[SamplingParams], out: Any) -> bool:
+        """Replay the round's graph: one row per session, `rows[i]` = [host token id,
+        token-buffer slot or -1] as in the eager path's metadata, each row sampled into
+        `out[i]` and into the token buffer at its slot. False when this round cannot be
+        replayed (the caller runs it eagerly)."""
+        n = len(n_pasts)
+        if not self.enabled or n == 0 or n > self.buckets[-1]:
+            return False
+        if any(p.penalized or p.logprobs is not None for p in params):
+            return False
+        b = next(x for x in self.buckets if x >= n)
+        ctx = context_bucket(max(n_pasts) + 1, self.max_context)
+        key = (b, ctx)
+        if key in self.failures:
+            return False
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._capture(b, ctx)
+            if g is None:
+                return False
+        blob = self._blob(b, rows, n_pasts, kvs, params)
+        self.ops._ring.upload(blob, DeviceTensor(g.inputs.ptr, (blob.size,), "u8"))
+        d = driver()
+        self.ops.ctx.bind()
+        check(d.cuGraphLaunch(g.exec, self.ops.stream.handle), "cuGraphLaunch")
+        cu("cuMemcpyDtoDAsync", d.CUdeviceptr(out.ptr), d.CUdeviceptr(g.out.ptr), n * 4,
+           self.ops.stream.handle)
+        self.replays += 1
+        return True
+
+    def _blob(self, b: int, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
+              params: Sequence[SamplingParams]) -> np.ndarray:
+        """The graph's inputs for this round; rows past the real ones are padding."""
+        n = len(n_pasts)
+        lay = _Layout(b)
+        blob = np.zeros(lay.nbytes, np.uint8)
+
+        def field(name: str, dtype: Any, per_row: int = 1) -> np.ndarray:
+            dt = np.dtype(dtype)
+            at = lay.offset(name)
+            return blob[at:at + b * per_row * dt.itemsize].view(dt)
+
+        r = field("rows", np.int32, 2).reshape(b, 2)
+        r[:n] = rows[:n]
+        r[n:] = (0, -1)
+        seqs = field("seqs", SEQ_DESC)
+        seqs["start"] = np.arange(b)
+        seqs["n_new"] = 1
+        seqs["n_past"][:n] = n_pasts
+        seqs["kv_base"][:n] = [kv.k_view(0).ptr for kv in kvs]
+        seqs["kv_base"][n:] = self.scratch.k_view(0).ptr
+        field("row_seq", np.int32)[:] = np.arange(b, dtype=np.int32)
+        pos = field("positions", np.int32)
+        pos[:n] = n_pasts
+        pos[n:] = 0
+        field("logit_rows", np.int64)[:] = np.arange(b, dtype=np.int64)
+        vocab = self.transformer.config.vocab_size
+        table = field("params", SAMPLE_PARAMS)
+        table[:n] = sample_table(params, [p + 1 for p in n_pasts], vocab)
+        table[n:] = sample_table([SamplingParams(temperature=0.0)] * (b - n), [0] * (b - n),
+                                 vocab)
+        slots = field("out_slots", np.int32)
+        slots[:n] = rows[:n, 1]
+        slots[n:] = -1
+        return blob
+
+    # -- capture -------------------------------------------------------------------------
+
+    def _capture(self, b: int, ctx: int) -> _Graph | None:
+        ops, d = self.ops, driver()
+        lay = _Layout(b)
+        inputs = ops.device.alloc(lay.nbytes)
+        out_buf = ops.device.alloc(b * 4)
+        key = (b, ctx)
+        blob = self._blob(b, np.zeros((0, 2), np.int32), [], [], [])
+        ops._ring.upload(blob, DeviceTensor(inputs.ptr, (blob.size,), "u8"))
+
+        def tensor(name: str, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
+            return DeviceTensor(inputs.ptr + lay.offset(name), shape, dtype, inputs)
+
+        k0 = self.scratch.k_view(0)
+        meta = _BatchMeta(batch=None, seqs=tensor("seqs", (b * SEQ_DESC.itemsize,), "u8"),
+                          row_seq=tensor("row_seq", (b,), "i32"), first_kv=self.scratch,
+                          kv_base0=k0.ptr, token_bytes=k0.strides[0], max_new=1,
+                          max_total=ctx, offsets={})
+        batch = ForwardBatch(
+            DeviceIds(inputs.ptr + lay.offset("rows"), b, self.token_buf.ptr),  # type: ignore[arg-type]
+            [SeqSlice(i, 1, 0, self.scratch) for i in range(b)], np.arange(b),
+            device_meta=meta)
+        batch.positions = tensor("positions", (b,), "i32")  # type: ignore[assignment]
+        batch.logit_rows = tensor("logit_rows", (b,), "i64")  # type: ignore[assignment]
+        params = tensor("params", (b * SAMPLE_PARAMS.itemsize,), "u8")
+        slots = tensor("out_slots", (b,), "i32")
+        out = DeviceTensor(out_buf.ptr, (b,), "i32", out_buf)
+
+        def round_() -> None:
+            logits = self.transformer.forward(batch)
+            ops.sample_device(logits, params, out=out, token_buf=self.token_buf.ptr,
+                              out_slots=slots)
+
+        stream = ops.stream.handle
+        try:
+            round_()  # warm-up: modules loaded and GEMMs planned outside the capture
+            ops.synchronize()
+            gc.collect()  # no stray tensor of an earlier round may be freed mid-capture
+            ops.ctx.bind()
+            cu("cuStreamBeginCapture", stream,
+               d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            try:
+                round_()
+            finally:
+                graph = cu("cuStreamEndCapture", stream)
+            exec_ = cu("cuGraphInstantiate", graph, 0)
+        except Exception as exc:  # this bucket stays eager; the reason is kept
+            self.failures[key] = f"{type(exc).__name__}: {exc}"
+            ops.synchronize()
+            inputs.free()
+            out_buf.free()
+            return None
+        g = self.graphs[key] = _Graph(b, ctx, graph, exec_, inputs, out_buf)
+        self.captured += 1
+        return g
+
+    def close(self) -> None:
+        """After the stream has finished every replay."""
+        self.ops.synchronize()
+        for g in self.graphs.values():
+            cu("cuGraphExecDestroy", g.exec)
+            cu("cuGraphDestroy", g.graph)
+            g.inputs.free()
+            g.out.free()
+        self.graphs.clear()
+        self.scratch.free()

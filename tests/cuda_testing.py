@@ -1,0 +1,115 @@
+"""Shared by the cuda op tests: the device fixture (a GPU, skipped without one, and the
+emulated GPU of tests/gpu_emulator.py), the ops on it, and bf16 helpers for comparing
+against the numpy reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels.batch import SeqSlice
+from kernels.numpy_ops import NumpyOps
+from vmm.kv_layout import ContiguousKV
+
+REF = NumpyOps()
+rng = np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu), "emulated"])
+def device(request):
+    from vmm.cuda_driver import NoCudaDevice
+    from vmm.device import open_device
+
+    if request.param == "gpu":
+        try:
+            d = open_device("cuda")
+        except NoCudaDevice as exc:
+            pytest.skip(f"no CUDA device ({exc})")
+        yield d
+        d.close()
+        return
+    from tests.gpu_emulator import EmulatorUnavailable, emulated_gpu
+
+    try:
+        with emulated_gpu() as drv:
+            d = open_device("cuda")
+            yield d
+            d.close()
+            assert drv.failures() == [], "an emulated kernel failed"
+    except EmulatorUnavailable as exc:
+        pytest.skip(f"no kernel emulator ({exc})")
+
+
+@pytest.fixture(scope="module")
+def ops(device):
+    from kernels.cuda_ops import CudaOps
+
+    o = CudaOps(device, poison_outputs=True)
+    yield o
+    o.close()
+
+
+@pytest.fixture()
+def gemm_ops(ops, device):
+    if "Emulated" not in type(device.ctx).__name__ and "emulated" not in device.name:
+        pytest.importorskip("nvmath.bindings.cublasLt", reason="nvmath-python not installed")
+    return ops
+
+
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    from kernels.cuda_ops import from_bf16_bits, to_bf16_bits
+
+    return from_bf16_bits(to_bf16_bits(np.asarray(x, np.float32)))
+
+
+def rand(*shape: int, scale: float = 1.0) -> np.ndarray:
+    return bf16(rng.standard_normal(shape).astype(np.float32) * scale)
+
+
+def close(got: np.ndarray, want: np.ndarray, *, rel: float = 1e-2, ulps: float = 4) -> None:
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    assert np.isfinite(got).all(), "an output element was not written (still NaN poison)"
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert err < rel, f"relative error {err:.2e}"
+    tol = ulps * 2.0**-8 * np.maximum(np.abs(want), np.abs(want).max() * 1e-3)
+    bad = np.abs(got - want) > tol
+    assert not bad.any(), f"{bad.sum()} elements off by more than {ulps} bf16 ulps"
+
+
+def sessions(ops, layout_dev, layout_host, specs):
+    """Sessions (n_past, n_new, capacity) with random cached KV, on host and device."""
+    from kernels.cuda_ops import ContiguousDeviceKV, to_bf16_bits
+
+    host, dev, start = [], [], 0
+    for n_past, n_new, cap in specs:
+        h = ContiguousKV(layout_host, cap)
+        h.data[:n_past] = rand(n_past, *layout_host.token_shape)
+        d = ContiguousDeviceKV(ops, layout_dev, cap)
+        bits = to_bf16_bits(h.data)
+        from vmm.device import MemoryRange
+
+        staging = ops.device.alloc_host(bits.nbytes)
+        staging.array[:] = bits.view(np.uint8).reshape(-1)
+        ops.stream.copy_h2d(MemoryRange(d.buffer.ptr, d.buffer.nbytes), staging, bits.nbytes)
+        ops.synchronize()
+        staging.free()
+        host.append(SeqSlice(start, n_new, n_past, h))
+        dev.append(SeqSlice(start, n_new, n_past, d))
+        start += n_new
+    return host, dev, start
+
+
+def region_tensor(kv, shape):
+    from kernels.cuda_ops import DeviceTensor
+
+    return DeviceTensor(kv.buffer.ptr, shape, "bf16")
+
+
+def is_emulated(device) -> bool:
+    """The emulated GPU (tests/gpu_emulator.py): about a thousand times slower than a real
+    one, so whole-model tests run shorter there."""
+    return "Fake" in device.name

@@ -1,0 +1,420 @@
+"""The engine's CUDA kernels run on the host: an emulated GPU for machines without one.
+
+CI has no GPU, and a kernel that only ever compiles is a kernel nobody has seen run. So the
+tests also run the cuda backend on `EmulatedDriver`: the fake driver of
+tests/fake_cuda_driver.py (device memory is host memory, streams are threads, the driver's
+rules are kept) plus what kernels need:
+
+- `cuModuleLoadData` loads each `kernels/cuda/*.cu` compiled by g++ against
+  tests/cuda_emulation/runtime.h, which runs a grid block by block with the threads of a
+  block as fibers that switch at every barrier and warp collective (see that header for
+  what is and is not modelled). The sources are the very files NVRTC compiles; only
+  `extern __shared__` declarations are rewritten to point at the launch's dynamic shared
+  memory.
+- `cuLaunchKernel` copies the argument values at launch, as the driver does, and runs the
+  kernel on the stream's thread; a kernel that deadlocks or breaks a collective's rules
+  fails the stream, and the next synchronization reports CUDA_ERROR_LAUNCH_FAILED.
+- stream-ordered allocation, memset and the synchronous copies;
+- cuBLASLt's GEMM is replaced by a numpy float32 GEMM over the same bf16 bytes
+  (`EmulatedGemm`): cuBLASLt is NVIDIA's, not ours to test.
+
+This checks indexing, synchronization and numerics of our kernels and the host code that
+drives them; it says nothing about speed, and the hardware's own behaviour is checked only
+by the same tests on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from tests.fake_cuda_driver import FakeDriver, R, real
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ROOT / "kernels" / "cuda"
+RUNTIME = Path(__file__).resolve().parent / "cuda_emulation"
+_DYNAMIC_SMEM = re.compile(
+    r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([A-Za-z_][\w\s]*?)\s+(\w+)\s*\[\s*\]\s*;")
+_KIND_SIZE = {"p": 8, "i": 4, "q": 8, "f": 4, "d": 8}
+SM_COUNT = 8  # few, so grid-stride loops and split heuristics take their long paths
+
+
+class EmulatorUnavailable(RuntimeError):
+    """No host C++ compiler (g++) or no CUDA headers to compile the kernels with."""
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise EmulatorUnavailable(f"no C++ compiler ({cxx}) to build the emulated kernels")
+    return cxx
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("EAGERLM_EMULATOR_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eagerlm",
+        "emulator")
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _rewrite(text: str) -> str:
+    """Dynamic shared memory becomes a pointer to the launch's buffer."""
+    return _DYNAMIC_SMEM.sub(
+        lambda m: f"{m.group(1)}* {m.group(2)} = reinterpret_cast<{m.group(1)}*>(emu::S.smem);",
+        text)
+
+
+def build_module(source: str, kernels: list[str]) -> Path:
+    """`kernels/cuda/<source>.cu` as a host shared library with one `emu_launch_<name>`
+    entry per kernel, cached by the content of everything it is built from."""
+    from kernels.nvrtc_build import cuda_include_dir
+
+    cxx = _compiler()
+    try:
+        include = cuda_include_dir()
+    except Exception as exc:
+        raise EmulatorUnavailable(str(exc)) from exc
+    files = sorted([*SOURCES.glob("*.cu"), *SOURCES.glob("*.cuh"), *RUNTIME.rglob("*")])
+    digest = hashlib.sha256(" ".join([cxx, source, *kernels]).encode())
+    for f in files:
+        if f.is_file():
+            digest.update(f.name.encode() + f.read_bytes())
+    out = _cache_dir() / f"{source}-{digest.hexdigest()[:20]}.so"
+    if out.exists():
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        build = Path(tmp)
+        for f in [*SOURCES.glob("*.cu"), *SOURCES.glob("*.cuh")]:
+            (build / f.name).write_text(_rewrite(f.read_text()))
+        entries = "\n".join(
+            f'extern "C" const char* emu_launch_{k}(const emu::Launch* l, void** args) {{\n'
+            f"  return emu::launch(*l, [args] {{ emu::call({k}, args); }});\n}}"
+            for k in kernels)
+        unit = build / "unit.cpp"
+        unit.write_text(f'#include "{source}.cu"\n{entries}\n')
+        tmp_out = build / "module.so"
+        cmd = [cxx, "-std=c++17", "-O1", "-g0", "-fPIC", "-shared", "-w",
+               "-include", str(RUNTIME / "runtime.h"), f"-I{RUNTIME}", f"-I{build}",
+               f"-I{include}", str(unit), "-o", str(tmp_out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"emulated build of {source}.cu failed:\n{done.stderr[-4000:]}")
+        shutil.move(str(tmp_out), out)
+    return out
+
+
+class EmulatedGemm:
+    """kernels.cublaslt.Gemm's matmul as a float32 numpy GEMM over the same bf16 bytes,
+    run in stream order."""
+
+    def __init__(self, drv: EmulatedDriver) -> None:
+        self.drv = drv
+
+    def matmul(self, stream: int, y: int, x: int, w: int, n_tok: int, n_in: int, n_out: int,
+               out_type: int) -> None:
+        from kernels.cublaslt import CUDA_R_32F
+        from kernels.cuda_ops import from_bf16_bits, to_bf16_bits
+
+        def run() -> None:
+            xs = from_bf16_bits(_host_array(x, n_tok * n_in, np.uint16)).reshape(n_tok, n_in)
+            ws = from_bf16_bits(_host_array(w, n_out * n_in, np.uint16)).reshape(n_out, n_in)
+            out = xs @ ws.T
+            if out_type == CUDA_R_32F:
+                _host_array(y, n_tok * n_out, np.float32)[:] = out.reshape(-1)
+            else:
+                _host_array(y, n_tok * n_out, np.uint16)[:] = to_bf16_bits(out).reshape(-1)
+
+        self.drv.enqueue(stream, run)
+
+    def close(self) -> None:
+        pass
+
+
+def _host_array(ptr: int, n: int, dtype: Any) -> np.ndarray:
+    size = n * np.dtype(dtype).itemsize
+    return np.frombuffer((ctypes.c_char * size).from_address(ptr), dtype=dtype, count=n)
+
+
+class _Launch(ctypes.Structure):
+    _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint),
+                ("bx", ctypes.c_uint), ("by", ctypes.c_uint), ("bz", ctypes.c_uint),
+                ("smem", ctypes.c_size_t)]
+
+
+class KernelFailed(RuntimeError):
+    """An emulated kernel broke CUDA's rules (deadlock, a bad collective, bad dimensions)."""
+
+
+class EmulatedDriver(FakeDriver):
+    """The fake driver, running the engine's kernels (see the module docstring)."""
+
+    def __init__(self, memory_bytes: int = 2 << 30) -> None:
+        super().__init__(memory_bytes)
+        self.modules: dict[int, ctypes.CDLL] = {}
+        self.functions: dict[int, tuple[str, Any, str]] = {}  # id -> (name, entry, kinds)
+        self.async_allocs: set[int] = set()
+        self.launches = 0
+        self.capturing: dict[int, set[int]] = {}  # stream -> allocations of its capture
+        self.capture_freed: set[int] = set()
+        self.graphs: dict[int, tuple[list, set[int]]] = {}  # graph -> (work, owned memory)
+        self.execs: dict[int, int] = {}  # exec -> graph
+        self.graph_launches = 0
+
+    def enqueue(self, stream: Any, fn: Any) -> None:
+        w = self._stream(stream)
+        if w is None:
+            raise RuntimeError(f"unknown stream {stream}")
+        w.put(fn)
+
+    # -- attributes the kernels' host code asks for -------------------------------------
+
+    def cuDeviceGetAttribute(self, attr: Any, dev: Any) -> tuple:
+        a = real.CUdevice_attribute
+        values = {
+            a.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: 1,
+            a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9,
+            a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
+            a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: SM_COUNT,
+        }
+        if err := self._enter("cuDeviceGetAttribute", (attr, dev), False):
+            return err
+        return (R.CUDA_SUCCESS, values.get(attr, 0))
+
+    def cuDeviceGetDefaultMemPool(self, dev: Any) -> tuple:
+        return self._enter("cuDeviceGetDefaultMemPool", (dev,)) or (
+            R.CUDA_SUCCESS, real.CUmemoryPool(0x9001))
+
+    def cuMemPoolSetAttribute(self, pool: Any, attr: Any, value: Any) -> tuple:
+        return self._enter("cuMemPoolSetAttribute", (pool, attr, value)) or (R.CUDA_SUCCESS,)
+
+    # -- stream-ordered memory and plain copies -----------------------------------------
+
+    def cuMemAllocAsync(self, n: int, stream: Any) -> tuple:
+        if err := self._enter("cuMemAllocAsync", (n, stream)):
+            return err
+        got = self.cuMemAlloc(n)
+        if int(got[0]) == 0:
+            owned = self.capturing.get(int(stream))
+            if owned is not None:
+                owned.add(int(got[1]))
+            else:
+                self.async_allocs.add(int(got[1]))
+        return got
+
+    def cuMemFreeAsync(self, ptr: Any, stream: Any) -> tuple:
+        if err := self._enter("cuMemFreeAsync", (ptr, stream)):
+            return err
+        addr = int(ptr)
+        owned = self.capturing.get(int(stream))
+        if owned is not None:  # inside a capture only the capture's own memory is freed
+            if addr not in owned:
+                return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
+            self.capture_freed.add(addr)
+            return (R.CUDA_SUCCESS,)
+        if addr not in self.async_allocs or self._stream(stream) is None:
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        self.async_allocs.discard(addr)
+        self.enqueue(stream, lambda: self.cuMemFree(real.CUdeviceptr(addr)))
+        return (R.CUDA_SUCCESS,)
+
+    def cuMemsetD8Async(self, ptr: Any, byte: int, n: int, stream: Any) -> tuple:
+        if err := self._enter("cuMemsetD8Async", (ptr, byte, n, stream)):
+            return err
+        addr = int(ptr)
+        if not self._device_ok(addr, n):
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        self.enqueue(stream, lambda: ctypes.memset(addr, int(byte), n))
+        return (R.CUDA_SUCCESS,)
+
+    def cuMemcpyDtoH(self, dst: int, src: Any, n: int) -> tuple:
+        if err := self._enter("cuMemcpyDtoH", (dst, src, n)):
+            return err
+        if not self._device_ok(int(src), n):
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        ctypes.memmove(int(dst), int(src), n)
+        return (R.CUDA_SUCCESS,)
+
+    def cuMemcpyHtoD(self, dst: Any, src: int, n: int) -> tuple:
+        if err := self._enter("cuMemcpyHtoD", (dst, src, n)):
+            return err
+        if not self._device_ok(int(dst), n):
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        ctypes.memmove(int(dst), int(src), n)
+        return (R.CUDA_SUCCESS,)
+
+    # -- modules and launches ------------------------------------------------------------
+
+    def cuModuleLoadData(self, image: Any) -> tuple:
+        if err := self._enter("cuModuleLoadData", (image,)):
+            return err
+        if not isinstance(image, bytes) or not image.startswith(b"EMU:"):
+            return (R.CUDA_ERROR_INVALID_IMAGE, None)
+        from kernels.cuda_kernels import SIGNATURES
+
+        source = image[4:].decode()
+        names = [k for k, (src, _) in SIGNATURES.items() if src == source]
+        lib = ctypes.CDLL(str(build_module(source, names)))
+        h = next(self.ids)
+        self.modules[h] = lib
+        return (R.CUDA_SUCCESS, real.CUmodule(h))
+
+    def cuModuleUnload(self, module: Any) -> tuple:
+        if err := self._enter("cuModuleUnload", (module,)):
+            return err
+        return (R.CUDA_SUCCESS,) if self.modules.pop(int(module), None) else \
+            (R.CUDA_ERROR_INVALID_HANDLE,)
+
+    def cuModuleGetFunction(self, module: Any, name: bytes) -> tuple:
+        if err := self._enter("cuModuleGetFunction", (module, name)):
+            return err
+        from kernels.cuda_kernels import SIGNATURES
+
+        lib = self.modules.get(int(module))
+        kname = name.decode()
+        if lib is None or kname not in SIGNATURES:
+            return (R.CUDA_ERROR_NOT_FOUND, None)
+        entry = getattr(lib, f"emu_launch_{kname}")
+        entry.restype = ctypes.c_char_p
+        entry.argtypes = [ctypes.POINTER(_Launch), ctypes.c_void_p]
+        h = next(self.ids)
+        self.functions[h] = (kname, entry, SIGNATURES[kname][1])
+        return (R.CUDA_SUCCESS, real.CUfunction(h))
+
+    def cuLaunchKernel(self, f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
+                       smem: int, stream: Any, params: Any, extra: Any) -> tuple:
+        args = (f, gx, gy, gz, bx, by, bz, smem, stream, params, extra)
+        if err := self._enter("cuLaunchKernel", args):
+            return err
+        fn = self.functions.get(int(f))
+        if fn is None or self._stream(stream) is None:
+            return (R.CUDA_ERROR_INVALID_HANDLE,)
+        if smem > 48 << 10:  # beyond this a kernel must opt in (cuFuncSetAttribute)
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        name, entry, kinds = fn
+        # The driver copies the argument values now: the caller reuses its buffers.
+        ptrs = ctypes.cast(int(params), ctypes.POINTER(ctypes.c_void_p))
+        copies = [ctypes.create_string_buffer(
+            ctypes.string_at(ptrs[i], _KIND_SIZE[k]), _KIND_SIZE[k]) for i, k in enumerate(kinds)]
+        array = (ctypes.c_void_p * max(1, len(kinds)))(*[ctypes.addressof(c) for c in copies])
+        launch = _Launch(gx, gy, gz, bx, by, bz, smem)
+        self.launches += 1
+
+        def run() -> None:
+            keep = copies  # noqa: F841  (alive until the kernel has read them)
+            msg = entry(ctypes.byref(launch), ctypes.cast(array, ctypes.c_void_p))
+            if msg is not None:
+                raise KernelFailed(f"{name} <<<({gx},{gy},{gz}), ({bx},{by},{bz}), {smem}>>>: "
+                                   f"{msg.decode()}")
+
+        self.enqueue(stream, run)
+        return (R.CUDA_SUCCESS,)
+
+    # -- stream capture and graphs -------------------------------------------------------
+    # Work enqueued on a capturing stream is recorded, not run; a graph replays it in
+    # order. Memory allocated inside the capture belongs to the graph: it must be freed
+    # inside the capture too (as CUDA requires of a graph relaunched without
+    # AUTO_FREE_ON_LAUNCH), stays mapped for the replays and goes with the graph.
+
+    def cuStreamBeginCapture(self, s: Any, mode: Any) -> tuple:
+        if err := self._enter("cuStreamBeginCapture", (s, mode)):
+            return err
+        w = self._stream(s)
+        if w is None or w.capture is not None:
+            return (R.CUDA_ERROR_ILLEGAL_STATE,)
+        w.capture = []
+        self.capturing[int(s)] = set()
+        return (R.CUDA_SUCCESS,)
+
+    def cuStreamEndCapture(self, s: Any) -> tuple:
+        if err := self._enter("cuStreamEndCapture", (s,)):
+            return err
+        w = self._stream(s)
+        if w is None or w.capture is None:
+            return (R.CUDA_ERROR_ILLEGAL_STATE, None)
+        work, w.capture = w.capture, None
+        owned = self.capturing.pop(int(s))
+        live = owned - self.capture_freed
+        if live:
+            return (R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None)
+        h = next(self.ids)
+        self.graphs[h] = (work, owned)
+        return (R.CUDA_SUCCESS, real.CUgraph(h))
+
+    def cuGraphInstantiate(self, g: Any, flags: int) -> tuple:
+        if err := self._enter("cuGraphInstantiate", (g, flags)):
+            return err
+        if int(g) not in self.graphs:
+            return (R.CUDA_ERROR_INVALID_HANDLE, None)
+        h = next(self.ids)
+        self.execs[h] = int(g)
+        return (R.CUDA_SUCCESS, real.CUgraphExec(h))
+
+    def cuGraphLaunch(self, e: Any, s: Any) -> tuple:
+        if err := self._enter("cuGraphLaunch", (e, s)):
+            return err
+        g = self.execs.get(int(e))
+        w = self._stream(s)
+        if g is None or w is None or g not in self.graphs:
+            return (R.CUDA_ERROR_INVALID_HANDLE,)
+        for fn in self.graphs[g][0]:
+            w.put(fn)
+        self.graph_launches += 1
+        return (R.CUDA_SUCCESS,)
+
+    def cuGraphExecDestroy(self, e: Any) -> tuple:
+        if err := self._enter("cuGraphExecDestroy", (e,)):
+            return err
+        return (R.CUDA_SUCCESS,) if self.execs.pop(int(e), None) is not None else \
+            (R.CUDA_ERROR_INVALID_HANDLE,)
+
+    def cuGraphDestroy(self, g: Any) -> tuple:
+        if err := self._enter("cuGraphDestroy", (g,)):
+            return err
+        got = self.graphs.pop(int(g), None)
+        if got is None:
+            return (R.CUDA_ERROR_INVALID_HANDLE,)
+        for addr in got[1]:
+            self.capture_freed.discard(addr)
+            self.cuMemFree(real.CUdeviceptr(addr))
+        return (R.CUDA_SUCCESS,)
+
+    def failures(self) -> list[BaseException]:
+        return [w.error for w in list(self.streams.values()) if w.error is not None]
+
+
+@contextlib.contextmanager
+def emulated_gpu() -> Iterator[EmulatedDriver]:
+    """Within: `open_device("cuda")` gives a device on the emulated driver, kernels build
+    for the host, and GEMMs are numpy's."""
+    import pytest
+
+    import kernels.cublaslt
+    import kernels.cuda_kernels
+    import vmm.cuda_driver
+
+    _compiler()
+    drv = EmulatedDriver()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vmm.cuda_driver, "_driver", drv)
+        mp.setattr(kernels.cuda_kernels, "compile_kernel",
+                   lambda source, arch: SimpleNamespace(image=b"EMU:" + source.encode()))
+        mp.setattr(kernels.cublaslt, "Gemm", lambda workspace, nbytes: EmulatedGemm(drv))
+        try:
+            yield drv
+        finally:
+            for w in list(drv.streams.values()):
+                w.stop()

@@ -1,0 +1,128 @@
+"""Decode rounds replayed as CUDA graphs (kernels/cuda_graphs.py): the same tokens as eager
+launches, whatever sessions come and go, on a GPU and on the emulated GPU (whose driver
+records a capture and replays it, refusing what CUDA refuses inside one: synchronizing,
+recording events, freeing memory the capture did not allocate, leaving capture memory
+unfreed)."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+
+from kernels.cuda_graphs import batch_buckets, context_bucket
+from kernels.sampling import SamplingParams
+from tests.cuda_testing import device, rng  # noqa: F401  (fixtures)
+
+
+def test_batch_buckets_cover_every_size_up_to_the_limit() -> None:
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert batch_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    assert batch_buckets(3) == [1, 2, 3]
+
+
+def test_context_buckets_are_powers_of_two_capped_at_the_context() -> None:
+    assert context_bucket(1, 4096) == 512
+    assert context_bucket(513, 4096) == 1024
+    assert context_bucket(4096, 4096) == 4096
+    assert context_bucket(3000, 2500) == 3000  # never below what the round needs
+
+
+def _run(device, model, transformer, prompts, params, *, graphs: bool, spy: list):
+    from dispatch.control_thread import ControlConfig
+    from dispatch.dispatcher import Dispatcher, DispatcherConfig
+
+    ops = transformer.ops
+    make = type(ops).decode_graphs
+
+    def record(*args, **kw):
+        g = make(ops, *args, **kw)
+        spy.append(g)
+        return g
+
+    ops.decode_graphs = record
+    try:
+        config = DispatcherConfig(control=ControlConfig(cuda_graphs=graphs),
+                                  kv_budget_bytes=64 << 20, memory_fraction=0.05)
+        with Dispatcher(device, transformer, model.tokenizer, config) as d:
+            queues = [queue.Queue() for _ in prompts]
+            for p, sp, q in zip(prompts, params, queues, strict=True):  # all at once
+                d.submit(p, sp, q.put)
+            outs = []
+            for q in queues:
+                tokens, done = [], False
+                while not done:
+                    o = q.get(timeout=600)
+                    assert o.error is None, o.error
+                    tokens += o.token_ids
+                    done = o.finish_reason is not None
+                outs.append(tokens)
+    finally:
+        del ops.decode_graphs
+    return outs
+
+
+@pytest.fixture
+def qwen3(tmp_path):
+    from gguf import GGMLQuantizationType
+
+    from loader.model_file import ModelFile
+    from loader.synthetic import SyntheticSpec, write_synthetic_model
+
+    spec = SyntheticSpec("qwen3", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
+                         head_dim=16, d_ff=128, vocab_size=300,
+                         weight_type=GGMLQuantizationType.BF16)
+    return ModelFile.open(write_synthetic_model(tmp_path / "q.gguf", spec))
+
+
+def test_graph_replays_give_the_eager_tokens(device, qwen3) -> None:
+    """Concurrent requests of different lengths (so rounds of 1..5 sessions, padded to
+    their bucket), greedy and seeded sampling:
+    identical tokens with graphs on and off, and graphs were really replayed."""
+    from kernels.cuda_backend import cuda_transformer
+    from kernels.cuda_ops import CudaOps
+
+    gpu = cuda_transformer(qwen3, ops=CudaOps(device))
+    prompts = [rng.integers(0, 300, n).tolist() for n in (3, 11, 6, 20, 2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (12, 5, 20, 9, 16)]
+    params[1] = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=14,
+                               ignore_eos=True)
+    params[3] = SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=9,
+                               ignore_eos=True)
+    spy_on: list = []
+    with_graphs = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=spy_on)
+    spy_off: list = []
+    without = _run(device, qwen3, gpu, prompts, params, graphs=False, spy=spy_off)
+    assert with_graphs == without
+    assert [len(t) for t in with_graphs] == [p.max_tokens for p in params]
+    (graphs,) = spy_on
+    assert graphs.replays > 0 and not graphs.failures
+    assert graphs.captured >= 2  # several batch buckets
+    assert spy_off[0].replays == 0
+
+
+def test_a_failed_capture_leaves_that_bucket_eager(device, qwen3,
+                                                   monkeypatch) -> None:
+    import vmm.cuda_driver
+    from kernels.cuda_backend import cuda_transformer
+    from kernels.cuda_ops import CudaOps
+
+    drv = vmm.cuda_driver._driver
+    if not hasattr(drv, "graph_launches"):
+        pytest.skip("needs the emulated driver to make capture fail")
+    from tests.fake_cuda_driver import R
+
+    monkeypatch.setattr(drv, "cuStreamBeginCapture",
+                        lambda s, mode: (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,))
+    gpu = cuda_transformer(qwen3, ops=CudaOps(device))
+    prompts = [[5, 6, 7]]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
+    spy: list = []
+    got = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=spy)
+    want = _run(device, qwen3, gpu, prompts, params, graphs=False, spy=[])
+    assert got == want
+    assert spy[0].replays == 0
+    assert all("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED" in v for v in spy[0].failures.values())
+    assert np.all([len(t) == 6 for t in got])

@@ -1,0 +1,123 @@
+"""The tensor-core prefill attention (kernels/cuda/attention_prefill.cu) against the numpy
+reference, and the mma.sync / ldmatrix fragment layouts of kernels/cuda/mma.cuh, on a GPU
+(skipped without one) and on the emulated GPU of tests/gpu_emulator.py.
+
+Batches mix sessions of different lengths: fresh prompts whose lengths are not multiples of
+the kernel's tiles, chunked prefill continuing a cached prefix (n_past > 0), and a single
+decode row riding along; GQA groups of 1, 2 and 4 query heads per KV head; head dims 64
+and 128; full causal attention and a sliding window.
+
+Tolerance: the kernel rounds the softmax weights P to bf16 for the P.V product (as every
+flash-attention kernel does), an error of about 2^-9 relative per weight. An output element
+is the weighted average of many V values, so that error is ~1e-3 of the output's scale,
+not of the element: an element that happens to be near zero cannot be held to a few bf16
+ulps of itself. So each element must be within 4 bf16 ulps of the larger of its own
+magnitude and the RMS of its (row, head) output vector, and the whole output within 1e-2
+relative error. An indexing or masking mistake is off by the order of the scale itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kernels.batch import ForwardBatch
+from tests.cuda_testing import (  # noqa: F401  (fixtures)
+    REF,
+    device,
+    ops,
+    rand,
+    rng,
+    sessions,
+)
+from vmm.kv_layout import KVLayout
+
+# (n_past, n_new, capacity): a fresh prompt of 37 rows, a chunk of 20 after 50 cached
+# positions, one decode row, a chunk of 70 after 130 (several K/V tiles and, with g >= 2,
+# several query tiles).
+SPECS = [(0, 37, 40), (50, 20, 72), (9, 1, 12), (130, 70, 200)]
+
+
+def close_attention(got: np.ndarray, want: np.ndarray, hd: int, *, ulps: float = 4) -> None:
+    got = np.asarray(got, np.float64).reshape(want.shape[0], -1, hd)
+    want = np.asarray(want, np.float64).reshape(got.shape)
+    assert np.isfinite(got).all(), "an output element was not written (still NaN poison)"
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert err < 1e-2, f"relative error {err:.2e}"
+    scale = np.sqrt((want**2).mean(axis=-1, keepdims=True))
+    tol = ulps * 2.0**-8 * np.maximum(np.abs(want), scale)
+    bad = np.abs(got - want) > tol
+    assert not bad.any(), (f"{bad.sum()} elements off by more than {ulps} bf16 ulps of their "
+                           f"(row, head) scale; first at {np.argwhere(bad)[0].tolist()}")
+
+
+def _run(ops, monkeypatch, specs, hd, n_kv, g, window, *, scale=None):
+    from kernels.cuda_ops import KV_DTYPE
+
+    n_heads = n_kv * g
+    n_layers, layer = 2, 1
+    lay_h = KVLayout(n_layers, n_kv, hd)
+    lay_d = KVLayout(n_layers, n_kv, hd, KV_DTYPE)
+    host, dev, n_tok = sessions(ops, lay_d, lay_h, specs)
+    tokens = np.zeros(n_tok, np.int32)
+    bh = ForwardBatch(tokens, host, np.arange(n_tok))
+    bd = ForwardBatch(tokens, dev, np.arange(n_tok))
+    k, v, q = rand(n_tok, n_kv, hd), rand(n_tok, n_kv, hd), rand(n_tok, n_heads, hd)
+    REF.kv_append(bh, layer, k, v)
+    ops.kv_append(bd, layer, ops.upload(k, "bf16").reshape(n_tok, n_kv, hd),
+                  ops.upload(v, "bf16").reshape(n_tok, n_kv, hd))
+    scale = 1 / math.sqrt(hd) if scale is None else scale
+
+    # the batch must take the new kernel, not fall back to attention.cu (it is off by
+    # default until mixed decode + prefill batches pass: see CudaOps.__init__)
+    monkeypatch.setattr(ops, "tensor_core_prefill", True)
+    name = f"attention_prefill_hd{hd}"
+    kernel = ops.kernels[name]
+    launches = []
+    real_launch = kernel.launch
+    monkeypatch.setattr(kernel, "launch",
+                        lambda *a, **kw: (launches.append(a[1]), real_launch(*a, **kw))[1])
+    got = ops.attention(bd, layer, ops.upload(q, "bf16").reshape(n_tok, n_heads, hd),
+                        scale=scale, window=window)
+    assert len(launches) == 1, f"{name} was not launched"
+    want = REF.attention(bh, layer, q, scale=scale, window=window)
+    close_attention(ops.to_numpy(got), want, hd)
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("g", [1, 2, 4])
+@pytest.mark.parametrize("window", [0, 24])
+def test_prefill_attention_matches_the_reference(ops, monkeypatch, hd, g, window) -> None:
+    _run(ops, monkeypatch, SPECS, hd, 2, g, window)
+
+
+def test_prefill_attention_long_chunk_many_tiles(ops, monkeypatch) -> None:
+    """A 150-row chunk after 100 cached positions, g = 1: two query tiles per KV head, the
+    first spanning the causal diagonal over three K/V tiles; a window of 70 makes blocks
+    start mid-context and skip whole tiles for some warps."""
+    for window in (0, 70):
+        _run(ops, monkeypatch, [(100, 150, 256), (0, 16, 16)], 64, 1, 1, window)
+
+
+def test_prefill_attention_peaked_scores(ops, monkeypatch) -> None:
+    """Large scores (scale 1): the running max moves between tiles and the rescaling of
+    the accumulated output and sums must follow it."""
+    _run(ops, monkeypatch, [(60, 40, 100)], 64, 1, 4, 0, scale=1.0)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_mma_fragment_layouts(ops, mode) -> None:
+    """D = C + A.B through mma_bf16_16816 with the fragments built by the PTX ISA's tables
+    (mode 0) or loaded by ldmatrix (1: B from its columns, as K; 2: .trans from its rows,
+    as V). On a GPU this checks mma.cuh against the hardware; under the emulator, it checks
+    the emulator's model of the instructions against numpy."""
+    a, b = rand(16, 16), rand(16, 16)
+    c = rng.standard_normal((16, 16)).astype(np.float32)
+    d = ops.upload(c)
+    ops.kernels["mma_selftest"].launch(ops.stream.handle, 1, 32, d.ptr,
+                                       ops.upload(a, "bf16").ptr, ops.upload(b, "bf16").ptr,
+                                       mode, smem=3 * 16 * 16 * 2)
+    want = c.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(ops.to_numpy(d), want, rtol=1e-5, atol=1e-5)

@@ -407,6 +407,12 @@ def emulated_gpu() -> Iterator[EmulatedDriver]:
     import vmm.cuda_driver
 
     _compiler()
+    try:
+        from kernels.nvrtc_build import cuda_include_dir
+
+        cuda_include_dir()
+    except Exception as exc:
+        raise EmulatorUnavailable(str(exc)) from exc
     drv = EmulatedDriver()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(vmm.cuda_driver, "_driver", drv)

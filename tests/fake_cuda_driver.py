@@ -33,6 +33,7 @@ def _real_driver_missing() -> bool:
 
 
 _VALIDATE = _real_driver_missing()
+_VALIDATING = threading.local()
 
 
 class _Worker:
@@ -120,13 +121,18 @@ class FakeDriver:
 
     def _enter(self, name: str, args: tuple, needs_ctx: bool = True) -> tuple | None:
         self.calls[name] = self.calls.get(name, 0) + 1
-        if _VALIDATE:
+        # Not re-entrantly: a garbage-collected CudaEvent's __del__ may call in here from
+        # inside another call's validation, where cuda-python holds a lock of its own.
+        if _VALIDATE and not getattr(_VALIDATING, "on", False):
+            _VALIDATING.on = True
             try:
                 getattr(real, name)(*args)
             except TypeError:
                 raise
             except Exception:
                 pass  # no driver library: the arguments converted fine
+            finally:
+                _VALIDATING.on = False
         if needs_ctx and getattr(self.tls, "ctx", None) != self.ctx_id:
             return (R.CUDA_ERROR_INVALID_CONTEXT, None)
         return None

@@ -75,6 +75,7 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=0)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--copy-mib", type=int, default=1024, help="size of the timed copy")
     args = ap.parse_args()
 
     device, why = open_gpu()
@@ -108,7 +109,7 @@ def main() -> int:
     kv_bytes = n * keys * nkv * hd * 2 * 2
     io_bytes = kv_bytes + 2 * n * nh * hd * 2  # + q read + out written
 
-    hbm = copy_rate(ops, 1 << 30, max(5, args.reps // 5))
+    hbm = copy_rate(ops, args.copy_mib << 20, max(5, args.reps // 5))
 
     def attention(decode: bool):
         ops.use_decode_attention = decode

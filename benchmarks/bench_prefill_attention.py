@@ -6,7 +6,8 @@ inputs on the same GPU in the same run, each timed with CUDA events around back-
 calls after a warm-up:
 
 - eagerlm's prefill kernel (kernels/cuda/attention_prefill.cu, mma.sync on tensor cores),
-  through `CudaOps.attention` as the forward calls it;
+  through `CudaOps.attention` as the forward calls it (with `CudaOps.tensor_core_prefill`
+  switched on for this figure, whatever the engine's default);
 - `torch.nn.functional.scaled_dot_product_attention` restricted to the flash backend (GQA
   through `enable_gqa` where this torch has it, else K/V repeated to all heads: the same
   FLOPs);
@@ -58,16 +59,15 @@ def time_device(ops: Any, fn: Callable[[], Any], reps: int, warmup: int = 3) -> 
 
 
 @contextlib.contextmanager
-def old_kernel() -> Iterator[None]:
-    """CudaOps.attention without the prefill kernel (the attention.cu path)."""
-    import kernels.cuda_ops as co
-
-    saved = co.PF_MIN_NEW
-    co.PF_MIN_NEW = 1 << 62
+def prefill_kernel(ops: Any, on: bool) -> Iterator[None]:
+    """CudaOps.attention with the tensor-core prefill kernel on or off (off: attention.cu),
+    whatever the engine's default."""
+    saved = ops.tensor_core_prefill
+    ops.tensor_core_prefill = on
     try:
         yield
     finally:
-        co.PF_MIN_NEW = saved
+        ops.tensor_core_prefill = saved
 
 
 def torch_flash(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
@@ -139,7 +139,8 @@ def bench(ops: Any, n_tok: int, n_heads: int, n_kv: int, hd: int, window: int,
     kernel = ops.kernels[name]
     real = kernel.launch
     kernel.launch = lambda *a, **kw: (launched.append(1), real(*a, **kw))[1]
-    out = ops.attention(batch, 0, dq, scale=scale, window=window)
+    with prefill_kernel(ops, True):
+        out = ops.attention(batch, 0, dq, scale=scale, window=window)
     del kernel.launch
     if not launched:
         raise RuntimeError(f"CudaOps.attention did not take {name} for this shape")
@@ -151,10 +152,11 @@ def bench(ops: Any, n_tok: int, n_heads: int, n_kv: int, hd: int, window: int,
     flop = 4.0 * n_heads * hd * visible_pairs(0, n_tok, window)
     row: dict[str, Any] = {"tokens": n_tok, "heads": n_heads, "kv_heads": n_kv, "head_dim": hd,
                            "window": window, "gflop": flop / 1e9}
-    sec = time_device(ops, run, reps)
+    with prefill_kernel(ops, True):
+        sec = time_device(ops, run, reps)
     row.update(eagerlm_ms=sec * 1e3, eagerlm_tflops=flop / sec / 1e12)
 
-    with old_kernel():
+    with prefill_kernel(ops, False):
         old = ops.to_numpy(run()).reshape(n_tok, n_heads, hd)
         sec_old = time_device(ops, run, max(2, reps // 5), warmup=1)
     row.update(old_ms=sec_old * 1e3, old_tflops=flop / sec_old / 1e12,

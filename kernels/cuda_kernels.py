@@ -30,7 +30,7 @@ _DEQUANT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", 
 _ATTENTION = {f"attention_hd{d}": "pppppqqqiiifiiii" for d in (32, 64, 128, 256)}
 # attention_decode.cu: one kernel per (head dim, query heads per block)
 _ATTENTION_DECODE = {f"attention_decode_hd{d}_g{g}": "pppppqqqiifiiii"
-                     for d in (64, 128, 256) for g in (1, 2, 4, 8)}
+                     for d in (32, 64, 128, 256) for g in (1, 2, 4, 8)}
 
 # kernel name -> (source file without .cu, parameter kinds in order)
 SIGNATURES: dict[str, tuple[str, str]] = {

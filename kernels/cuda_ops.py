@@ -62,7 +62,7 @@ _LOG2E = 1.4426950408889634
 
 # Decode attention (kernels/cuda/attention_decode.cu): head dims with a kernel, query heads
 # per block (G), threads per block (DEC_THREADS), and how the context is split.
-DECODE_HEAD_DIMS = (64, 128, 256)
+DECODE_HEAD_DIMS = (32, 64, 128, 256)
 DECODE_GROUPS = (1, 2, 4, 8)
 DECODE_THREADS = 128
 DECODE_MIN_SPLIT = 256  # keys: shorter splits cost more in partials and merging than they gain

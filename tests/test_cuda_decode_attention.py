@@ -3,7 +3,7 @@ reference, on a GPU (skipped without one) and on the emulated GPU of tests/gpu_e
 
 Decode batches: every session has one new row whose key and value kv_append has just
 written; sessions of different lengths in one batch (n_past = 0, short, long enough to be
-split), GQA group sizes 1..12 (12 takes two blocks per KV head), head dims 64/128/256,
+split), GQA group sizes 1..12 (12 takes two blocks per KV head), head dims 32/64/128/256,
 with and without a sliding window smaller than the context. Splits are exercised both as
 CudaOps.attention picks them and as a CUDA graph would size them, for a bound longer than
 any session (most splits then hold no key and write empty partials).
@@ -55,6 +55,7 @@ def _count_decode_calls(ops, monkeypatch) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("hd,n_heads,n_kv", [
     (64, 4, 4),     # g = 1
+    (32, 8, 4),     # g = 2
     (128, 4, 2),    # g = 2
     (128, 12, 4),   # g = 3: a block of 4 with one idle head
     (64, 8, 2),     # g = 4

@@ -4,8 +4,9 @@ reference, and the mma.sync / ldmatrix fragment layouts of kernels/cuda/mma.cuh,
 
 Batches mix sessions of different lengths: fresh prompts whose lengths are not multiples of
 the kernel's tiles, chunked prefill continuing a cached prefix (n_past > 0), and a single
-decode row riding along; GQA groups of 1, 2 and 4 query heads per KV head; head dims 64
-and 128; full causal attention and a sliding window.
+decode row riding along; GQA groups of 1, 2 and 4 query heads per KV head (and 3 and 7,
+whose rows straddle blocks); head dims 64 and 128; full causal attention and a sliding
+window.
 
 Tolerance: the kernel rounds the softmax weights P to bf16 for the P.V product (as every
 flash-attention kernel does), an error of about 2^-9 relative per weight. An output element
@@ -99,6 +100,13 @@ def test_prefill_attention_long_chunk_many_tiles(ops, monkeypatch) -> None:
     start mid-context and skip whole tiles for some warps."""
     for window in (0, 70):
         _run(ops, monkeypatch, [(100, 150, 256), (0, 16, 16)], 64, 1, 1, window)
+
+
+@pytest.mark.parametrize("g,hd,window", [(7, 128, 0), (3, 64, 5)])
+def test_prefill_attention_groups_not_a_power_of_two(ops, monkeypatch, g, hd, window) -> None:
+    """7 query heads per KV head (Qwen2.5-7B's 28 / 4): a block's 128 query vectors end
+    mid-row, so rows straddle blocks and warps."""
+    _run(ops, monkeypatch, [(3, 45, 64), (200, 17, 240)], hd, 2, g, window)
 
 
 def test_prefill_attention_peaked_scores(ops, monkeypatch) -> None:

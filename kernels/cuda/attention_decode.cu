@@ -13,7 +13,7 @@
 // All G query heads of the block share every K/V load (GQA). Within the block, a group of
 // TPK = head_dim / 8 threads owns one key at a time, each thread 8 consecutive dims of it:
 // one 16-byte load (uint4 = 8 bf16) of K and one of V per thread per key, so a group reads
-// a key's whole K (and V) row as one contiguous 128..512-byte run. The NG = 128 / TPK
+// a key's whole K (and V) row as one contiguous 64..512-byte run. The NG = 128 / TPK
 // groups walk the split's keys interleaved, U keys per group per step, and all 2U loads
 // of a step are issued before any is used (U = 8, 4, 2 for G <= 2, 4, 8: fewer in flight
 // where the per-key arithmetic, which grows with G, already hides the latency).
@@ -46,10 +46,10 @@
 // (kv_base, token_bytes, k_off, v_off multiples of 16; head_dim * 2 is). q and out are
 // read and written in 2- and 4-byte pieces (a few KiB per launch, not worth a constraint).
 //
-// head_dim (64, 128, 256) and G (1, 2, 4, 8) are template arguments so every per-thread
+// head_dim (32, 64, 128, 256) and G (1, 2, 4, 8) are template arguments so every per-thread
 // array is in registers: attention_decode_hd{HD}_g{G}. The host picks the smallest G >= g
 // (G = 8 and several head chunks for g > 8); a chunk's heads past g compute on zero
-// queries and are not written. Other head dims use attention.cu.
+// queries and are not written. Other head dims (not a power of two) use attention.cu.
 #include "common.cuh"
 
 constexpr int DEC_THREADS = 128;
@@ -268,6 +268,10 @@ __device__ __forceinline__ void attention_decode_impl(
                                  split_len, n_rows);                                        \
   }
 
+ATTENTION_DECODE_KERNEL(32, 1)
+ATTENTION_DECODE_KERNEL(32, 2)
+ATTENTION_DECODE_KERNEL(32, 4)
+ATTENTION_DECODE_KERNEL(32, 8)
 ATTENTION_DECODE_KERNEL(64, 1)
 ATTENTION_DECODE_KERNEL(64, 2)
 ATTENTION_DECODE_KERNEL(64, 4)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.batch import SeqSlice
+from kernels.batch import ForwardBatch, SeqSlice
 from kernels.numpy_ops import NumpyOps
-from vmm.kv_layout import ContiguousKV
+from vmm.kv_layout import ContiguousKV, KVLayout
 
 REF = NumpyOps()
 rng = np.random.default_rng(1234)
@@ -101,6 +101,25 @@ def sessions(ops, layout_dev, layout_host, specs):
         dev.append(SeqSlice(start, n_new, n_past, d))
         start += n_new
     return host, dev, start
+
+
+def appended_batches(ops, specs, n_kv: int, hd: int, *, n_layers: int = 2, layer: int = 1):
+    """Sessions `specs` (n_past, n_new, capacity) as one batch on the host and one on the
+    device, with random new K/V for `layer` appended to both (the reference's kv_append
+    and the device's): what every attention test starts from. Returns (host batch, device
+    batch, number of rows)."""
+    from kernels.cuda_ops import KV_DTYPE
+
+    host, dev, n_tok = sessions(ops, KVLayout(n_layers, n_kv, hd, KV_DTYPE),
+                                KVLayout(n_layers, n_kv, hd), specs)
+    tokens = np.zeros(n_tok, np.int32)
+    bh = ForwardBatch(tokens, host, np.arange(n_tok))
+    bd = ForwardBatch(tokens, dev, np.arange(n_tok))
+    k, v = rand(n_tok, n_kv, hd), rand(n_tok, n_kv, hd)
+    REF.kv_append(bh, layer, k, v)
+    ops.kv_append(bd, layer, ops.upload(k, "bf16").reshape(n_tok, n_kv, hd),
+                  ops.upload(v, "bf16").reshape(n_tok, n_kv, hd))
+    return bh, bd, n_tok
 
 
 def region_tensor(kv, shape):

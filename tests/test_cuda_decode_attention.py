@@ -13,30 +13,17 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 
-from kernels.batch import ForwardBatch
-from tests.cuda_testing import REF, close, device, ops, rand, sessions  # noqa: F401
-from vmm.kv_layout import KVLayout
+from tests.cuda_testing import REF, appended_batches, close, device, ops, rand  # noqa: F401
 
 
 def _decode_batch(ops, hd: int, n_heads: int, n_kv: int, n_pasts: list[int], *,
                   n_layers: int = 2, layer: int = 1):
     """A decode batch (one row per session) on host and device with the new K/V appended,
     and its queries."""
-    from kernels.cuda_ops import KV_DTYPE
-
-    lay_h = KVLayout(n_layers, n_kv, hd)
-    lay_d = KVLayout(n_layers, n_kv, hd, KV_DTYPE)
-    host, dev, n_tok = sessions(ops, lay_d, lay_h, [(p, 1, p + 1) for p in n_pasts])
-    tokens = np.zeros(n_tok, np.int32)
-    bh = ForwardBatch(tokens, host, np.arange(n_tok))
-    bd = ForwardBatch(tokens, dev, np.arange(n_tok))
-    k, v = rand(n_tok, n_kv, hd), rand(n_tok, n_kv, hd)
-    REF.kv_append(bh, layer, k, v)
-    ops.kv_append(bd, layer, ops.upload(k, "bf16").reshape(n_tok, n_kv, hd),
-                  ops.upload(v, "bf16").reshape(n_tok, n_kv, hd))
+    bh, bd, n_tok = appended_batches(ops, [(p, 1, p + 1) for p in n_pasts], n_kv, hd,
+                                     n_layers=n_layers, layer=layer)
     q = rand(n_tok, n_heads, hd, scale=2.0)  # scores of a few units: a peaked softmax
     return bh, bd, q, ops.upload(q, "bf16").reshape(n_tok, n_heads, hd)
 

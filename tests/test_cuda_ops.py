@@ -25,6 +25,7 @@ from kernels.sampling import SamplingParams, filter_candidates, sample
 from loader.config import Activation, RopeStyle
 from tests.cuda_testing import (  # noqa: F401  (fixtures)
     REF,
+    appended_batches,
     bf16,
     close,
     device,
@@ -123,21 +124,11 @@ def test_rope(ops, style, rope_dim, factors) -> None:
                                               (80, 6, 2)])
 @pytest.mark.parametrize("window", [0, 7])
 def test_kv_append_and_attention(ops, hd, n_heads, n_kv, window) -> None:
-    from kernels.cuda_ops import KV_DTYPE
-
-    n_layers, layer = 3, 1
-    lay_h = KVLayout(n_layers, n_kv, hd)
-    lay_d = KVLayout(n_layers, n_kv, hd, KV_DTYPE)
+    layer = 1
     specs = [(0, 19, 40), (5, 1, 8), (700, 1, 720), (33, 40, 100), (1500, 2, 1600)]
-    host, dev, n_tok = sessions(ops, lay_d, lay_h, specs)
-    tokens = np.zeros(n_tok, np.int32)
-    bh = ForwardBatch(tokens, host, np.arange(n_tok))
-    bd = ForwardBatch(tokens, dev, np.arange(n_tok))
-    k, v, q = rand(n_tok, n_kv, hd), rand(n_tok, n_kv, hd), rand(n_tok, n_heads, hd)
-    REF.kv_append(bh, layer, k, v)
-    ops.kv_append(bd, layer, ops.upload(k, "bf16").reshape(n_tok, n_kv, hd),
-                  ops.upload(v, "bf16").reshape(n_tok, n_kv, hd))
-    for sh, sd in zip(host, dev, strict=True):  # the region holds what the reference holds
+    bh, bd, n_tok = appended_batches(ops, specs, n_kv, hd, n_layers=3, layer=layer)
+    q = rand(n_tok, n_heads, hd)
+    for sh, sd in zip(bh.seqs, bd.seqs, strict=True):  # the region holds what the reference holds
         got = ops.to_numpy(region_tensor(sd.kv, sh.kv.data.shape))
         np.testing.assert_array_equal(got[: sh.n_total], bf16(sh.kv.data[: sh.n_total]))
     scale = 1 / math.sqrt(hd)
@@ -149,17 +140,8 @@ def test_kv_append_and_attention(ops, hd, n_heads, n_kv, window) -> None:
 
 def test_decode_attention_splits_long_contexts(ops) -> None:
     """One decode row over 5000 positions: the kernel splits the context and merges."""
-    from kernels.cuda_ops import KV_DTYPE
-
-    lay_h, lay_d = KVLayout(1, 2, 128), KVLayout(1, 2, 128, KV_DTYPE)
-    host, dev, _ = sessions(ops, lay_d, lay_h, [(5000, 1, 5001)])
+    bh, bd, _ = appended_batches(ops, [(5000, 1, 5001)], 2, 128, n_layers=1, layer=0)
     q = rand(1, 8, 128)
-    k, v = rand(1, 2, 128), rand(1, 2, 128)
-    bh = ForwardBatch(np.zeros(1, np.int32), host, np.arange(1))
-    bd = ForwardBatch(np.zeros(1, np.int32), dev, np.arange(1))
-    REF.kv_append(bh, 0, k, v)
-    ops.kv_append(bd, 0, ops.upload(k, "bf16").reshape(1, 2, 128),
-                  ops.upload(v, "bf16").reshape(1, 2, 128))
     for window in (0, 1000):
         want = REF.attention(bh, 0, q, scale=0.1, window=window)
         got = ops.attention(bd, 0, ops.upload(q, "bf16").reshape(1, 8, 128), scale=0.1,

@@ -24,16 +24,15 @@ import math
 import numpy as np
 import pytest
 
-from kernels.batch import ForwardBatch
 from tests.cuda_testing import (  # noqa: F401  (fixtures)
     REF,
+    appended_batches,
     device,
     ops,
     rand,
     rng,
     sessions,
 )
-from vmm.kv_layout import KVLayout
 
 # (n_past, n_new, capacity): a fresh prompt of 37 rows, a chunk of 20 after 50 cached
 # positions, one decode row, a chunk of 70 after 130 (several K/V tiles and, with g >= 2,
@@ -55,20 +54,9 @@ def close_attention(got: np.ndarray, want: np.ndarray, hd: int, *, ulps: float =
 
 
 def _run(ops, monkeypatch, specs, hd, n_kv, g, window, *, scale=None):
-    from kernels.cuda_ops import KV_DTYPE
-
-    n_heads = n_kv * g
-    n_layers, layer = 2, 1
-    lay_h = KVLayout(n_layers, n_kv, hd)
-    lay_d = KVLayout(n_layers, n_kv, hd, KV_DTYPE)
-    host, dev, n_tok = sessions(ops, lay_d, lay_h, specs)
-    tokens = np.zeros(n_tok, np.int32)
-    bh = ForwardBatch(tokens, host, np.arange(n_tok))
-    bd = ForwardBatch(tokens, dev, np.arange(n_tok))
-    k, v, q = rand(n_tok, n_kv, hd), rand(n_tok, n_kv, hd), rand(n_tok, n_heads, hd)
-    REF.kv_append(bh, layer, k, v)
-    ops.kv_append(bd, layer, ops.upload(k, "bf16").reshape(n_tok, n_kv, hd),
-                  ops.upload(v, "bf16").reshape(n_tok, n_kv, hd))
+    n_heads, layer = n_kv * g, 1
+    bh, bd, n_tok = appended_batches(ops, specs, n_kv, hd, layer=layer)
+    q = rand(n_tok, n_heads, hd)
     scale = 1 / math.sqrt(hd) if scale is None else scale
 
     # the batch must take the new kernel, not fall back to attention.cu (it is off by

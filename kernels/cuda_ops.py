@@ -602,10 +602,7 @@ class CudaOps:
         split_len = -(-split_len // ATT_BK) * ATT_BK
         n_splits = -(-meta.max_total // split_len)
         out = self.empty((n_tok, n_heads * hd), "bf16")
-        part_o = part_ml = None
-        if n_splits > 1:
-            part_o = self.empty((n_splits, n_tok, n_heads, hd), "f32")
-            part_ml = self.empty((n_splits, n_tok, n_heads, 2), "f32")
+        part_o, part_ml = self._split_partials(n_splits, n_tok, n_heads, hd)
         k_off, v_off = meta.layer_offsets(layer)
         smem = (ATT_QB * hd + ATT_BK * (hd + 2)) * 2
         self.kernels[f"attention_hd{hpl}"].launch(
@@ -614,11 +611,28 @@ class CudaOps:
             q.ptr,
             meta.seqs.ptr, k_off, v_off, meta.token_bytes, n_heads, n_kv, hd,
             float(scale) * _LOG2E, int(window), n_splits, split_len, n_tok, smem=smem)
-        if part_o is not None and part_ml is not None:
-            self.kernels["attention_merge"].launch(
-                self._s, n_tok * n_heads, min(256, -(-hd // 32) * 32), out.ptr, part_o.ptr,
-                part_ml.ptr, n_tok, n_heads, hd, n_splits)
+        self._merge_splits(out, part_o, part_ml)
         return out
+
+    def _split_partials(self, n_splits: int, n_tok: int, n_heads: int,
+                        hd: int) -> tuple[DeviceTensor | None, DeviceTensor | None]:
+        """Float32 workspaces of a context split in `n_splits` (none for one): each split's
+        unnormalised output [split, row, head, hd] and its (max, sum) [split, row, head, 2],
+        the layout attention_merge reads."""
+        if n_splits <= 1:
+            return None, None
+        return (self.empty((n_splits, n_tok, n_heads, hd), "f32"),
+                self.empty((n_splits, n_tok, n_heads, 2), "f32"))
+
+    def _merge_splits(self, out: DeviceTensor, part_o: DeviceTensor | None,
+                      part_ml: DeviceTensor | None) -> None:
+        """attention_merge: the splits' partials into `out` [rows, heads * hd] (bf16)."""
+        if part_o is None or part_ml is None:
+            return
+        n_splits, n_tok, n_heads, hd = part_o.shape
+        self.kernels["attention_merge"].launch(
+            self._s, n_tok * n_heads, min(256, -(-hd // 32) * 32), out.ptr, part_o.ptr,
+            part_ml.ptr, n_tok, n_heads, hd, n_splits)
 
     def _decode_attention_ok(self, meta: _BatchMeta, layer: int, n_heads: int, n_kv: int,
                              hd: int) -> bool:
@@ -667,10 +681,7 @@ class CudaOps:
         group, chunks = decode_head_group(n_heads // n_kv)
         n_seqs = n_tok if n_seqs is None else n_seqs
         out = self.empty((n_tok, n_heads * hd), "bf16")
-        part_o = part_ml = None
-        if n_splits > 1:
-            part_o = self.empty((n_splits, n_tok, n_heads, hd), "f32")
-            part_ml = self.empty((n_splits, n_tok, n_heads, 2), "f32")
+        part_o, part_ml = self._split_partials(n_splits, n_tok, n_heads, hd)
         k_off, v_off = meta.layer_offsets(layer)
         n_groups = DECODE_THREADS // (hd // 8)  # key groups per block (NG in the kernel)
         smem = (n_groups * group * hd + 2 * n_groups * group + 2 * group) * 4
@@ -679,10 +690,7 @@ class CudaOps:
             out.ptr, 0 if part_o is None else part_o.ptr, 0 if part_ml is None else part_ml.ptr,
             q.ptr, meta.seqs.ptr, k_off, v_off, meta.token_bytes, n_heads, n_kv,
             float(scale) * _LOG2E, int(window), n_splits, split_len, n_tok, smem=smem)
-        if part_o is not None and part_ml is not None:
-            self.kernels["attention_merge"].launch(
-                self._s, n_tok * n_heads, min(256, -(-hd // 32) * 32), out.ptr, part_o.ptr,
-                part_ml.ptr, n_tok, n_heads, hd, n_splits)
+        self._merge_splits(out, part_o, part_ml)
         return out
 
     # -- what the dispatcher's rounds need beside the forward ----------------------------

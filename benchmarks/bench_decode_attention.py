@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
+from benchmarks.gpu_timing import copy_bandwidth, time_on_stream
+
 
 def open_gpu():
     """The cuda device, or None (and why) on a machine without one."""
@@ -39,29 +41,6 @@ def open_gpu():
         return open_device("cuda"), ""
     except NoCudaDevice as exc:
         return None, str(exc)
-
-
-def timed(ops, fn, reps: int, warmup: int) -> float:
-    """Seconds per call of `fn` (which only enqueues work), from CUDA events around `reps`
-    back-to-back calls after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    ops.synchronize()
-    start = ops.stream.record(ops.device.event())
-    for _ in range(reps):
-        fn()
-    end = ops.stream.record(ops.device.event())
-    end.synchronize()
-    return start.elapsed_ms(end) / 1e3 / reps
-
-
-def copy_rate(ops, nbytes: int, reps: int) -> float:
-    """cuMemcpyDtoDAsync of `nbytes`: bytes read + written per second."""
-    a, b = ops.device.alloc(nbytes), ops.device.alloc(nbytes)
-    sec = timed(ops, lambda: ops.stream.copy_d2d(b, a, nbytes), reps, 2)
-    a.free()
-    b.free()
-    return 2 * nbytes / sec
 
 
 def main() -> int:
@@ -109,7 +88,7 @@ def main() -> int:
     kv_bytes = n * keys * nkv * hd * 2 * 2
     io_bytes = kv_bytes + 2 * n * nh * hd * 2  # + q read + out written
 
-    hbm = copy_rate(ops, args.copy_mib << 20, max(5, args.reps // 5))
+    hbm = copy_bandwidth(ops.device, ops.stream, args.copy_mib << 20, max(5, args.reps // 5))
 
     def attention(decode: bool):
         ops.use_decode_attention = decode
@@ -126,11 +105,12 @@ def main() -> int:
     new, old = ops.to_numpy(attention(True)()), ops.to_numpy(attention(False)())
     agree = bool(np.allclose(new, old, rtol=1e-2) and np.isfinite(new).all())
 
+    def timed(fn) -> float:
+        return time_on_stream(ops.device, ops.stream, fn, args.reps, args.warmup)
+
     plan = decode_attention_splits(keys, n, nkv, nh, ops.sm_count)
-    add("attention_decode (host's split plan)", timed(ops, attention(True), args.reps,
-                                                       args.warmup), plan[0])
-    add("attention.cu general kernel", timed(ops, attention(False), args.reps, args.warmup),
-        "own")
+    add("attention_decode (host's split plan)", timed(attention(True)), plan[0])
+    add("attention.cu general kernel", timed(attention(False)), "own")
     ops.use_decode_attention = True
     meta = ops._batch_meta(batch)
     for n_splits in sorted({1, 2, 4, 8, 16, plan[0]}):
@@ -140,7 +120,7 @@ def main() -> int:
             return ops._attention_decode(meta, layer, q, scale=scale, window=args.window,
                                          n_splits=n_splits, split_len=split_len)
 
-        add("attention_decode", timed(ops, run, args.reps, args.warmup), n_splits)
+        add("attention_decode", timed(run), n_splits)
 
     print(f"device: {device.name}, {ops.sm_count} SMs; {n} sessions x {ctx} positions, "
           f"{nh} q / {nkv} kv heads, head_dim {hd}, window {args.window}")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_timing import copy_bandwidth, time_on_stream
 from kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F
 from kernels.cuda_ops import CudaOps
 from vmm.device import open_device
@@ -45,29 +46,8 @@ def time_gemm(ops: CudaOps, n_tok: int, n_in: int, n_out: int, reps: int,
     for t in (x, w):
         ops.fill(t, 0x3C)  # 0x3C3C: a small finite bf16
     s = int(ops.stream.handle)
-    for _ in range(3):
-        ops.gemm.matmul(s, y.ptr, x.ptr, w.ptr, n_tok, n_in, n_out, out_dtype)
-    start = ops.stream.record(ops.device.event())
-    for _ in range(reps):
-        ops.gemm.matmul(s, y.ptr, x.ptr, w.ptr, n_tok, n_in, n_out, out_dtype)
-    end = ops.stream.record(ops.device.event())
-    end.synchronize()
-    return start.elapsed_ms(end) / 1e3 / reps
-
-
-def copy_rate(ops: CudaOps, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    a, b = ops.device.alloc(nbytes), ops.device.alloc(nbytes)
-    ops.stream.copy_d2d(b, a, nbytes)
-    start = ops.stream.record(ops.device.event())
-    for _ in range(5):
-        ops.stream.copy_d2d(b, a, nbytes)
-    end = ops.stream.record(ops.device.event())
-    end.synchronize()
-    rate = 2 * nbytes * 5 / (start.elapsed_ms(end) / 1e3)
-    a.free()
-    b.free()
-    return rate
+    return time_on_stream(ops.device, ops.stream, lambda: ops.gemm.matmul(
+        s, y.ptr, x.ptr, w.ptr, n_tok, n_in, n_out, out_dtype), reps)
 
 
 def main() -> None:
@@ -78,7 +58,7 @@ def main() -> None:
     ops = CudaOps(device)
     peak_s = time_gemm(ops, 8192, 8192, 8192, max(5, args.reps // 5))
     peak = 2 * 8192**3 / peak_s / 1e12
-    hbm = copy_rate(ops)
+    hbm = copy_bandwidth(ops.device, ops.stream, 1 << 30, 5)
     rows = []
     for model, layers in MODELS.items():
         for layer, (n_out, n_in) in layers.items():

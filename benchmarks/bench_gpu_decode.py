@@ -29,31 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_timing import copy_bandwidth
 from service.harness import DispatchSettings, load_model, run_requests, start_engine, warm_up
 from service.round_timeline import DeviceClock, spans_from_traces, timeline_stats
 from service.workload import PlannedRequest
-
-
-def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
-    """Device memory bandwidth in bytes/s, from timed device-to-device copies."""
-    from vmm.device import MemoryRange
-
-    a, b = device.alloc(nbytes), device.alloc(nbytes)
-    s = device.stream("bandwidth")
-    try:
-        for _ in range(3):
-            s.copy_d2d(MemoryRange(b.ptr, nbytes), MemoryRange(a.ptr, nbytes), nbytes)
-        start = s.record(device.event())
-        for _ in range(repeats):
-            s.copy_d2d(MemoryRange(b.ptr, nbytes), MemoryRange(a.ptr, nbytes), nbytes)
-        end = s.record(device.event())
-        end.synchronize()
-        seconds = start.elapsed_ms(end) / 1e3
-    finally:
-        s.close()
-        a.free()
-        b.free()
-    return 2 * nbytes * repeats / seconds
 
 
 def bytes_per_token(loaded, context: int) -> int:
@@ -111,7 +90,11 @@ def main() -> None:
         print(f"\n== {shape}: loaded in {time.perf_counter() - t0:.1f} s on "
               f"{loaded.device.name}")
         try:
-            bw = copy_bandwidth(loaded.device)
+            stream = loaded.device.stream("bandwidth")
+            try:
+                bw = copy_bandwidth(loaded.device, stream)
+            finally:
+                stream.close()
             per_tok = bytes_per_token(loaded, args.prompt + args.output // 2)
             limit = bw / per_tok
             print(f"device copy bandwidth {bw / 1e9:.0f} GB/s; {per_tok / 1e9:.3f} GB read "

@@ -30,7 +30,7 @@ import contextlib
 import json
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,24 +38,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_timing import time_on_stream
+
 
 def visible_pairs(n_past: int, n_new: int, window: int) -> int:
     pos = np.arange(n_past, n_past + n_new, dtype=np.int64)
     keys = pos + 1 if window <= 0 else np.minimum(pos + 1, window)
     return int(keys.sum())
-
-
-def time_device(ops: Any, fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
-    """Seconds per call of `fn` (which enqueues on ops.stream), from CUDA events around
-    `reps` back-to-back calls."""
-    for _ in range(warmup):
-        fn()
-    start = ops.stream.record(ops.device.event())
-    for _ in range(reps):
-        fn()
-    end = ops.stream.record(ops.device.event())
-    end.synchronize()
-    return start.elapsed_ms(end) / 1e3 / reps
 
 
 @contextlib.contextmanager
@@ -153,12 +142,12 @@ def bench(ops: Any, n_tok: int, n_heads: int, n_kv: int, hd: int, window: int,
     row: dict[str, Any] = {"tokens": n_tok, "heads": n_heads, "kv_heads": n_kv, "head_dim": hd,
                            "window": window, "gflop": flop / 1e9}
     with prefill_kernel(ops, True):
-        sec = time_device(ops, run, reps)
+        sec = time_on_stream(ops.device, ops.stream, run, reps)
     row.update(eagerlm_ms=sec * 1e3, eagerlm_tflops=flop / sec / 1e12)
 
     with prefill_kernel(ops, False):
         old = ops.to_numpy(run()).reshape(n_tok, n_heads, hd)
-        sec_old = time_device(ops, run, max(2, reps // 5), warmup=1)
+        sec_old = time_on_stream(ops.device, ops.stream, run, max(2, reps // 5), warmup=1)
     row.update(old_ms=sec_old * 1e3, old_tflops=flop / sec_old / 1e12,
                err_vs_old_kernel=rel_err(ours, old))
 

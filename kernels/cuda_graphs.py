@@ -27,6 +27,7 @@ fails on some driver, that bucket stays eager and the reason is kept in `failure
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 from collections.abc import Sequence
@@ -75,6 +76,7 @@ class _Layout:
 
     batch: int
 
+    @functools.cached_property
     def _offsets(self) -> dict[str, int]:
         b, at, out = self.batch, 0, {}
         for name, size in (("rows", 8 * b), ("seqs", SEQ_DESC.itemsize * b), ("row_seq", 4 * b),
@@ -86,11 +88,11 @@ class _Layout:
         return out
 
     def offset(self, name: str) -> int:
-        return self._offsets()[name]
+        return self._offsets[name]
 
     @property
     def nbytes(self) -> int:
-        return self._offsets()["end"]
+        return self._offsets["end"]
 
 
 @dataclass

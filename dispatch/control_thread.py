@@ -41,7 +41,7 @@ from dispatch.prefix_cache import PrefixCache
 from dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
 from kernels.batch import ForwardBatch, SeqSlice
 from kernels.model import Transformer
-from kernels.sampling import MAX_LOGPROBS, SamplingParams, TokenCounts
+from kernels.sampling import MAX_LOGPROBS, SamplingParams
 from vmm.device import Device, Event, HostBuffer, StreamError
 from vmm.kv_layout import KVLayout
 from vmm.page_pool import OutOfPages, PagePool
@@ -208,10 +208,6 @@ class ControlThread:
 
     def _add(self, msg: AddSession) -> None:
         s = Session(msg.session_id, list(msg.prompt_ids), msg.params, msg.max_new_tokens)
-        why = self.transformer.ops.unsupported(s.params)
-        if why is not None:
-            self.to_service.put(SessionFailed(s.id, why))
-            return
         if not self.scheduler.can_ever_fit(s):
             self.to_service.put(SessionFailed(s.id, (
                 f"the request needs {self.scheduler.pages_for(s.prompt_len + s.max_new)} KV "
@@ -408,12 +404,13 @@ class _SeqWork:
 
 
 class _SamplerState:
-    """Per-session token counts for the penalties. Owned by the compute stream: only
+    """Per-session token counts for the penalties, in the backend's form (`token_counts`:
+    TokenCounts on cpu, a device tensor on cuda). Owned by the compute stream: only
     `_RoundWork` (which runs there, in order) reads or changes it."""
 
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
-        self.counts: dict[int, TokenCounts] = {}
+        self.counts: dict[int, Any] = {}
 
 
 class _RoundWork:
@@ -466,27 +463,24 @@ class _RoundWork:
         return graphs.run(rows, [past for _, _, past in self.seq_rows], self.kvs,
                           [w.params for w in self.seq_work], self.sampled)
 
-    def _count_inputs(self, tokens: Any) -> dict[int, TokenCounts]:
-        """Bring penalized sessions' token counts up to date with this round's inputs.
-        (Only backends whose `unsupported` accepts penalties ever get here with any.)"""
-        st = self.state
+    def _count_inputs(self, tokens: Any) -> dict[int, Any]:
+        """Bring penalized sessions' token counts up to date with this round's inputs
+        (`tokens`: what `round_inputs` returned), on the backend's side: on cuda the
+        decode inputs are only on the device."""
+        st, ops = self.state, self.transformer.ops
         for sid in self.forget:
             st.counts.pop(sid, None)
-        penalized = [(w, r) for w, r in zip(self.seq_work, self.seq_rows, strict=True)
-                     if w.params.penalized]
-        if not penalized:
-            return st.counts
-        ids = np.asarray(tokens)
-        for w, (start, n, past) in penalized:
+        spans = []
+        for w, (start, n, past) in zip(self.seq_work, self.seq_rows, strict=True):
+            if not w.params.penalized:
+                continue
             if w.rebuild is not None:
-                c = st.counts[w.session_id] = TokenCounts.empty(st.vocab)
-                c.add(w.rebuild[:w.prompt_len], as_output=False)
-                c.add(w.rebuild[w.prompt_len:], as_output=True)
-            c = st.counts[w.session_id]
-            inputs = ids[start:start + n]
+                st.counts[w.session_id] = ops.token_counts(
+                    st.vocab, w.rebuild[:w.prompt_len], w.rebuild[w.prompt_len:])
             split = max(0, min(n, w.prompt_len - past))  # rows still in the prompt
-            c.add(inputs[:split], as_output=False)
-            c.add(inputs[split:], as_output=True)
+            spans.append((st.counts[w.session_id], start, n, split))
+        if spans:
+            ops.count_inputs(tokens, spans)
         return st.counts
 
 

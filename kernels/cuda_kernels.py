@@ -55,6 +55,9 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "mma_selftest": ("attention_prefill", "pppi"),  # tests only: mma.cuh fragment layouts
     **{name: ("attention_decode", sig) for name, sig in _ATTENTION_DECODE.items()},
     "sample_rows": ("sampler", "ppppiqp"),
+    "penalize_rows": ("sampler", "ppip"),
+    "count_tokens": ("sampler", "ppipi"),
+    "token_logprobs": ("sampler", "pppiqppi"),
     **{f"dequant_{t}_{o}": ("dequant", "ppq") for t in _DEQUANT_TYPES for o in ("bf16", "f32")},
 }
 

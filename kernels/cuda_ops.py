@@ -34,7 +34,7 @@ import numpy as np
 
 from kernels.batch import ForwardBatch
 from kernels.cuda_kernels import KernelLibrary
-from kernels.sampling import POSITION_LIMIT, SamplingParams
+from kernels.sampling import MAX_LOGPROBS, POSITION_LIMIT, SamplingParams, TokenCounts
 from loader.config import Activation, RopeStyle
 from vmm.cuda_driver import cu, driver
 from vmm.device import Event, HostBuffer
@@ -51,6 +51,11 @@ SEQ_DESC = np.dtype([("start", "<i4"), ("n_new", "<i4"), ("n_past", "<i4"), ("pa
                      ("kv_base", "<u8")])
 SAMPLE_PARAMS = np.dtype([("temperature", "<f4"), ("top_k", "<i4"), ("top_p", "<f4"),
                           ("min_p", "<f4"), ("seed", "<u8"), ("position", "<i8")])
+# ... and `struct PenaltyRow` and `struct CountSpan` (kernels/cuda/sampler.cu)
+PENALTY_ROW = np.dtype([("counts", "<u8"), ("repetition", "<f4"), ("presence", "<f4"),
+                        ("frequency", "<f4"), ("pad", "<i4")])
+COUNT_SPAN = np.dtype([("counts", "<u8"), ("start", "<i4"), ("n", "<i4"), ("split", "<i4"),
+                       ("pad", "<i4")])
 
 ATT_QB = 16  # query vectors per attention block (ATT_QB in attention.cu)
 ATT_BK = 32  # keys per attention tile
@@ -695,15 +700,6 @@ class CudaOps:
         return out
 
     # -- what the dispatcher's rounds need beside the forward ----------------------------
-    # (written against kernels/numpy_ops.py's versions; not yet run on a GPU)
-
-    def unsupported(self, params: SamplingParams) -> str | None:
-        if params.penalized:
-            return ("repetition / presence / frequency penalties are not in the cuda "
-                    "sampler yet")
-        if params.logprobs is not None:
-            return "logprobs are not in the cuda sampler yet"
-        return None
 
     def contiguous_kv(self, layout: KVLayout, capacity: int) -> ContiguousDeviceKV:
         return ContiguousDeviceKV(self, dataclasses.replace(layout, dtype=KV_DTYPE), capacity)
@@ -717,34 +713,101 @@ class CudaOps:
         `[host id, token-buffer slot or -1]` and the token buffer."""
         return DeviceIds(rows.ptr, n_rows, token_buf.ptr)
 
+    def token_counts(self, vocab: int, prompt: Sequence[int],
+                     output: Sequence[int]) -> DeviceTensor:
+        """A session's token counts for the penalties, int32 [2, vocab] (prompt counts,
+        output counts), built from host tokens: when its counts must be (re)built. From
+        then on `count_inputs` keeps them on the device, where the sampled tokens are."""
+        host = TokenCounts.empty(vocab)
+        host.add(prompt, as_output=False)
+        host.add(output, as_output=True)
+        return self.upload(np.stack([host.prompt, host.output]))
+
+    def count_inputs(self, tokens: DeviceIds,
+                     spans: Sequence[tuple[DeviceTensor, int, int, int]]) -> None:
+        """Add a round's input tokens to their sessions' counts: per span (counts, first
+        row, rows, rows still in the prompt), one block of count_tokens."""
+        if not spans:
+            return
+        table = np.zeros(len(spans), COUNT_SPAN)
+        for i, (counts, start, n, split) in enumerate(spans):
+            _require(counts, "i32", "token counts")
+            table[i] = (counts.ptr, start, n, split, 0)
+        vocab = spans[0][0].shape[1]
+        self.kernels["count_tokens"].launch(
+            self._s, len(spans), 256, self.upload(table.view(np.uint8), "u8").ptr,
+            tokens.rows_ptr, tokens.stride, tokens.token_buf_ptr, vocab)
+
     def sample_round(self, logits: DeviceTensor, params: Sequence[SamplingParams],
-                     positions: Sequence[int], counts: Sequence[Any], *, out: Any,
-                     token_buf: Any, out_slots: Sequence[int],
-                     logprobs_out: Any = None) -> None:
-        if logprobs_out is not None:
-            raise NotImplementedError("logprobs are not in the cuda sampler yet")
+                     positions: Sequence[int], counts: Sequence[DeviceTensor | None], *,
+                     out: Any, token_buf: Any, out_slots: Sequence[int],
+                     logprobs_out: tuple[Any, Any] | None = None) -> None:
+        """NumpyOps.sample_round on the device: penalties, the draw, logprobs."""
         slots = self.upload(np.asarray(out_slots, dtype=np.int32), "i32")
-        self.sample(logits, params, positions, out=DeviceTensor(out.ptr, (len(params),), "i32"),
+        sampled = DeviceTensor(out.ptr, (len(params),), "i32")
+        self.sample(logits, params, positions, counts=counts, out=sampled,
                     token_buf=token_buf.ptr, out_slots=slots)
+        if logprobs_out is not None:
+            self.token_logprobs(logits, sampled, [p.logprobs for p in params],
+                                values=logprobs_out[0].ptr, top_ids=logprobs_out[1].ptr)
 
     # -- sampling ------------------------------------------------------------------------
 
     def sample(self, logits: DeviceTensor, params: Sequence[SamplingParams],
-               positions: Sequence[int], *, out: DeviceTensor | None = None,
-               token_buf: int = 0, out_slots: DeviceTensor | None = None) -> DeviceTensor:
+               positions: Sequence[int], *,
+               counts: Sequence[DeviceTensor | None] | None = None,
+               out: DeviceTensor | None = None, token_buf: int = 0,
+               out_slots: DeviceTensor | None = None) -> DeviceTensor:
         """One token per row of float32 `logits` [n, vocab] (kernels/sampling.py's rules),
         written to `out` (int32 [n]) and, for rows whose `out_slots` entry is >= 0, to
-        `token_buf[slot]`. A row that cannot be sampled (NaN logits) gets -1."""
+        `token_buf[slot]`. Rows whose params are penalized need `counts[i]` (from
+        `token_counts`). A row that cannot be sampled (NaN logits) gets -1."""
         _require(logits, "f32", "logits")
         n, vocab = logits.shape
         if len(params) != n or len(positions) != n:
             raise ValueError(f"{n} logit rows need {n} params and positions")
         table = sample_table(params, positions, vocab)
+        if any(p.penalized for p in params):
+            logits = self.penalize(logits, params, counts)
         if out is None:
             out = self.empty((n,), "i32")
         self.sample_device(logits, self.upload(table.view(np.uint8), "u8"), out=out,
                            token_buf=token_buf, out_slots=out_slots)
         return out
+
+    def penalize(self, logits: DeviceTensor, params: Sequence[SamplingParams],
+                 counts: Sequence[DeviceTensor | None] | None) -> DeviceTensor:
+        """A copy of `logits` with each penalized row's penalties applied
+        (sampling.apply_penalties): the raw logits stay for the logprobs."""
+        n, vocab = logits.shape
+        table = np.zeros(n, PENALTY_ROW)
+        for i, p in enumerate(params):
+            if not p.penalized:
+                continue
+            c = None if counts is None else counts[i]
+            if c is None:
+                raise ValueError(f"params[{i}] has penalties but no token counts were given")
+            _require(c, "i32", f"counts[{i}]")
+            if c.shape != (2, vocab):
+                raise ValueError(f"counts[{i}] must be [2, {vocab}], got {c.shape}")
+            table[i] = (c.ptr, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                        0)
+        out = self.empty((n, vocab), "f32")
+        self.kernels["penalize_rows"].launch(
+            self._s, (min(-(-vocab // 2048), 128), n, 1), 256, out.ptr, logits.ptr, vocab,
+            self.upload(table.view(np.uint8), "u8").ptr)
+        return out
+
+    def token_logprobs(self, logits: DeviceTensor, tokens: DeviceTensor,
+                       want: Sequence[int | None], *, values: int, top_ids: int) -> None:
+        """Each row's sampled-token logprob and its `want[i]` best alternatives (None: the
+        row is skipped), from the raw logits, into float32 `values` [n, 1 + MAX_LOGPROBS]
+        and int32 `top_ids` [n, MAX_LOGPROBS] (NumpyOps.sample_round's layout)."""
+        n, vocab = logits.shape
+        n_top = np.array([-1 if k is None else min(k, MAX_LOGPROBS) for k in want], np.int32)
+        self.kernels["token_logprobs"].launch(
+            self._s, n, SAMPLER_THREADS, values, top_ids, logits.ptr, vocab, vocab,
+            tokens.ptr, self.upload(n_top).ptr, MAX_LOGPROBS)
 
     def sample_device(self, logits: DeviceTensor, table: DeviceTensor, *, out: DeviceTensor,
                       token_buf: int = 0, out_slots: DeviceTensor | None = None) -> None:
@@ -776,15 +839,13 @@ class CudaOps:
 
 def sample_table(params: Sequence[SamplingParams], positions: Sequence[int],
                  vocab: int) -> np.ndarray:
-    """The sampler's per-row parameters (SAMPLE_PARAMS), checked."""
+    """The sampler's per-row parameters (SAMPLE_PARAMS), checked. (Penalties are not in
+    it: `CudaOps.penalize` applies them to the logits first.)"""
     table = np.zeros(len(params), SAMPLE_PARAMS)
     for i, (p, pos) in enumerate(zip(params, positions, strict=True)):
         if not p.greedy and p.seed is None:
             raise ValueError(f"params[{i}] has temperature > 0 but no seed; resolve it "
                              f"once per request with SamplingParams.resolve_seed()")
-        if getattr(p, "penalized", False):
-            raise NotImplementedError("repetition / presence / frequency penalties are "
-                                      "not in the device sampler yet")
         if not 0 <= pos < POSITION_LIMIT:
             raise ValueError(f"positions[{i}] must be in [0, 2**63), got {pos}")
         # top_k >= vocab is off, as 0 is; clamped so a huge one fits the int32 field

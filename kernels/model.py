@@ -37,9 +37,9 @@ class Ops(Protocol[A]):
                   window: int) -> A: ...
 
     # Beside the forward: `contiguous_kv(layout, capacity)` (one session's cache), and for
-    # the dispatcher's rounds `kv_dtype`, `unsupported(params)`,
-    # `session_kv(region)`, `round_inputs(rows, n_rows, token_buf)` and
-    # `sample_round(...)` (see NumpyOps for what each does).
+    # the dispatcher's rounds `kv_dtype`, `session_kv(region)`,
+    # `round_inputs(rows, n_rows, token_buf)`, the penalties' `token_counts(...)` and
+    # `count_inputs(...)`, and `sample_round(...)` (see NumpyOps for what each does).
 
 
 class Transformer(Generic[A]):

@@ -39,10 +39,6 @@ class NumpyOps:
 
     # -- what the dispatcher's rounds need beside the forward --------------------------
 
-    def unsupported(self, params: SamplingParams) -> str | None:
-        """Why this backend cannot serve a request with these parameters, if it cannot."""
-        return None
-
     def contiguous_kv(self, layout: KVLayout, capacity: int) -> ContiguousKV:
         """A single session's cache in one allocation (sequential loop, perplexity)."""
         return ContiguousKV(dataclasses.replace(layout, dtype=self.kv_dtype), capacity)
@@ -59,6 +55,24 @@ class NumpyOps:
         buf = token_buf.array.view(np.int32)
         return np.where(meta[:, 1] >= 0, buf[np.maximum(meta[:, 1], 0)],
                         meta[:, 0]).astype(np.int32)
+
+    def token_counts(self, vocab: int, prompt: Sequence[int],
+                     output: Sequence[int]) -> TokenCounts:
+        """A session's token counts for the penalties, built from its tokens so far (when
+        they must be rebuilt); `count_inputs` then keeps them up to date round by round."""
+        counts = TokenCounts.empty(vocab)
+        counts.add(prompt, as_output=False)
+        counts.add(output, as_output=True)
+        return counts
+
+    def count_inputs(self, tokens: np.ndarray,
+                     spans: Sequence[tuple[TokenCounts, int, int, int]]) -> None:
+        """Add a round's input tokens (`round_inputs`' result) to their sessions' counts:
+        per span (counts, first row, rows, how many of them are still in the prompt)."""
+        ids = np.asarray(tokens)
+        for counts, start, n, split in spans:
+            counts.add(ids[start:start + split], as_output=False)
+            counts.add(ids[start + split:start + n], as_output=True)
 
     def sample_round(self, logits: np.ndarray, params: Sequence[SamplingParams],
                      positions: Sequence[int], counts: Sequence[TokenCounts | None], *,

@@ -70,8 +70,10 @@ def qwen3(tmp_path):
     from loader.model_file import ModelFile
     from loader.synthetic import SyntheticSpec, write_synthetic_model
 
+    # head_dim 32: the smallest the flash-decoding kernel serves, so the captured decode
+    # rounds run attention_decode.cu (with 16 they would take the general kernel)
     spec = SyntheticSpec("qwen3", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
-                         head_dim=16, d_ff=128, vocab_size=300,
+                         head_dim=32, d_ff=128, vocab_size=300,
                          weight_type=GGMLQuantizationType.BF16)
     return ModelFile.open(write_synthetic_model(tmp_path / "q.gguf", spec))
 
@@ -102,6 +104,28 @@ def test_graph_replays_give_the_eager_tokens(device, qwen3) -> None:
     assert graphs.captured >= 2  # several batch buckets
     assert spy_off[0].replays == 0
 
+
+
+def test_rounds_with_penalties_or_logprobs_run_eagerly_with_the_same_tokens(device,
+                                                                          qwen3) -> None:
+    """A round holding a penalized session or one asking for logprobs is launched eagerly
+    (the graphs' sampler has neither); the tokens are those of a run without graphs, and
+    once those sessions end the remaining rounds replay again."""
+    from kernels.cuda_backend import cuda_transformer
+    from kernels.cuda_ops import CudaOps
+
+    gpu = cuda_transformer(qwen3, ops=CudaOps(device))
+    prompts = [rng.integers(0, 300, n).tolist() for n in (4, 9, 6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                             repetition_penalty=1.5, frequency_penalty=0.5),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=5, ignore_eos=True,
+                             logprobs=3)]
+    spy_on: list = []
+    with_graphs = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=spy_on)
+    without = _run(device, qwen3, gpu, prompts, params, graphs=False, spy=[])
+    assert with_graphs == without
+    assert spy_on[0].replays > 0 and not spy_on[0].failures
 
 def test_a_failed_capture_leaves_that_bucket_eager(device, qwen3,
                                                    monkeypatch) -> None:

@@ -21,7 +21,15 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from kernels.batch import ForwardBatch
-from kernels.sampling import SamplingParams, filter_candidates, sample
+from kernels.sampling import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    TokenCounts,
+    apply_penalties,
+    filter_candidates,
+    sample,
+    token_logprob,
+)
 from loader.config import Activation, RopeStyle
 from tests.cuda_testing import (  # noqa: F401  (fixtures)
     REF,
@@ -227,6 +235,103 @@ def test_sampling_writes_the_token_buffer_and_flags_nan_rows(ops) -> None:
     assert buf.tolist() == [-1, -5, int(got[0]), -5]
 
 
+PENALIZED = [
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),
+    SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.7),
+    SamplingParams(temperature=0.9, seed=11, repetition_penalty=0.8, frequency_penalty=-0.4),
+    SamplingParams(temperature=1.0, top_k=50, seed=12, presence_penalty=-2.0),
+    SamplingParams(temperature=0.0),  # no penalties: a row copied as it is
+]
+
+
+def _random_counts(vocab: int) -> TokenCounts:
+    counts = TokenCounts.empty(vocab)
+    counts.add(rng.integers(0, vocab, 60), as_output=False)
+    counts.add(rng.integers(0, vocab // 10, 40), as_output=True)  # repeats among outputs
+    return counts
+
+
+def test_penalties_equal_the_reference_to_the_bit(ops) -> None:
+    """penalize_rows against sampling.apply_penalties (float64 where numpy promotes), then
+    the draw from the penalized rows against sampling.sample with the same counts."""
+    vocab, n = 3000, len(PENALIZED)
+    logits = _logits(n, vocab)
+    host = [_random_counts(vocab) for _ in range(n)]
+    # the same counts on the device, built from the tokens they count
+    dev = [ops.token_counts(vocab, np.repeat(np.arange(vocab), h.prompt).tolist(),
+                            np.repeat(np.arange(vocab), h.output).tolist()) for h in host]
+    for d, h in zip(dev, host, strict=True):
+        np.testing.assert_array_equal(ops.to_numpy(d), np.stack([h.prompt, h.output]))
+    got = ops.to_numpy(ops.penalize(ops.upload(logits), PENALIZED, dev))
+    for i, p in enumerate(PENALIZED):
+        want = apply_penalties(logits[i], p, host[i]) if p.penalized else logits[i]
+        np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
+    positions = list(range(100, 100 + n))
+    tokens = ops.to_numpy(ops.sample(ops.upload(logits), PENALIZED, positions, counts=dev))
+    np.testing.assert_array_equal(tokens, sample(logits, PENALIZED, positions, host))
+
+
+def test_penalized_rows_need_their_counts(ops) -> None:
+    logits = ops.upload(_logits(2, 100))
+    with pytest.raises(ValueError, match="no token counts"):
+        ops.sample(logits, PENALIZED[:2], [0, 1], counts=[ops.token_counts(100, [1], []), None])
+
+
+def test_token_counts_follow_the_round_inputs_on_the_device(ops) -> None:
+    """count_inputs reads each row's id where the embedding does (the host id, or the token
+    buffer's entry for decode rows) and splits prompt from output rows; the numpy backend's
+    count_inputs over the same ids is the reference."""
+    from kernels.cuda_ops import DeviceIds
+    from kernels.numpy_ops import NumpyOps
+
+    vocab = 50
+    token_buf = np.array([7, 7, 3, -1], np.int32)  # -1: a failed sample, never counted
+    rows = np.array([[4, -1], [9, -1], [4, -1], [0, 0],  # session a: 3 prompt rows + 1
+                     [0, 1], [0, 3],                    # session b: two decode rows
+                     [12, -1], [12, -1], [0, 2]], np.int32)
+    spans = [(0, 4, 3), (4, 2, 0), (6, 3, 1)]  # (start, n, rows still in the prompt)
+    ids = np.where(rows[:, 1] >= 0, token_buf[np.maximum(rows[:, 1], 0)], rows[:, 0])
+    ids_ok = np.where(ids >= 0, ids, 0)  # the reference counts ids; -1 is checked apart
+    cpu = [NumpyOps().token_counts(vocab, [1, 2], [2]) for _ in spans]
+    NumpyOps().count_inputs(ids_ok, [(c, *sp) for c, sp in zip(cpu, spans, strict=True)])
+    cpu[1].output[0] -= 1  # row 5 reads -1 from the token buffer: not a token
+    dev = [ops.token_counts(vocab, [1, 2], [2]) for _ in spans]
+    rows_d, buf_d = ops.upload(rows.reshape(-1)), ops.upload(token_buf)
+    ops.count_inputs(DeviceIds(rows_d.ptr, len(rows), buf_d.ptr),
+                     [(d, *sp) for d, sp in zip(dev, spans, strict=True)])
+    for d, c in zip(dev, cpu, strict=True):
+        np.testing.assert_array_equal(ops.to_numpy(d), np.stack([c.prompt, c.output]))
+
+
+def test_logprobs_match_the_float64_reference(ops) -> None:
+    """token_logprobs against sampling.token_logprob (a float64 numpy log-softmax): the
+    sampled token's logprob and the top-n alternatives, ties ordered by id; rows that do
+    not ask are left alone, a failed sample gets NaN."""
+    vocab, n = 20000, 6
+    logits = _logits(n, vocab)  # row 0 has many ties
+    logits[2, [5, 9, 700]] = 30.0  # a three-way tie at the top
+    want_n = [MAX_LOGPROBS, 0, 3, None, 5, 1]
+    tokens = np.array([17, 3, 9, 4, -1, int(np.argmax(logits[5]))], np.int32)
+    values = ops.upload(np.full((n, 1 + MAX_LOGPROBS), 7.0, np.float32))
+    top_ids = ops.upload(np.full((n, MAX_LOGPROBS), -7, np.int32))
+    ops.token_logprobs(ops.upload(logits), ops.upload(tokens), want_n, values=values.ptr,
+                       top_ids=top_ids.ptr)
+    got_v, got_ids = ops.to_numpy(values), ops.to_numpy(top_ids)
+    for i, k in enumerate(want_n):
+        if k is None:
+            assert (got_v[i] == 7.0).all() and (got_ids[i] == -7).all()
+            continue
+        ref = token_logprob(logits[i], max(int(tokens[i]), 0), k)
+        if tokens[i] < 0:
+            assert np.isnan(got_v[i, 0])
+        else:
+            np.testing.assert_allclose(got_v[i, 0], ref.logprob, rtol=1e-6, atol=1e-6)
+        assert got_ids[i, :k].tolist() == [t for t, _ in ref.top], i
+        np.testing.assert_allclose(got_v[i, 1:1 + k], [v for _, v in ref.top], rtol=1e-6,
+                                   atol=1e-6)
+    assert got_ids[2, :3].tolist() == [5, 9, 700]
+
+
 # -- dequantization ----------------------------------------------------------------------
 
 
@@ -401,3 +506,49 @@ def test_greedy_generation_through_the_dispatcher_eager_equals_sync(gemm_ops, de
         same += got == want
         assert _diverges_only_at_a_near_tie(got, want, margins)
     print(f"\nqwen3 through the dispatcher: identical to cpu {same}/{len(prompts)}")
+
+
+def test_penalties_and_logprobs_through_the_dispatcher(gemm_ops, device, tmp_path) -> None:
+    """Penalized requests with logprobs, eagerly through the dispatcher on cuda, where the
+    decode inputs the counts need exist only on the device. The specification: greedy with
+    a huge repetition penalty picks, at each step, the most likely token (by the reported
+    raw logprobs) not yet in the prompt or the output; eager equals sync; and the logprobs
+    agree with the cpu backend's while the two runs' tokens agree."""
+    from dispatch.control_thread import ControlConfig
+    from dispatch.dispatcher import Dispatcher, DispatcherConfig
+    from kernels.cpu_backend import cpu_transformer
+    from kernels.cuda_backend import cuda_transformer
+    from kernels.cuda_ops import CudaOps
+    from vmm.device import open_device
+
+    model = _model(tmp_path, "llama")
+    steps = 10 if is_emulated(device) else 32
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True,
+                            repetition_penalty=1e6, logprobs=MAX_LOGPROBS)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (5, 12)]  # with repeats
+
+    def run(transformer, sync: bool, on=device):
+        config = DispatcherConfig(control=ControlConfig(sync=sync), kv_budget_bytes=64 << 20,
+                                  memory_fraction=0.05)
+        with Dispatcher(on, transformer, model.tokenizer, config) as d:
+            outs = [list(d.stream(p, params)) for p in prompts]
+        return [([t for o in out for t in o.token_ids],
+                 [lp for o in out for lp in (o.logprobs or [])]) for out in outs]
+
+    gpu = run(cuda_transformer(model, ops=CudaOps(device)), sync=False)
+    assert [t for t, _ in gpu] == [t for t, _ in run(cuda_transformer(
+        model, ops=CudaOps(device)), sync=True)]
+    with open_device("cpu") as host:
+        cpu = run(cpu_transformer(model), sync=False, on=host)
+    for prompt, (got, got_lp), (want, want_lp) in zip(prompts, gpu, cpu, strict=True):
+        for tokens, lps in ((got, got_lp), (want, want_lp)):
+            assert len(tokens) == len(lps) == steps
+            for k, (t, lp) in enumerate(zip(tokens, lps, strict=True)):
+                seen = set(prompt) | set(tokens[:k])
+                assert t not in seen
+                assert lp.token == t and len(lp.top) == MAX_LOGPROBS
+                assert t == next(i for i, _ in lp.top if i not in seen)
+        same = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), steps)
+        for a, b in zip(got_lp[:same], want_lp[:same], strict=True):
+            assert abs(a.logprob - b.logprob) < 0.05
+        print(f"\nprompt of {len(prompt)}: cuda and cpu agree for {same}/{steps} tokens")

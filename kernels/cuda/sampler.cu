@@ -21,6 +21,10 @@
 // set or the drawn token can differ only when a cumulative sum lies within about 1e-7
 // (relative) of the top-p target or of u * total.
 //
+// Penalties (penalize_rows, with token counts kept on the device by count_tokens) run
+// before sampling, into a copy of the logits; logprobs (token_logprobs) after it, from the
+// raw logits, as kernels/sampling.py defines both.
+//
 // A row whose logits hold NaN (or, when not greedy, have no finite maximum) gets token -1:
 // the reference raises there; the device reports it in-band for the host to fail the
 // request (the embedding turns -1 into a NaN row rather than reading out of bounds).
@@ -45,6 +49,7 @@ static_assert(sizeof(SampleParams) == 32, "must match SAMPLE_PARAMS in kernels/c
 struct SamplerShared {
   u64 hist[256];
   u64 scan[SMP_WARPS];
+  double dsum[SMP_WARPS];
   float best[SMP_WARPS];
   int best_id[SMP_WARPS];
   int digit;
@@ -87,6 +92,30 @@ __device__ __forceinline__ void warp_argmax(float& best, int& best_id) {
       best_id = oi;
     }
   }
+}
+
+// Block-wide argmax (ties to the lower id): every thread ends with the block's result.
+__device__ __forceinline__ void block_argmax(float& best, int& best_id, SamplerShared& sm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  warp_argmax(best, best_id);
+  __syncthreads();  // sm.best may still be read from a previous call
+  if (lane == 0) {
+    sm.best[warp] = best;
+    sm.best_id[warp] = best_id;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    best = lane < SMP_WARPS ? sm.best[lane] : -EAGERLM_INF;
+    best_id = lane < SMP_WARPS ? sm.best_id[lane] : NO_ID;
+    warp_argmax(best, best_id);
+    if (lane == 0) {
+      sm.best[0] = best;
+      sm.best_id[0] = best_id;
+    }
+  }
+  __syncthreads();
+  best = sm.best[0];
+  best_id = sm.best_id[0];
 }
 
 __device__ __forceinline__ u64 mix64(u64 z) {
@@ -243,7 +272,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
                 const int* __restrict__ out_slots, const float* __restrict__ logits, int vocab,
                 i64 ld, const SampleParams* __restrict__ params) {
   __shared__ SamplerShared sm;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x;
   const float* row = logits + (i64)blockIdx.x * ld;
   const SampleParams p = params[blockIdx.x];
 
@@ -259,24 +288,10 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
       best_id = i;
     }
   }
-  warp_argmax(best, best_id);
-  if (lane == 0) {
-    sm.best[warp] = best;
-    sm.best_id[warp] = best_id;
-  }
   nan = __syncthreads_or(nan);
-  if (warp == 0) {
-    best = lane < SMP_WARPS ? sm.best[lane] : -EAGERLM_INF;
-    best_id = lane < SMP_WARPS ? sm.best_id[lane] : NO_ID;
-    warp_argmax(best, best_id);
-    if (lane == 0) {
-      sm.best[0] = best;
-      sm.best_id[0] = best_id;
-    }
-  }
-  __syncthreads();
-  const float mx = sm.best[0];
-  int token = sm.best_id[0];
+  block_argmax(best, best_id, sm);
+  const float mx = best;
+  int token = best_id;
 
   if (nan) {
     token = -1;
@@ -354,5 +369,139 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
   if (tid == 0) {
     out[blockIdx.x] = token;
     if (out_slots != nullptr && out_slots[blockIdx.x] >= 0) token_buf[out_slots[blockIdx.x]] = token;
+  }
+}
+
+// -- penalties ---------------------------------------------------------------------------
+
+// Mirrors PENALTY_ROW in kernels/cuda_ops.py (24 bytes): one row of logits' penalties.
+struct PenaltyRow {
+  const int* counts;  // [2, vocab]: prompt counts, then output counts; null = no penalties
+  float repetition;   // 1 = off
+  float presence;     // 0 = off
+  float frequency;    // 0 = off
+  int pad_;
+};
+static_assert(sizeof(PenaltyRow) == 24, "must match PENALTY_ROW in kernels/cuda_ops.py");
+
+// out = the logits with each row's penalties applied (sampling.apply_penalties, to the
+// bit): repetition divides a seen token's positive logit and multiplies a negative one, in
+// float32; frequency subtracts penalty * count in float64 (numpy promotes the int32 counts
+// there), presence subtracts the penalty once in float32. Rows without counts are copied.
+// Grid: (blocks over the vocabulary, rows).
+extern "C" __global__ void penalize_rows(float* __restrict__ out, const float* __restrict__ logits,
+                                         int vocab, const PenaltyRow* __restrict__ rows) {
+  const PenaltyRow p = rows[blockIdx.y];
+  const float* in = logits + (i64)blockIdx.y * vocab;
+  float* o = out + (i64)blockIdx.y * vocab;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < vocab; i += gridDim.x * blockDim.x) {
+    float x = in[i];
+    if (p.counts != nullptr) {
+      const int seen = p.counts[i] + p.counts[vocab + i], output = p.counts[vocab + i];
+      if (p.repetition != 1.0f && seen > 0) x = x > 0.0f ? x / p.repetition : x * p.repetition;
+      if (p.frequency != 0.0f) x = (float)((double)x - (double)p.frequency * (double)output);
+      if (p.presence != 0.0f && output > 0) x = x - p.presence;
+    }
+    o[i] = x;
+  }
+}
+
+// Mirrors COUNT_SPAN in kernels/cuda_ops.py (24 bytes): rows [start, start + n) of a
+// round's inputs belong to one penalized session; those before `split` are still its prompt.
+struct CountSpan {
+  int* counts;  // [2, vocab], as PenaltyRow's
+  int start;
+  int n;
+  int split;
+  int pad_;
+};
+static_assert(sizeof(CountSpan) == 24, "must match COUNT_SPAN in kernels/cuda_ops.py");
+
+// Adds a round's input tokens to their sessions' counts: one block per span. A row's id is
+// its metadata's host id or, when its slot is >= 0, the token buffer's entry there (what
+// the embedding reads: DeviceIds). Ids outside the vocabulary (a failed sample's -1) are
+// not counted.
+extern "C" __global__ void count_tokens(const CountSpan* __restrict__ spans,
+                                        const int* __restrict__ rows, int stride,
+                                        const int* __restrict__ token_buf, int vocab) {
+  const CountSpan s = spans[blockIdx.x];
+  for (int r = threadIdx.x; r < s.n; r += blockDim.x) {
+    const int* m = rows + (i64)(s.start + r) * stride;
+    const int id = m[1] >= 0 ? token_buf[m[1]] : m[0];
+    if (id >= 0 && id < vocab) atomicAdd(&s.counts[(r >= s.split ? vocab : 0) + id], 1);
+  }
+}
+
+// -- logprobs ----------------------------------------------------------------------------
+
+__device__ __forceinline__ double block_sum_f64(double v, SamplerShared& sm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+  __syncthreads();
+  if (lane == 0) sm.dsum[warp] = v;
+  __syncthreads();
+  v = 0.0;
+  for (int w = 0; w < SMP_WARPS; ++w) v += sm.dsum[w];  // same order in every thread
+  return v;
+}
+
+// The sampled token's log-probability and the `want[row]` most likely tokens' (none when
+// want < 0), under the model's distribution: log-softmax of the raw logits in float64, as
+// sampling.token_logprob computes it. values [rows, 1 + max_top]: the token's, then the top
+// ones' (logit desc, id asc); top_ids [rows, max_top]. A failed sample (-1) gets NaN.
+extern "C" __global__ void __launch_bounds__(SMP_THREADS)
+    token_logprobs(float* __restrict__ values, int* __restrict__ top_ids,
+                   const float* __restrict__ logits, int vocab, i64 ld,
+                   const int* __restrict__ tokens, const int* __restrict__ want, int max_top) {
+  __shared__ SamplerShared sm;
+  const int n_top = want[blockIdx.x];
+  if (n_top < 0) return;  // the whole block leaves
+  const int tid = threadIdx.x;
+  const float* row = logits + (i64)blockIdx.x * ld;
+  float* v = values + (i64)blockIdx.x * (1 + max_top);
+  int* ids = top_ids + (i64)blockIdx.x * max_top;
+
+  float best = -EAGERLM_INF;
+  int best_id = NO_ID;
+  for (int i = tid; i < vocab; i += blockDim.x) {
+    const float x = row[i];
+    if (x > best || (x == best && i < best_id)) {
+      best = x;
+      best_id = i;
+    }
+  }
+  block_argmax(best, best_id, sm);
+  const double mx = (double)best;
+  double part = 0.0;
+  for (int i = tid; i < vocab; i += blockDim.x) part += exp((double)row[i] - mx);
+  const double log_sum = log(block_sum_f64(part, sm));
+  if (tid == 0) {
+    const int token = tokens[blockIdx.x];
+    v[0] = token >= 0 && token < vocab ? (float)(((double)row[token] - mx) - log_sum)
+                                       : EAGERLM_NAN;
+  }
+
+  // The top n_top, one block argmax each, over the tokens after the previous pick in
+  // (logit desc, id asc) order. NaN logits are never picked.
+  Cut prev = Cut{0xFFFFFFFFu, -1};  // nothing picked yet: every token comes after it
+  for (int j = 0; j < n_top; ++j) {
+    best = -EAGERLM_INF;
+    best_id = NO_ID;
+    for (int i = tid; i < vocab; i += blockDim.x) {
+      const float x = row[i];
+      if (isnan(x) || passes(order_key(x), i, prev)) continue;
+      if (best_id == NO_ID || x > best || (x == best && i < best_id)) {
+        best = x;
+        best_id = i;
+      }
+    }
+    block_argmax(best, best_id, sm);
+    if (tid == 0) {
+      ids[j] = best_id == NO_ID ? -1 : best_id;
+      v[1 + j] = best_id == NO_ID ? EAGERLM_NAN : (float)(((double)best - mx) - log_sum);
+    }
+    if (best_id == NO_ID) break;
+    prev = Cut{order_key(best), best_id};
   }
 }

@@ -27,20 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from benchmarks.gpu_timing import copy_bandwidth, time_on_stream
-
-
-def open_gpu():
-    """The cuda device, or None (and why) on a machine without one."""
-    try:
-        from vmm.cuda_driver import NoCudaDevice
-        from vmm.device import open_device
-    except ImportError as exc:
-        return None, f"cuda bindings not importable ({exc})"
-    try:
-        return open_device("cuda"), ""
-    except NoCudaDevice as exc:
-        return None, str(exc)
+from benchmarks.gpu_timing import copy_bandwidth, open_gpu, time_on_stream
 
 
 def main() -> int:
@@ -57,9 +44,8 @@ def main() -> int:
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the timed copy")
     args = ap.parse_args()
 
-    device, why = open_gpu()
+    device = open_gpu("bench_decode_attention")
     if device is None:
-        print(f"bench_decode_attention: no CUDA GPU here ({why}); nothing to measure.")
         return 0
 
     from kernels.batch import ForwardBatch, SeqSlice

@@ -22,10 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_timing import copy_bandwidth, time_on_stream
+from benchmarks.gpu_timing import copy_bandwidth, open_gpu, time_on_stream
 from kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F
 from kernels.cuda_ops import CudaOps
-from vmm.device import open_device
 
 MODELS = {
     "qwen3-0.6b": {"q": (2048, 1024), "kv": (1024, 1024), "o": (1024, 2048),
@@ -50,11 +49,13 @@ def time_gemm(ops: CudaOps, n_tok: int, n_in: int, n_out: int, reps: int,
         s, y.ptr, x.ptr, w.ptr, n_tok, n_in, n_out, out_dtype), reps)
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
-    device = open_device("cuda")
+    device = open_gpu("bench_gemm")
+    if device is None:
+        return 0
     ops = CudaOps(device)
     peak_s = time_gemm(ops, 8192, 8192, 8192, max(5, args.reps // 5))
     peak = 2 * 8192**3 / peak_s / 1e12
@@ -84,7 +85,8 @@ def main() -> None:
     print("\n```json\n" + json.dumps(result, indent=2) + "\n```")
     ops.close()
     device.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

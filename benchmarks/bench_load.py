@@ -29,13 +29,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_timing import open_gpu
 from kernels.cuda_backend import CudaWeights, free_weights, load_cuda_weights
 from kernels.cuda_ops import CudaOps
 from loader.model_file import ModelFile
 from loader.synthetic import SHAPES, write_synthetic_model
 from loader.weights import build_weights
 from vmm.cuda_driver import cu, driver
-from vmm.device import open_device
 
 
 def pinned_bandwidth(ops: CudaOps, nbytes: int = 256 << 20, reps: int = 10) -> float:
@@ -96,7 +96,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
 
-    device = open_device("cuda")
+    device = open_gpu("bench_load")
+    if device is None:
+        return
     ops = CudaOps(device)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or str(write_synthetic_model(Path(tmp) / "m.gguf",

@@ -7,7 +7,8 @@ calls after a warm-up:
 
 - eagerlm's prefill kernel (kernels/cuda/attention_prefill.cu, mma.sync on tensor cores),
   through `CudaOps.attention` as the forward calls it (with `CudaOps.tensor_core_prefill`
-  switched on for this figure, whatever the engine's default);
+  switched on for this figure, whatever the engine's start-up check decides; that
+  decision is printed too);
 - `torch.nn.functional.scaled_dot_product_attention` restricted to the flash backend (GQA
   through `enable_gqa` where this torch has it, else K/V repeated to all heads: the same
   FLOPs);
@@ -38,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_timing import time_on_stream
+from benchmarks.gpu_timing import open_gpu, time_on_stream
 
 
 def visible_pairs(n_past: int, n_new: int, window: int) -> int:
@@ -175,14 +176,8 @@ def main() -> int:
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
 
-    try:
-        from vmm.cuda_driver import NoCudaDevice
-        from vmm.device import open_device
-
-        device = open_device("cuda")
-    except (NoCudaDevice, ImportError) as exc:
-        print(f"bench_prefill_attention: no CUDA GPU here ({exc}); this benchmark needs one. "
-              "Nothing measured.")
+    device = open_gpu("bench_prefill_attention")
+    if device is None:
         return 0
     from kernels.cuda_ops import CudaOps
 
@@ -190,7 +185,9 @@ def main() -> int:
     rng = np.random.default_rng(0)
     rows = [bench(ops, n, args.heads, args.kv_heads, args.head_dim, args.window, args.reps,
                   not args.no_torch, rng) for n in args.tokens]
-    print(f"device: {device.name}\n")
+    agrees = ops._prefill_kernel_agrees(args.head_dim)
+    print(f"device: {device.name}; the engine's start-up check of the kernel against "
+          f"attention.cu: {'agrees, so the engine uses it' if agrees else 'DISAGREES'}\n")
     print("| tokens | heads / kv | hd | eagerlm ms | eagerlm TFLOP/s | torch flash TFLOP/s | "
           "ratio | attention.cu TFLOP/s | rel. err vs torch |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -201,7 +198,8 @@ def main() -> int:
         print(f"| {r['tokens']} | {r['heads']} / {r['kv_heads']} | {r['head_dim']} | "
               f"{r['eagerlm_ms']:.3f} | {r['eagerlm_tflops']:.1f} | {torch_tf} | {ratio} | "
               f"{r['old_tflops']:.2f} | {err} |")
-    print("\n```json\n" + json.dumps({"device": device.name, "rows": rows}, indent=2) + "\n```")
+    print("\n```json\n" + json.dumps({"device": device.name, "startup_check_agrees": agrees,
+                                       "rows": rows}, indent=2) + "\n```")
     ops.close()
     device.close()
     return 0

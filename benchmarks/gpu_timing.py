@@ -1,11 +1,27 @@
-"""Timing on a device stream, shared by the GPU benchmarks: seconds per call from events
-around back-to-back calls, and the device's copy bandwidth (the memory roofline they
-compare against)."""
+"""What the GPU benchmarks share: opening the GPU (or saying plainly that there is none),
+timing on a device stream (seconds per call from events around back-to-back calls), and
+the device's copy bandwidth (the memory roofline they compare against)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+
+def open_gpu(bench: str) -> Any | None:
+    """The cuda device, or None after printing that `bench` measured nothing because this
+    machine has no GPU (so a benchmark run without one exits 0 and says why)."""
+    try:
+        from vmm.cuda_driver import NoCudaDevice
+        from vmm.device import open_device
+    except ImportError as exc:
+        print(f"{bench}: cuda bindings not importable ({exc}); nothing measured.")
+        return None
+    try:
+        return open_device("cuda")
+    except NoCudaDevice as exc:
+        print(f"{bench}: no CUDA GPU here ({exc}); nothing measured.")
+        return None
 
 
 def time_on_stream(device: Any, stream: Any, fn: Callable[[], Any], reps: int,

@@ -131,7 +131,10 @@ def test_rope(ops, style, rope_dim, factors) -> None:
 @pytest.mark.parametrize("hd,n_heads,n_kv", [(16, 4, 2), (64, 8, 8), (128, 16, 4), (256, 4, 1),
                                               (80, 6, 2)])
 @pytest.mark.parametrize("window", [0, 7])
-def test_kv_append_and_attention(ops, hd, n_heads, n_kv, window) -> None:
+def test_kv_append_and_attention(ops, hd, n_heads, n_kv, window, monkeypatch) -> None:
+    """A mixed batch (prefill chunks, short and long decode rows) through every attention
+    kernel that serves its head dim: the general one, and for 64 and 128 the tensor-core
+    prefill kernel too (whatever CudaOps' start-up check decides)."""
     layer = 1
     specs = [(0, 19, 40), (5, 1, 8), (700, 1, 720), (33, 40, 100), (1500, 2, 1600)]
     bh, bd, n_tok = appended_batches(ops, specs, n_kv, hd, n_layers=3, layer=layer)
@@ -141,9 +144,11 @@ def test_kv_append_and_attention(ops, hd, n_heads, n_kv, window) -> None:
         np.testing.assert_array_equal(got[: sh.n_total], bf16(sh.kv.data[: sh.n_total]))
     scale = 1 / math.sqrt(hd)
     want = REF.attention(bh, layer, q, scale=scale, window=window)
-    got = ops.attention(bd, layer, ops.upload(q, "bf16").reshape(n_tok, n_heads, hd),
-                        scale=scale, window=window)
-    close(ops.to_numpy(got), want)
+    for tensor_cores in (False, True) if hd in (64, 128) else (False,):
+        monkeypatch.setattr(ops, "tensor_core_prefill", tensor_cores)
+        got = ops.attention(bd, layer, ops.upload(q, "bf16").reshape(n_tok, n_heads, hd),
+                            scale=scale, window=window)
+        close(ops.to_numpy(got), want, row=hd)
 
 
 def test_decode_attention_splits_long_contexts(ops) -> None:

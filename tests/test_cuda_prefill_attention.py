@@ -27,6 +27,7 @@ import pytest
 from tests.cuda_testing import (  # noqa: F401  (fixtures)
     REF,
     appended_batches,
+    close,
     device,
     ops,
     rand,
@@ -40,27 +41,13 @@ from tests.cuda_testing import (  # noqa: F401  (fixtures)
 SPECS = [(0, 37, 40), (50, 20, 72), (9, 1, 12), (130, 70, 200)]
 
 
-def close_attention(got: np.ndarray, want: np.ndarray, hd: int, *, ulps: float = 4) -> None:
-    got = np.asarray(got, np.float64).reshape(want.shape[0], -1, hd)
-    want = np.asarray(want, np.float64).reshape(got.shape)
-    assert np.isfinite(got).all(), "an output element was not written (still NaN poison)"
-    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-    assert err < 1e-2, f"relative error {err:.2e}"
-    scale = np.sqrt((want**2).mean(axis=-1, keepdims=True))
-    tol = ulps * 2.0**-8 * np.maximum(np.abs(want), scale)
-    bad = np.abs(got - want) > tol
-    assert not bad.any(), (f"{bad.sum()} elements off by more than {ulps} bf16 ulps of their "
-                           f"(row, head) scale; first at {np.argwhere(bad)[0].tolist()}")
-
-
 def _run(ops, monkeypatch, specs, hd, n_kv, g, window, *, scale=None):
     n_heads, layer = n_kv * g, 1
     bh, bd, n_tok = appended_batches(ops, specs, n_kv, hd, layer=layer)
     q = rand(n_tok, n_heads, hd)
     scale = 1 / math.sqrt(hd) if scale is None else scale
 
-    # the batch must take the new kernel, not fall back to attention.cu (it is off by
-    # default until mixed decode + prefill batches pass: see CudaOps.__init__)
+    # the batch must take the new kernel, whatever CudaOps' start-up check decided
     monkeypatch.setattr(ops, "tensor_core_prefill", True)
     name = f"attention_prefill_hd{hd}"
     kernel = ops.kernels[name]
@@ -72,7 +59,7 @@ def _run(ops, monkeypatch, specs, hd, n_kv, g, window, *, scale=None):
                         scale=scale, window=window)
     assert len(launches) == 1, f"{name} was not launched"
     want = REF.attention(bh, layer, q, scale=scale, window=window)
-    close_attention(ops.to_numpy(got), want, hd)
+    close(ops.to_numpy(got), want, row=hd)
 
 
 @pytest.mark.parametrize("hd", [64, 128])
@@ -117,3 +104,51 @@ def test_mma_fragment_layouts(ops, mode) -> None:
                                        mode, smem=3 * 16 * 16 * 2)
     want = c.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64)
     np.testing.assert_allclose(ops.to_numpy(d), want, rtol=1e-5, atol=1e-5)
+
+
+def _prefill_batch(ops, hd: int):
+    bh, bd, n_tok = appended_batches(ops, [(10, 40, 60), (0, 1, 4)], 2, hd, layer=1)
+    return bh, bd, ops.upload(rand(n_tok, 4, hd), "bf16").reshape(n_tok, 4, hd)
+
+
+def test_by_default_the_kernel_is_used_once_it_agrees_with_the_general_one(
+        ops, monkeypatch) -> None:
+    """CudaOps.tensor_core_prefill = None (the default): the first prefill batch of a head
+    dim runs CudaOps' one-off check of this kernel against attention.cu on the device, and
+    on agreement the kernel serves that head dim from then on."""
+    fresh = type(ops)(ops.device)
+    assert fresh.tensor_core_prefill is None  # the default
+    fresh.close()
+    monkeypatch.setattr(ops, "_prefill_checked", {})  # the shared fixture's: as new
+    _, bd, q = _prefill_batch(ops, 64)
+    launches = []
+    kernel = ops.kernels["attention_prefill_hd64"]
+    real = kernel.launch
+    kernel.launch = lambda *a, **kw: (launches.append(1), real(*a, **kw))[1]
+    try:
+        ops.attention(bd, 1, q, scale=0.125, window=0)
+        ops.attention(bd, 1, q, scale=0.125, window=0)
+    finally:
+        del kernel.launch
+    assert ops._prefill_checked == {64: True}
+    assert len(launches) == 3  # the check's, then one per call
+
+
+def test_a_kernel_that_disagrees_is_not_used(ops, monkeypatch) -> None:
+    """If the kernel's answer on this device differs from attention.cu's (as a wrong mma
+    fragment layout would make it), the check says so and the general kernel serves."""
+    monkeypatch.setattr(ops, "_prefill_checked", {})
+    bh, bd, q = _prefill_batch(ops, 128)
+    real = type(ops)._attention_prefill
+
+    def wrong(self, meta, layer, q, **kw):  # off by a permutation of the head dim
+        out = real(self, meta, layer, q, **kw)
+        flipped = self.to_numpy(out).reshape(out.shape[0], -1, 128)[..., ::-1]
+        return self.upload(np.ascontiguousarray(flipped).reshape(out.shape), "bf16")
+
+    monkeypatch.setattr(type(ops), "_attention_prefill", wrong)
+    with pytest.warns(RuntimeWarning, match="disagrees"):
+        got = ops.attention(bd, 1, q, scale=0.1, window=0)
+    assert ops._prefill_checked == {128: False}
+    want = REF.attention(bh, 1, ops.to_numpy(q), scale=0.1, window=0)
+    close(ops.to_numpy(got), want, row=128)

@@ -454,34 +454,51 @@ class _RoundWork:
         self.kvs = []  # drop the views of the KV pages as soon as the work is done
 
     def _replay(self, graphs: Any, rows: np.ndarray) -> bool:
-        """A decode round in which every session samples, without penalties or logprobs,
-        as a captured graph's replay; False when it must run eagerly."""
-        if self.logprob_out is not None or not all(w.samples and not w.params.penalized
-                                                   for w in self.seq_work):
+        """A decode round in which every session samples, without logprobs, as a captured
+        graph's replay (which also counts penalized sessions' inputs); False when it must
+        run eagerly."""
+        if self.logprob_out is not None or not all(w.samples for w in self.seq_work):
             return False
-        self._count_inputs(None)  # forgets ended sessions' counts; nothing else to count
+        counts = [None if c is None else (c, split)
+                  for c, split in zip(self._session_counts(), self._prompt_rows(),
+                                      strict=True)]
         return graphs.run(rows, [past for _, _, past in self.seq_rows], self.kvs,
-                          [w.params for w in self.seq_work], self.sampled)
+                          [w.params for w in self.seq_work], self.sampled, counts)
 
     def _count_inputs(self, tokens: Any) -> dict[int, Any]:
         """Bring penalized sessions' token counts up to date with this round's inputs
         (`tokens`: what `round_inputs` returned), on the backend's side: on cuda the
         decode inputs are only on the device."""
-        st, ops = self.state, self.transformer.ops
+        spans = [(c, start, n, split) for c, (start, n, _), split
+                 in zip(self._session_counts(), self.seq_rows, self._prompt_rows(), strict=True)
+                 if c is not None]
+        if spans:
+            self.transformer.ops.count_inputs(tokens, spans)
+        return self.state.counts
+
+    def _session_counts(self) -> list[Any]:
+        """Per session of the round, its token counts (None: not penalized), after ended
+        sessions' counts are dropped and those that must be are (re)built from tokens."""
+        st = self.state
         for sid in self.forget:
             st.counts.pop(sid, None)
-        spans = []
-        for w, (start, n, past) in zip(self.seq_work, self.seq_rows, strict=True):
+        self.forget = []
+        out = []
+        for w in self.seq_work:
             if not w.params.penalized:
+                out.append(None)
                 continue
-            if w.rebuild is not None:
-                st.counts[w.session_id] = ops.token_counts(
+            if w.rebuild is not None:  # once: a graph that cannot replay falls back here
+                st.counts[w.session_id] = self.transformer.ops.token_counts(
                     st.vocab, w.rebuild[:w.prompt_len], w.rebuild[w.prompt_len:])
-            split = max(0, min(n, w.prompt_len - past))  # rows still in the prompt
-            spans.append((st.counts[w.session_id], start, n, split))
-        if spans:
-            ops.count_inputs(tokens, spans)
-        return st.counts
+                w.rebuild = None
+            out.append(st.counts[w.session_id])
+        return out
+
+    def _prompt_rows(self) -> list[int]:
+        """Per session, how many of its rows in this round are still prompt tokens."""
+        return [max(0, min(n, w.prompt_len - past))
+                for w, (_, n, past) in zip(self.seq_work, self.seq_rows, strict=True)]
 
 
 def _sync(event: Event | None) -> None:

@@ -12,7 +12,9 @@ round to round lives in fixed device buffers that the round overwrites (`_Inputs
   sample from the token buffer on the device, as in the eager path);
 - per session: the SeqDesc (start, n_new = 1, n_past, KV base address: a session's KV
   region never moves, so its base pointer is simply data), the row -> session map,
-  the rope position, the logits row, the sampler's parameters and output slot.
+  the rope position, the logits row, the sampler's parameters and output slot, and for
+  rounds with penalties each session's token-count span and penalty row (the counts
+  themselves are per-session device tensors that never move either).
 Batches are padded up to a bucket size (1, 2, 4, 8, 16, 24, 32, 48, 64, ...) with rows
 that read token 0, attend over a one-token scratch KV and sample into nowhere (slot -1);
 the context length is bucketed by powers of two (at least 512), which fixes how the
@@ -20,7 +22,9 @@ attention kernels split long contexts. One graph per (batch bucket, context buck
 captured the first time it is needed (after one eager warm-up run, which loads modules
 and plans GEMMs outside the capture) and kept.
 
-Rounds that prefill, or ask for logprobs or penalties, run eagerly. `enabled = False`
+A round with penalized sessions replays a second graph of its bucket, which also counts
+the round's inputs (count_tokens) and samples from penalized logits (penalize_rows).
+Rounds that prefill, or ask for logprobs, run eagerly. `enabled = False`
 turns graphs off entirely (the tests compare both paths token for token). If capture
 fails on some driver, that bucket stays eager and the reason is kept in `failures`.
 """
@@ -38,6 +42,8 @@ import numpy as np
 
 from kernels.batch import ForwardBatch, SeqSlice
 from kernels.cuda_ops import (
+    COUNT_SPAN,
+    PENALTY_ROW,
     SAMPLE_PARAMS,
     SEQ_DESC,
     ContiguousDeviceKV,
@@ -45,6 +51,8 @@ from kernels.cuda_ops import (
     DeviceIds,
     DeviceTensor,
     _BatchMeta,
+    count_table,
+    penalty_table,
     sample_table,
 )
 from kernels.model import Transformer
@@ -81,7 +89,9 @@ class _Layout:
         b, at, out = self.batch, 0, {}
         for name, size in (("rows", 8 * b), ("seqs", SEQ_DESC.itemsize * b), ("row_seq", 4 * b),
                            ("positions", 4 * b), ("logit_rows", 8 * b),
-                           ("params", SAMPLE_PARAMS.itemsize * b), ("out_slots", 4 * b)):
+                           ("params", SAMPLE_PARAMS.itemsize * b), ("out_slots", 4 * b),
+                           ("count_spans", COUNT_SPAN.itemsize * b),
+                           ("penalties", PENALTY_ROW.itemsize * b)):
             out[name] = at
             at += -(-size // 16) * 16
         out["end"] = at
@@ -99,6 +109,7 @@ class _Layout:
 class _Graph:
     batch: int
     context: int
+    penalized: bool
     graph: Any
     exec: Any
     inputs: Any  # DeviceBuffer: the blob
@@ -118,35 +129,40 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.enabled = enabled
         self.scratch = ContiguousDeviceKV(ops, layout, 1)  # what padding rows attend over
-        self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.failures: dict[tuple[int, int], str] = {}
+        # keyed by (batch bucket, context bucket, penalized)
+        self.graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.failures: dict[tuple[int, int, bool], str] = {}
         self.replays = 0
+        self.penalized_replays = 0  # of which, of the graphs with penalties
         self.captured = 0
 
     # -- per round -----------------------------------------------------------------------
 
     def run(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
-            params: Sequence[SamplingParams], out: Any) -> bool:
+            params: Sequence[SamplingParams], out: Any,
+            counts: Sequence[tuple[DeviceTensor, int] | None] | None = None) -> bool:
         """Replay the round's graph: one row per session, `rows[i]` = [host token id,
         token-buffer slot or -1] as in the eager path's metadata, each row sampled into
-        `out[i]` and into the token buffer at its slot. False when this round cannot be
-        replayed (the caller runs it eagerly)."""
+        `out[i]` and into the token buffer at its slot. Penalized sessions need
+        `counts[i]` = (their token counts, 1 if this row is still in the prompt else 0).
+        False when this round cannot be replayed (the caller runs it eagerly)."""
         n = len(n_pasts)
         if not self.enabled or n == 0 or n > self.buckets[-1]:
             return False
-        if any(p.penalized or p.logprobs is not None for p in params):
+        if any(p.logprobs is not None for p in params):
             return False
+        penalized = any(p.penalized for p in params)
         b = next(x for x in self.buckets if x >= n)
         ctx = context_bucket(max(n_pasts) + 1, self.max_context)
-        key = (b, ctx)
+        key = (b, ctx, penalized)
         if key in self.failures:
             return False
         g = self.graphs.get(key)
         if g is None:
-            g = self._capture(b, ctx)
+            g = self._capture(b, ctx, penalized)
             if g is None:
                 return False
-        blob = self._blob(b, rows, n_pasts, kvs, params)
+        blob = self._blob(b, rows, n_pasts, kvs, params, counts)
         self.ops._ring.upload(blob, DeviceTensor(g.inputs.ptr, (blob.size,), "u8"))
         d = driver()
         self.ops.ctx.bind()
@@ -154,10 +170,12 @@ class DecodeGraphs:
         cu("cuMemcpyDtoDAsync", d.CUdeviceptr(out.ptr), d.CUdeviceptr(g.out.ptr), n * 4,
            self.ops.stream.handle)
         self.replays += 1
+        self.penalized_replays += penalized
         return True
 
     def _blob(self, b: int, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
-              params: Sequence[SamplingParams]) -> np.ndarray:
+              params: Sequence[SamplingParams],
+              counts: Sequence[tuple[DeviceTensor, int] | None] | None = None) -> np.ndarray:
         """The graph's inputs for this round; rows past the real ones are padding."""
         n = len(n_pasts)
         lay = _Layout(b)
@@ -190,16 +208,22 @@ class DecodeGraphs:
         slots = field("out_slots", np.int32)
         slots[:n] = rows[:n, 1]
         slots[n:] = -1
+        if any(p.penalized for p in params):  # zeros elsewhere: nothing counted or penalized
+            c = list(counts or [None] * n)
+            field("count_spans", COUNT_SPAN)[:n] = count_table(
+                [(None, i, 1, 0) if x is None else (x[0], i, 1, x[1]) for i, x in enumerate(c)])
+            field("penalties", PENALTY_ROW)[:n] = penalty_table(
+                params, [None if x is None else x[0] for x in c], vocab)
         return blob
 
     # -- capture -------------------------------------------------------------------------
 
-    def _capture(self, b: int, ctx: int) -> _Graph | None:
+    def _capture(self, b: int, ctx: int, penalized: bool) -> _Graph | None:
         ops, d = self.ops, driver()
         lay = _Layout(b)
         inputs = ops.device.alloc(lay.nbytes)
         out_buf = ops.device.alloc(b * 4)
-        key = (b, ctx)
+        key = (b, ctx, penalized)
         blob = self._blob(b, np.zeros((0, 2), np.int32), [], [], [])
         ops._ring.upload(blob, DeviceTensor(inputs.ptr, (blob.size,), "u8"))
 
@@ -211,18 +235,26 @@ class DecodeGraphs:
                           row_seq=tensor("row_seq", (b,), "i32"), first_kv=self.scratch,
                           kv_base0=k0.ptr, token_bytes=k0.strides[0], max_new=1,
                           max_total=ctx, offsets={})
+        ids = DeviceIds(inputs.ptr + lay.offset("rows"), b, self.token_buf.ptr)
         batch = ForwardBatch(
-            DeviceIds(inputs.ptr + lay.offset("rows"), b, self.token_buf.ptr),  # type: ignore[arg-type]
-            [SeqSlice(i, 1, 0, self.scratch) for i in range(b)], np.arange(b),
-            device_meta=meta)
+            ids, [SeqSlice(i, 1, 0, self.scratch) for i in range(b)],  # type: ignore[arg-type]
+            np.arange(b), device_meta=meta)
         batch.positions = tensor("positions", (b,), "i32")  # type: ignore[assignment]
         batch.logit_rows = tensor("logit_rows", (b,), "i64")  # type: ignore[assignment]
         params = tensor("params", (b * SAMPLE_PARAMS.itemsize,), "u8")
         slots = tensor("out_slots", (b,), "i32")
         out = DeviceTensor(out_buf.ptr, (b,), "i32", out_buf)
 
-        def round_() -> None:
+        spans = tensor("count_spans", (b * COUNT_SPAN.itemsize,), "u8")
+        penalties = tensor("penalties", (b * PENALTY_ROW.itemsize,), "u8")
+        vocab = self.transformer.config.vocab_size
+
+        def round_() -> None:  # as _RoundWork's eager round, with every input in the blob
+            if penalized:
+                ops.count_inputs_device(ids, spans, b, vocab)
             logits = self.transformer.forward(batch)
+            if penalized:
+                logits = ops.penalize_device(logits, penalties)
             ops.sample_device(logits, params, out=out, token_buf=self.token_buf.ptr,
                               out_slots=slots)
 
@@ -245,7 +277,7 @@ class DecodeGraphs:
             inputs.free()
             out_buf.free()
             return None
-        g = self.graphs[key] = _Graph(b, ctx, graph, exec_, inputs, out_buf)
+        g = self.graphs[key] = _Graph(b, ctx, penalized, graph, exec_, inputs, out_buf)
         self.captured += 1
         return g
 

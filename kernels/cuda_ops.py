@@ -787,16 +787,15 @@ class CudaOps:
                      spans: Sequence[tuple[DeviceTensor, int, int, int]]) -> None:
         """Add a round's input tokens to their sessions' counts: per span (counts, first
         row, rows, rows still in the prompt), one block of count_tokens."""
-        if not spans:
-            return
-        table = np.zeros(len(spans), COUNT_SPAN)
-        for i, (counts, start, n, split) in enumerate(spans):
-            _require(counts, "i32", "token counts")
-            table[i] = (counts.ptr, start, n, split, 0)
-        vocab = spans[0][0].shape[1]
-        self.kernels["count_tokens"].launch(
-            self._s, len(spans), 256, self.upload(table.view(np.uint8), "u8").ptr,
-            tokens.rows_ptr, tokens.stride, tokens.token_buf_ptr, vocab)
+        if spans:
+            self.count_inputs_device(tokens, self.upload(count_table(spans).view(np.uint8)),
+                                     len(spans), spans[0][0].shape[1])
+
+    def count_inputs_device(self, tokens: DeviceIds, table: DeviceTensor, n_spans: int,
+                            vocab: int) -> None:
+        """`count_inputs` with its span table (COUNT_SPAN rows) already on the device."""
+        self.kernels["count_tokens"].launch(self._s, n_spans, 256, table.ptr, tokens.rows_ptr,
+                                            tokens.stride, tokens.token_buf_ptr, vocab)
 
     def sample_round(self, logits: DeviceTensor, params: Sequence[SamplingParams],
                      positions: Sequence[int], counts: Sequence[DeviceTensor | None], *,
@@ -839,23 +838,16 @@ class CudaOps:
                  counts: Sequence[DeviceTensor | None] | None) -> DeviceTensor:
         """A copy of `logits` with each penalized row's penalties applied
         (sampling.apply_penalties): the raw logits stay for the logprobs."""
+        table = penalty_table(params, counts, logits.shape[1])
+        return self.penalize_device(logits, self.upload(table.view(np.uint8)))
+
+    def penalize_device(self, logits: DeviceTensor, table: DeviceTensor) -> DeviceTensor:
+        """`penalize` with its table (PENALTY_ROW per row) already on the device."""
         n, vocab = logits.shape
-        table = np.zeros(n, PENALTY_ROW)
-        for i, p in enumerate(params):
-            if not p.penalized:
-                continue
-            c = None if counts is None else counts[i]
-            if c is None:
-                raise ValueError(f"params[{i}] has penalties but no token counts were given")
-            _require(c, "i32", f"counts[{i}]")
-            if c.shape != (2, vocab):
-                raise ValueError(f"counts[{i}] must be [2, {vocab}], got {c.shape}")
-            table[i] = (c.ptr, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
-                        0)
         out = self.empty((n, vocab), "f32")
         self.kernels["penalize_rows"].launch(
             self._s, (min(-(-vocab // 2048), 128), n, 1), 256, out.ptr, logits.ptr, vocab,
-            self.upload(table.view(np.uint8), "u8").ptr)
+            table.ptr)
         return out
 
     def token_logprobs(self, logits: DeviceTensor, tokens: DeviceTensor,
@@ -911,6 +903,35 @@ def sample_table(params: Sequence[SamplingParams], positions: Sequence[int],
         # top_k >= vocab is off, as 0 is; clamped so a huge one fits the int32 field
         table[i] = (p.temperature, min(p.top_k, vocab), p.top_p, p.min_p, p.seed or 0,
                     pos)
+    return table
+
+
+def penalty_table(params: Sequence[SamplingParams],
+                  counts: Sequence[DeviceTensor | None] | None, vocab: int) -> np.ndarray:
+    """penalize_rows' per-row table (PENALTY_ROW), checked: a penalized row needs its
+    session's counts, int32 [2, vocab]; other rows get none (copied unchanged)."""
+    table = np.zeros(len(params), PENALTY_ROW)
+    for i, p in enumerate(params):
+        if not p.penalized:
+            continue
+        c = None if counts is None else counts[i]
+        if c is None:
+            raise ValueError(f"params[{i}] has penalties but no token counts were given")
+        _require(c, "i32", f"counts[{i}]")
+        if c.shape != (2, vocab):
+            raise ValueError(f"counts[{i}] must be [2, {vocab}], got {c.shape}")
+        table[i] = (c.ptr, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, 0)
+    return table
+
+
+def count_table(spans: Sequence[tuple[DeviceTensor | None, int, int, int]]) -> np.ndarray:
+    """count_tokens' span table (COUNT_SPAN): (counts or None, first row, rows, rows still
+    in the prompt) per session; a span without counts is skipped by the kernel."""
+    table = np.zeros(len(spans), COUNT_SPAN)
+    for i, (counts, start, n, split) in enumerate(spans):
+        if counts is not None:
+            _require(counts, "i32", "token counts")
+        table[i] = (0 if counts is None else counts.ptr, start, n, split, 0)
     return table
 
 

@@ -106,26 +106,32 @@ def test_graph_replays_give_the_eager_tokens(device, qwen3) -> None:
 
 
 
-def test_rounds_with_penalties_or_logprobs_run_eagerly_with_the_same_tokens(device,
-                                                                          qwen3) -> None:
-    """A round holding a penalized session or one asking for logprobs is launched eagerly
-    (the graphs' sampler has neither); the tokens are those of a run without graphs, and
-    once those sessions end the remaining rounds replay again."""
+def test_penalized_rounds_replay_their_own_graphs_and_logprob_rounds_run_eagerly(
+        device, qwen3) -> None:
+    """Rounds with penalized sessions replay a second graph per bucket, which counts the
+    round's inputs and penalizes on the device; rounds with a session asking for logprobs
+    run eagerly. Tokens equal those of a run without graphs, including a penalized session
+    whose counts are built while others decode (prompts of different lengths)."""
     from kernels.cuda_backend import cuda_transformer
     from kernels.cuda_ops import CudaOps
 
     gpu = cuda_transformer(qwen3, ops=CudaOps(device))
-    prompts = [rng.integers(0, 300, n).tolist() for n in (4, 9, 6)]
+    prompts = [rng.integers(0, 40, n).tolist() for n in (4, 9, 6, 3)]  # with repeats
     params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                              repetition_penalty=1.5, frequency_penalty=0.5),
               SamplingParams(temperature=0.8, seed=5, max_tokens=5, ignore_eos=True,
-                             logprobs=3)]
+                             logprobs=3),
+              SamplingParams(temperature=0.9, seed=8, max_tokens=10, ignore_eos=True,
+                             presence_penalty=1.5)]
     spy_on: list = []
     with_graphs = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=spy_on)
     without = _run(device, qwen3, gpu, prompts, params, graphs=False, spy=[])
     assert with_graphs == without
-    assert spy_on[0].replays > 0 and not spy_on[0].failures
+    graphs = spy_on[0]
+    assert graphs.replays > 0 and not graphs.failures
+    assert 0 < graphs.penalized_replays < graphs.replays  # both kinds were replayed
+
 
 def test_a_failed_capture_leaves_that_bucket_eager(device, qwen3,
                                                    monkeypatch) -> None:

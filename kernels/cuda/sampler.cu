@@ -409,7 +409,7 @@ extern "C" __global__ void penalize_rows(float* __restrict__ out, const float* _
 // Mirrors COUNT_SPAN in kernels/cuda_ops.py (24 bytes): rows [start, start + n) of a
 // round's inputs belong to one penalized session; those before `split` are still its prompt.
 struct CountSpan {
-  int* counts;  // [2, vocab], as PenaltyRow's
+  int* counts;  // [2, vocab], as PenaltyRow's; null = nothing to count
   int start;
   int n;
   int split;
@@ -425,6 +425,7 @@ extern "C" __global__ void count_tokens(const CountSpan* __restrict__ spans,
                                         const int* __restrict__ rows, int stride,
                                         const int* __restrict__ token_buf, int vocab) {
   const CountSpan s = spans[blockIdx.x];
+  if (s.counts == nullptr) return;  // a session without penalties (in a graph's table)
   for (int r = threadIdx.x; r < s.n; r += blockDim.x) {
     const int* m = rows + (i64)(s.start + r) * stride;
     const int id = m[1] >= 0 ? token_buf[m[1]] : m[0];

@@ -454,16 +454,17 @@ class _RoundWork:
         self.kvs = []  # drop the views of the KV pages as soon as the work is done
 
     def _replay(self, graphs: Any, rows: np.ndarray) -> bool:
-        """A decode round in which every session samples, without logprobs, as a captured
-        graph's replay (which also counts penalized sessions' inputs); False when it must
-        run eagerly."""
-        if self.logprob_out is not None or not all(w.samples for w in self.seq_work):
+        """A decode round in which every session samples, as a captured graph's replay
+        (which also counts penalized sessions' inputs and writes logprobs where asked);
+        False when it must run eagerly."""
+        if not all(w.samples for w in self.seq_work):
             return False
         counts = [None if c is None else (c, split)
                   for c, split in zip(self._session_counts(), self._prompt_rows(),
                                       strict=True)]
         return graphs.run(rows, [past for _, _, past in self.seq_rows], self.kvs,
-                          [w.params for w in self.seq_work], self.sampled, counts)
+                          [w.params for w in self.seq_work], self.sampled, counts,
+                          self.logprob_out)
 
     def _count_inputs(self, tokens: Any) -> dict[int, Any]:
         """Bring penalized sessions' token counts up to date with this round's inputs

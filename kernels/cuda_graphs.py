@@ -22,9 +22,11 @@ attention kernels split long contexts. One graph per (batch bucket, context buck
 captured the first time it is needed (after one eager warm-up run, which loads modules
 and plans GEMMs outside the capture) and kept.
 
-A round with penalized sessions replays a second graph of its bucket, which also counts
-the round's inputs (count_tokens) and samples from penalized logits (penalize_rows).
-Rounds that prefill, or ask for logprobs, run eagerly. `enabled = False`
+A round with penalized sessions replays a variant of its bucket's graph that also counts
+the round's inputs (count_tokens) and samples from penalized logits (penalize_rows); a
+round in which some session asks for logprobs, one that also runs token_logprobs into the
+graph's own buffers, copied out after the replay as the sampled tokens are. Prefill
+rounds run eagerly. `enabled = False`
 turns graphs off entirely (the tests compare both paths token for token). If capture
 fails on some driver, that bucket stays eager and the reason is kept in `failures`.
 """
@@ -43,6 +45,7 @@ import numpy as np
 from kernels.batch import ForwardBatch, SeqSlice
 from kernels.cuda_ops import (
     COUNT_SPAN,
+    MAX_LOGPROBS,
     PENALTY_ROW,
     SAMPLE_PARAMS,
     SEQ_DESC,
@@ -52,6 +55,7 @@ from kernels.cuda_ops import (
     DeviceTensor,
     _BatchMeta,
     count_table,
+    logprob_table,
     penalty_table,
     sample_table,
 )
@@ -91,7 +95,7 @@ class _Layout:
                            ("positions", 4 * b), ("logit_rows", 8 * b),
                            ("params", SAMPLE_PARAMS.itemsize * b), ("out_slots", 4 * b),
                            ("count_spans", COUNT_SPAN.itemsize * b),
-                           ("penalties", PENALTY_ROW.itemsize * b)):
+                           ("penalties", PENALTY_ROW.itemsize * b), ("logprob_n", 4 * b)):
             out[name] = at
             at += -(-size // 16) * 16
         out["end"] = at
@@ -105,15 +109,25 @@ class _Layout:
         return self._offsets["end"]
 
 
+@dataclass(frozen=True)
+class _Kind:
+    """Which steps beside the forward and the draw a graph holds."""
+
+    penalized: bool  # count_tokens and penalize_rows
+    logprobs: bool  # token_logprobs
+
+
 @dataclass
 class _Graph:
     batch: int
     context: int
-    penalized: bool
+    kind: _Kind
     graph: Any
     exec: Any
     inputs: Any  # DeviceBuffer: the blob
     out: Any  # DeviceBuffer: int32 [batch] sampled tokens
+    lp_values: Any  # DeviceBuffer: float32 [batch, 1 + MAX_LOGPROBS] (logprob kinds)
+    lp_ids: Any  # DeviceBuffer: int32 [batch, MAX_LOGPROBS]
 
 
 class DecodeGraphs:
@@ -129,48 +143,59 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.enabled = enabled
         self.scratch = ContiguousDeviceKV(ops, layout, 1)  # what padding rows attend over
-        # keyed by (batch bucket, context bucket, penalized)
-        self.graphs: dict[tuple[int, int, bool], _Graph] = {}
-        self.failures: dict[tuple[int, int, bool], str] = {}
+        # keyed by (batch bucket, context bucket, kind)
+        self.graphs: dict[tuple[int, int, _Kind], _Graph] = {}
+        self.failures: dict[tuple[int, int, _Kind], str] = {}
         self.replays = 0
-        self.penalized_replays = 0  # of which, of the graphs with penalties
+        self.penalized_replays = 0  # of which, of graphs with penalties
+        self.logprob_replays = 0  # and of graphs with logprobs
         self.captured = 0
 
     # -- per round -----------------------------------------------------------------------
 
     def run(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
             params: Sequence[SamplingParams], out: Any,
-            counts: Sequence[tuple[DeviceTensor, int] | None] | None = None) -> bool:
+            counts: Sequence[tuple[DeviceTensor, int] | None] | None = None,
+            logprobs_out: tuple[Any, Any] | None = None) -> bool:
         """Replay the round's graph: one row per session, `rows[i]` = [host token id,
         token-buffer slot or -1] as in the eager path's metadata, each row sampled into
         `out[i]` and into the token buffer at its slot. Penalized sessions need
-        `counts[i]` = (their token counts, 1 if this row is still in the prompt else 0).
-        False when this round cannot be replayed (the caller runs it eagerly)."""
+        `counts[i]` = (their token counts, 1 if this row is still in the prompt else 0);
+        rows asking for logprobs write them to `logprobs_out` (values, ids buffers, laid
+        out as NumpyOps.sample_round's). False when this round cannot be replayed (the
+        caller runs it eagerly)."""
         n = len(n_pasts)
         if not self.enabled or n == 0 or n > self.buckets[-1]:
             return False
-        if any(p.logprobs is not None for p in params):
-            return False
-        penalized = any(p.penalized for p in params)
+        kind = _Kind(any(p.penalized for p in params),
+                     any(p.logprobs is not None for p in params))
+        if kind.logprobs and logprobs_out is None:
+            raise ValueError("a round with logprobs needs buffers for them")
         b = next(x for x in self.buckets if x >= n)
         ctx = context_bucket(max(n_pasts) + 1, self.max_context)
-        key = (b, ctx, penalized)
+        key = (b, ctx, kind)
         if key in self.failures:
             return False
         g = self.graphs.get(key)
         if g is None:
-            g = self._capture(b, ctx, penalized)
+            g = self._capture(b, ctx, kind)
             if g is None:
                 return False
         blob = self._blob(b, rows, n_pasts, kvs, params, counts)
         self.ops._ring.upload(blob, DeviceTensor(g.inputs.ptr, (blob.size,), "u8"))
         d = driver()
         self.ops.ctx.bind()
-        check(d.cuGraphLaunch(g.exec, self.ops.stream.handle), "cuGraphLaunch")
-        cu("cuMemcpyDtoDAsync", d.CUdeviceptr(out.ptr), d.CUdeviceptr(g.out.ptr), n * 4,
-           self.ops.stream.handle)
+        s = self.ops.stream.handle
+        check(d.cuGraphLaunch(g.exec, s), "cuGraphLaunch")
+        copies = [(out, g.out, n * 4)]
+        if kind.logprobs and logprobs_out is not None:
+            copies += [(logprobs_out[0], g.lp_values, n * (1 + MAX_LOGPROBS) * 4),
+                       (logprobs_out[1], g.lp_ids, n * MAX_LOGPROBS * 4)]
+        for dst, src, nbytes in copies:
+            cu("cuMemcpyDtoDAsync", d.CUdeviceptr(dst.ptr), d.CUdeviceptr(src.ptr), nbytes, s)
         self.replays += 1
-        self.penalized_replays += penalized
+        self.penalized_replays += kind.penalized
+        self.logprob_replays += kind.logprobs
         return True
 
     def _blob(self, b: int, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
@@ -208,6 +233,9 @@ class DecodeGraphs:
         slots = field("out_slots", np.int32)
         slots[:n] = rows[:n, 1]
         slots[n:] = -1
+        want = field("logprob_n", np.int32)
+        want[:n] = logprob_table([p.logprobs for p in params])
+        want[n:] = -1
         if any(p.penalized for p in params):  # zeros elsewhere: nothing counted or penalized
             c = list(counts or [None] * n)
             field("count_spans", COUNT_SPAN)[:n] = count_table(
@@ -218,12 +246,14 @@ class DecodeGraphs:
 
     # -- capture -------------------------------------------------------------------------
 
-    def _capture(self, b: int, ctx: int, penalized: bool) -> _Graph | None:
+    def _capture(self, b: int, ctx: int, kind: _Kind) -> _Graph | None:
         ops, d = self.ops, driver()
         lay = _Layout(b)
         inputs = ops.device.alloc(lay.nbytes)
         out_buf = ops.device.alloc(b * 4)
-        key = (b, ctx, penalized)
+        lp_values = ops.device.alloc(b * (1 + MAX_LOGPROBS) * 4) if kind.logprobs else None
+        lp_ids = ops.device.alloc(b * MAX_LOGPROBS * 4) if kind.logprobs else None
+        key = (b, ctx, kind)
         blob = self._blob(b, np.zeros((0, 2), np.int32), [], [], [])
         ops._ring.upload(blob, DeviceTensor(inputs.ptr, (blob.size,), "u8"))
 
@@ -249,14 +279,18 @@ class DecodeGraphs:
         penalties = tensor("penalties", (b * PENALTY_ROW.itemsize,), "u8")
         vocab = self.transformer.config.vocab_size
 
+        want = tensor("logprob_n", (b,), "i32")
+
         def round_() -> None:  # as _RoundWork's eager round, with every input in the blob
-            if penalized:
+            if kind.penalized:
                 ops.count_inputs_device(ids, spans, b, vocab)
             logits = self.transformer.forward(batch)
-            if penalized:
-                logits = ops.penalize_device(logits, penalties)
-            ops.sample_device(logits, params, out=out, token_buf=self.token_buf.ptr,
+            drawn = ops.penalize_device(logits, penalties) if kind.penalized else logits
+            ops.sample_device(drawn, params, out=out, token_buf=self.token_buf.ptr,
                               out_slots=slots)
+            if lp_values is not None and lp_ids is not None:
+                ops.token_logprobs_device(logits, out, want, values=lp_values.ptr,
+                                          top_ids=lp_ids.ptr)
 
         stream = ops.stream.handle
         try:
@@ -274,10 +308,12 @@ class DecodeGraphs:
         except Exception as exc:  # this bucket stays eager; the reason is kept
             self.failures[key] = f"{type(exc).__name__}: {exc}"
             ops.synchronize()
-            inputs.free()
-            out_buf.free()
+            for buf in (inputs, out_buf, lp_values, lp_ids):
+                if buf is not None:
+                    buf.free()
             return None
-        g = self.graphs[key] = _Graph(b, ctx, penalized, graph, exec_, inputs, out_buf)
+        g = self.graphs[key] = _Graph(b, ctx, kind, graph, exec_, inputs, out_buf, lp_values,
+                                      lp_ids)
         self.captured += 1
         return g
 
@@ -287,7 +323,8 @@ class DecodeGraphs:
         for g in self.graphs.values():
             cu("cuGraphExecDestroy", g.exec)
             cu("cuGraphDestroy", g.graph)
-            g.inputs.free()
-            g.out.free()
+            for buf in (g.inputs, g.out, g.lp_values, g.lp_ids):
+                if buf is not None:
+                    buf.free()
         self.graphs.clear()
         self.scratch.free()

@@ -855,11 +855,16 @@ class CudaOps:
         """Each row's sampled-token logprob and its `want[i]` best alternatives (None: the
         row is skipped), from the raw logits, into float32 `values` [n, 1 + MAX_LOGPROBS]
         and int32 `top_ids` [n, MAX_LOGPROBS] (NumpyOps.sample_round's layout)."""
+        self.token_logprobs_device(logits, tokens, self.upload(logprob_table(want)),
+                                   values=values, top_ids=top_ids)
+
+    def token_logprobs_device(self, logits: DeviceTensor, tokens: DeviceTensor,
+                              want: DeviceTensor, *, values: int, top_ids: int) -> None:
+        """`token_logprobs` with `want` (int32 per row, -1 = none) already on the device."""
         n, vocab = logits.shape
-        n_top = np.array([-1 if k is None else min(k, MAX_LOGPROBS) for k in want], np.int32)
         self.kernels["token_logprobs"].launch(
             self._s, n, SAMPLER_THREADS, values, top_ids, logits.ptr, vocab, vocab,
-            tokens.ptr, self.upload(n_top).ptr, MAX_LOGPROBS)
+            tokens.ptr, want.ptr, MAX_LOGPROBS)
 
     def sample_device(self, logits: DeviceTensor, table: DeviceTensor, *, out: DeviceTensor,
                       token_buf: int = 0, out_slots: DeviceTensor | None = None) -> None:
@@ -922,6 +927,11 @@ def penalty_table(params: Sequence[SamplingParams],
             raise ValueError(f"counts[{i}] must be [2, {vocab}], got {c.shape}")
         table[i] = (c.ptr, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, 0)
     return table
+
+
+def logprob_table(want: Sequence[int | None]) -> np.ndarray:
+    """token_logprobs' per-row alternatives wanted (int32; -1: no logprobs for the row)."""
+    return np.array([-1 if k is None else min(k, MAX_LOGPROBS) for k in want], np.int32)
 
 
 def count_table(spans: Sequence[tuple[DeviceTensor | None, int, int, int]]) -> np.ndarray:

@@ -29,7 +29,9 @@ def test_context_buckets_are_powers_of_two_capped_at_the_context() -> None:
     assert context_bucket(3000, 2500) == 3000  # never below what the round needs
 
 
-def _run(device, model, transformer, prompts, params, *, graphs: bool, spy: list):
+def _run(device, model, transformer, prompts, params, *, graphs: bool, spy: list,
+         logprobs: list | None = None):
+    """Each request's tokens (and into `logprobs`, if given, each one's TokenLogprobs)."""
     from dispatch.control_thread import ControlConfig
     from dispatch.dispatcher import Dispatcher, DispatcherConfig
 
@@ -51,13 +53,16 @@ def _run(device, model, transformer, prompts, params, *, graphs: bool, spy: list
                 d.submit(p, sp, q.put)
             outs = []
             for q in queues:
-                tokens, done = [], False
+                tokens, lps, done = [], [], False
                 while not done:
                     o = q.get(timeout=600)
                     assert o.error is None, o.error
                     tokens += o.token_ids
+                    lps += o.logprobs or []
                     done = o.finish_reason is not None
                 outs.append(tokens)
+                if logprobs is not None:
+                    logprobs.append(lps)
     finally:
         del ops.decode_graphs
     return outs
@@ -106,12 +111,13 @@ def test_graph_replays_give_the_eager_tokens(device, qwen3) -> None:
 
 
 
-def test_penalized_rounds_replay_their_own_graphs_and_logprob_rounds_run_eagerly(
-        device, qwen3) -> None:
-    """Rounds with penalized sessions replay a second graph per bucket, which counts the
-    round's inputs and penalizes on the device; rounds with a session asking for logprobs
-    run eagerly. Tokens equal those of a run without graphs, including a penalized session
-    whose counts are built while others decode (prompts of different lengths)."""
+def test_rounds_with_penalties_or_logprobs_replay_graphs_that_hold_them(device,
+                                                                       qwen3) -> None:
+    """Rounds with penalized sessions replay a variant of their bucket's graph that counts
+    the round's inputs and penalizes on the device; rounds in which a session asks for
+    logprobs, one that also computes them. Tokens and logprobs equal those of a run
+    without graphs, including a penalized session whose counts are built while others
+    decode (prompts of different lengths)."""
     from kernels.cuda_backend import cuda_transformer
     from kernels.cuda_ops import CudaOps
 
@@ -119,18 +125,31 @@ def test_penalized_rounds_replay_their_own_graphs_and_logprob_rounds_run_eagerly
     prompts = [rng.integers(0, 40, n).tolist() for n in (4, 9, 6, 3)]  # with repeats
     params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
-                             repetition_penalty=1.5, frequency_penalty=0.5),
+                             repetition_penalty=1.5, frequency_penalty=0.5, logprobs=2),
               SamplingParams(temperature=0.8, seed=5, max_tokens=5, ignore_eos=True,
                              logprobs=3),
               SamplingParams(temperature=0.9, seed=8, max_tokens=10, ignore_eos=True,
                              presence_penalty=1.5)]
     spy_on: list = []
-    with_graphs = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=spy_on)
-    without = _run(device, qwen3, gpu, prompts, params, graphs=False, spy=[])
+    lp_on: list = []
+    with_graphs = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=spy_on,
+                       logprobs=lp_on)
+    lp_off: list = []
+    without = _run(device, qwen3, gpu, prompts, params, graphs=False, spy=[],
+                   logprobs=lp_off)
     assert with_graphs == without
+    # the same kernels, but a graph's batch is padded to its bucket, and a GEMM's rounding
+    # may depend on the batch size: equal ids, values within float32 noise
+    flat_on, flat_off = ([lp for req in x for lp in req] for x in (lp_on, lp_off))
+    for on, off in zip(flat_on, flat_off, strict=True):
+        assert (on.token, [t for t, _ in on.top]) == (off.token, [t for t, _ in off.top])
+        np.testing.assert_allclose([on.logprob, *(v for _, v in on.top)],
+                                   [off.logprob, *(v for _, v in off.top)], atol=1e-4)
+    assert [len(x) for x in lp_on] == [0, 12, 5, 0]
     graphs = spy_on[0]
     assert graphs.replays > 0 and not graphs.failures
     assert 0 < graphs.penalized_replays < graphs.replays  # both kinds were replayed
+    assert 0 < graphs.logprob_replays < graphs.replays
 
 
 def test_a_failed_capture_leaves_that_bucket_eager(device, qwen3,

@@ -85,9 +85,7 @@ class SequentialGeneration:
         self.stats = GenerationStats(prompt_tokens=n_prompt)
         t0 = time.perf_counter()
 
-        counts = TokenCounts.empty(cfg.vocab_size) if params.penalized else None
-        if counts is not None:
-            counts.add(self.prompt_ids, as_output=False)
+        counts = TokenCounts.of(cfg.vocab_size, self.prompt_ids) if params.penalized else None
         batch = ForwardBatch.single(list(self.prompt_ids), 0, kv)
         n_past = 0
         while True:

@@ -778,9 +778,7 @@ class CudaOps:
         """A session's token counts for the penalties, int32 [2, vocab] (prompt counts,
         output counts), built from host tokens: when its counts must be (re)built. From
         then on `count_inputs` keeps them on the device, where the sampled tokens are."""
-        host = TokenCounts.empty(vocab)
-        host.add(prompt, as_output=False)
-        host.add(output, as_output=True)
+        host = TokenCounts.of(vocab, prompt, output)
         return self.upload(np.stack([host.prompt, host.output]))
 
     def count_inputs(self, tokens: DeviceIds,

@@ -60,10 +60,7 @@ class NumpyOps:
                      output: Sequence[int]) -> TokenCounts:
         """A session's token counts for the penalties, built from its tokens so far (when
         they must be rebuilt); `count_inputs` then keeps them up to date round by round."""
-        counts = TokenCounts.empty(vocab)
-        counts.add(prompt, as_output=False)
-        counts.add(output, as_output=True)
-        return counts
+        return TokenCounts.of(vocab, prompt, output)
 
     def count_inputs(self, tokens: np.ndarray,
                      spans: Sequence[tuple[TokenCounts, int, int, int]]) -> None:

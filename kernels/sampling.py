@@ -280,6 +280,15 @@ class TokenCounts:
     def empty(cls, vocab: int) -> TokenCounts:
         return cls(np.zeros(vocab, np.int32), np.zeros(vocab, np.int32))
 
+    @classmethod
+    def of(cls, vocab: int, prompt: Sequence[int] | np.ndarray,
+           output: Sequence[int] | np.ndarray = ()) -> TokenCounts:
+        """The counts of a request whose tokens so far are `prompt` then `output`."""
+        counts = cls.empty(vocab)
+        counts.add(prompt, as_output=False)
+        counts.add(output, as_output=True)
+        return counts
+
     def add(self, tokens: Sequence[int] | np.ndarray, as_output: bool) -> None:
         np.add.at(self.output if as_output else self.prompt, np.asarray(tokens, np.int64), 1)
 

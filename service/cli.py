@@ -21,6 +21,7 @@ from loader.demo_model import DemoModelMissing, demo_model_path
 from loader.errors import ModelFileError
 from loader.model_file import ModelFile
 from service.bench import add_bench_parser
+from service.device_args import add_device_args
 from service.model_loading import LoadProgress, ProgressCallback
 from service.profiler import add_profile_parser
 from vmm.cuda_driver import CudaError, NoCudaDevice
@@ -83,6 +84,16 @@ def _progress(quiet: bool) -> ProgressCallback | None:
     return None if quiet else _ProgressBar(sys.stderr)
 
 
+def _engine_settings(args: argparse.Namespace, **settings: object) -> dict[str, object]:
+    """`EngineSettings` fields from the engine flags of `args`, plus `settings`."""
+    if args.ctx is not None:
+        settings["max_context"] = args.ctx
+    settings["kv_budget_bytes"] = args.kv_budget_mib << 20
+    settings["memory_fraction"] = args.memory_fraction
+    settings["cuda_graphs"] = args.cuda_graphs
+    return settings
+
+
 def _open_engine(args: argparse.Namespace, **settings: object) -> SyncEngine:
     """Load the model of `args` on `args.device`, with a progress bar unless quiet."""
     from service.sync_engine import SyncEngine
@@ -90,11 +101,8 @@ def _open_engine(args: argparse.Namespace, **settings: object) -> SyncEngine:
     path = _model_path(args.model)
     if not args.quiet:
         print(f"loading {Path(path).name} on {args.device}...", file=sys.stderr, flush=True)
-    if args.ctx is not None:
-        settings["max_context"] = args.ctx
-    if getattr(args, "kv_budget_mib", None) is not None:
-        settings["kv_budget_bytes"] = args.kv_budget_mib << 20
-    return SyncEngine.open(path, args.device, on_progress=_progress(args.quiet), **settings)
+    return SyncEngine.open(path, args.device, on_progress=_progress(args.quiet),
+                           **_engine_settings(args, **settings))
 
 
 def _sampling(args: argparse.Namespace, **extra: object) -> SamplingParams:
@@ -217,14 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def engine_args(p: argparse.ArgumentParser) -> None:
         model_arg(p)
-        p.add_argument("--device", "-d", default="cpu", metavar="DEVICE",
-                       help="where to run: 'cpu', 'cuda' or 'cuda:N' (default cpu; the cuda "
-                            "backend is new and not yet verified on a GPU; without a GPU "
-                            "it says so and exits)")
+        add_device_args(p)
         p.add_argument("--ctx", type=int, default=None, metavar="N",
                        help="context length limit in tokens (default: the model's)")
-        p.add_argument("--kv-budget-mib", type=int, default=None, metavar="MIB",
-                       help="memory for the KV cache page pool on cpu (default 1024)")
         p.add_argument("--quiet", "-q", action="store_true",
                        help="no loading messages or progress bar")
 

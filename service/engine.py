@@ -67,13 +67,15 @@ class EngineSettings:
     max_round_tokens: int = 256  # prefill + decode tokens per round
     lookahead: int = 2  # rounds launched ahead of the service thread
     prefix_cache: bool = True  # keep finished sessions' KV for prompts that share a prefix
+    cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (cuda; off: run eagerly)
     chat_turns_remembered: int = 256  # see service/chat_tokens.py
     model_name: str | None = None  # the name clients use; default: the file's stem
 
     def dispatcher_config(self) -> DispatcherConfig:
         control = ControlConfig(SchedulerConfig(max_batch=self.max_batch,
                                                 max_round_tokens=self.max_round_tokens),
-                                lookahead=self.lookahead, prefix_cache=self.prefix_cache)
+                                lookahead=self.lookahead, prefix_cache=self.prefix_cache,
+                                cuda_graphs=self.cuda_graphs)
         return DispatcherConfig(control=control, kv_budget_bytes=self.kv_budget_bytes,
                                 memory_fraction=self.memory_fraction,
                                 max_context=self.max_context)

@@ -26,6 +26,7 @@ from dispatch.scheduler import SchedulerConfig
 from kernels.model import Transformer
 from kernels.sampling import SamplingParams
 from loader.model_file import ModelFile
+from service.device_args import add_device_args
 from service.request_metrics import RequestRecord
 from service.workload import LengthRange, PlannedRequest
 from vmm.device import Device
@@ -38,6 +39,7 @@ class DispatchSettings:
     max_round_tokens: int = 512
     lookahead: int = 2
     kv_budget_mb: int = 1024
+    memory_fraction: float = 0.9  # of device memory left after weights (cuda)
     prefix_cache: bool = True
     cuda_graphs: bool = True
 
@@ -48,7 +50,7 @@ class DispatchSettings:
                                   lookahead=self.lookahead, sync=sync,
                                   prefix_cache=self.prefix_cache,
                                   cuda_graphs=self.cuda_graphs),
-            kv_budget_bytes=self.kv_budget_mb << 20)
+            kv_budget_bytes=self.kv_budget_mb << 20, memory_fraction=self.memory_fraction)
 
 
 @dataclass
@@ -199,8 +201,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     which.add_argument("--synthetic", metavar="NAME",
                        help="a synthetic model with random weights instead: "
                             + ", ".join(synthetic_names()))
-    p.add_argument("--device", default="cpu",
-                   help="'cpu', 'cuda' or 'cuda:N' (cuda: not yet verified on a GPU)")
+    add_device_args(p)
 
 
 def add_engine_args(p: argparse.ArgumentParser, max_batch: int) -> None:
@@ -210,15 +211,14 @@ def add_engine_args(p: argparse.ArgumentParser, max_batch: int) -> None:
                    help="prefill + decode tokens per round (default 512)")
     p.add_argument("--lookahead", type=int, default=2,
                    help="rounds launched ahead of the service thread in eager mode (default 2)")
-    p.add_argument("--kv-budget-mb", type=int, default=1024,
-                   help="KV page pool size on the cpu device, MiB (default 1024)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
 
 
 def engine_settings(args: argparse.Namespace) -> DispatchSettings:
     return DispatchSettings(device=args.device, max_batch=args.max_batch,
                           max_round_tokens=args.max_round_tokens, lookahead=args.lookahead,
-                          kv_budget_mb=args.kv_budget_mb)
+                          kv_budget_mb=args.kv_budget_mib,
+                          memory_fraction=args.memory_fraction, cuda_graphs=args.cuda_graphs)
 
 
 def rate(text: str) -> float:

@@ -1,0 +1,35 @@
+"""The command-line flags that choose the device and how the engine uses it, shared by
+every `eagerlm` command that runs a model (generate, chat, serve, profile, bench), so the
+same flag means the same thing everywhere."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def memory_fraction(text: str) -> float:
+    """An argparse type: a share in (0, 1], refused at parse time with the reason."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return value
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """--device, --memory-fraction, --no-cuda-graphs and --kv-budget-mib."""
+    p.add_argument("--device", "-d", default="cpu", metavar="DEVICE",
+                   help="where to run: 'cpu', 'cuda' or 'cuda:N' (default cpu; the cuda "
+                        "backend is new and not yet verified on a GPU; without a GPU it "
+                        "says so and exits)")
+    p.add_argument("--memory-fraction", type=memory_fraction, default=0.9, metavar="F",
+                   help="share of the GPU memory still free after loading the weights "
+                        "that the KV cache may use (cuda; default 0.9)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="launch decode rounds kernel by kernel instead of replaying CUDA "
+                        "graphs (cuda; same output, more host time per round)")
+    p.add_argument("--kv-budget-mib", "--kv-budget-mb", dest="kv_budget_mib", type=int,
+                   default=1024, metavar="MIB",
+                   help="memory for the KV cache page pool on cpu (default 1024)")

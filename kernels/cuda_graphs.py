@@ -16,7 +16,9 @@ round to round lives in fixed device buffers that the round overwrites (`_Inputs
   rounds with penalties each session's token-count span and penalty row (the counts
   themselves are per-session device tensors that never move either).
 Batches are padded up to a bucket size (1, 2, 4, 8, 16, 24, 32, 48, 64, ...) with rows
-that read token 0, attend over a one-token scratch KV and sample into nowhere (slot -1);
+that read token 0, attend over a one-token scratch KV and sample into nowhere (slot -1)
+(they all append their K and V to that one scratch slot at once: a race whose outcome
+only the padding rows, whose results are dropped, ever see);
 the context length is bucketed by powers of two (at least 512), which fixes how the
 attention kernels split long contexts. One graph per (batch bucket, context bucket),
 captured the first time it is needed (after one eager warm-up run, which loads modules
@@ -33,8 +35,8 @@ fails on some driver, that bucket stays eager and the reason is kept in `failure
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import gc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -261,7 +263,7 @@ class DecodeGraphs:
             return DeviceTensor(inputs.ptr + lay.offset(name), shape, dtype, inputs)
 
         k0 = self.scratch.k_view(0)
-        meta = _BatchMeta(batch=None, seqs=tensor("seqs", (b * SEQ_DESC.itemsize,), "u8"),
+        meta = _BatchMeta(batch=None, n_seqs=b, seqs=tensor("seqs", (b * SEQ_DESC.itemsize,), "u8"),
                           row_seq=tensor("row_seq", (b,), "i32"), first_kv=self.scratch,
                           kv_base0=k0.ptr, token_bytes=k0.strides[0], max_new=1,
                           max_total=ctx, offsets={})
@@ -296,15 +298,22 @@ class DecodeGraphs:
         try:
             round_()  # warm-up: modules loaded and GEMMs planned outside the capture
             ops.synchronize()
-            gc.collect()  # no stray tensor of an earlier round may be freed mid-capture
             ops.ctx.bind()
-            cu("cuStreamBeginCapture", stream,
-               d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            try:
-                round_()
-            finally:
+            with ops.capturing():
+                cu("cuStreamBeginCapture", stream,
+                   d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                try:
+                    round_()
+                except BaseException:
+                    with contextlib.suppress(Exception):  # the capture may be invalidated
+                        cu("cuGraphDestroy", cu("cuStreamEndCapture", stream))
+                    raise
                 graph = cu("cuStreamEndCapture", stream)
-            exec_ = cu("cuGraphInstantiate", graph, 0)
+            try:
+                exec_ = cu("cuGraphInstantiate", graph, 0)
+            except BaseException:
+                cu("cuGraphDestroy", graph)
+                raise
         except Exception as exc:  # this bucket stays eager; the reason is kept
             self.failures[key] = f"{type(exc).__name__}: {exc}"
             ops.synchronize()

@@ -32,6 +32,10 @@ _ATTENTION = {f"attention_hd{d}": "pppppqqqiiifiiii" for d in (32, 64, 128, 256)
 _ATTENTION_DECODE = {f"attention_decode_hd{d}_g{g}": "pppppqqqiifiiii"
                      for d in (32, 64, 128, 256) for g in (1, 2, 4, 8)}
 
+# Dynamic shared memory a launch gets without opting in (cuFuncSetAttribute); up to the
+# device's maximum (227 KiB on sm_90) with it.
+DEFAULT_SMEM_LIMIT = 48 << 10
+
 # kernel name -> (source file without .cu, parameter kinds in order)
 SIGNATURES: dict[str, tuple[str, str]] = {
     "embed_rows": ("embed", "pppipiiif"),
@@ -85,6 +89,7 @@ class Kernel:
         self._format = "<" + "".join(_KIND_FORMAT[k] for k in kinds)
         self._local = threading.local()
         self._launch = driver().cuLaunchKernel
+        self._smem_allowed = DEFAULT_SMEM_LIMIT
 
     def _args_block(self) -> tuple[ctypes.Array, int]:
         block = getattr(self._local, "block", None)
@@ -109,8 +114,20 @@ class Kernel:
         data, addr = self._args_block()
         struct.pack_into(self._format, data, 0, *args)
         self.ctx.bind()
+        if smem > self._smem_allowed:
+            self._allow_smem(smem)
         check(self._launch(self.function, gx, gy, gz, bx, by, bz, smem, stream, addr, 0),
               f"cuLaunchKernel({self.name})")
+
+
+    def _allow_smem(self, smem: int) -> None:
+        """Opt in to more dynamic shared memory than the default 48 KiB, as CUDA requires
+        of each function (once; the attribute stays set). Never called while capturing: the
+        first launch of a size happens in a graph's eager warm-up."""
+        d = driver()
+        cu("cuFuncSetAttribute", self.function,
+           d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        self._smem_allowed = smem
 
 
 @dataclass

@@ -24,10 +24,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import gc
 import math
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -191,13 +192,15 @@ class DeviceSessionKV(Protocol):
 
 class _Allocation:
     """Stream-ordered device memory: freed on its stream, after the work enqueued before
-    the last reference went away."""
+    the last reference went away. One from before a stream capture whose last reference
+    goes away during it is freed after the capture (see `CudaOps.capturing`)."""
 
-    __slots__ = ("__weakref__", "nbytes", "ops", "ptr")
+    __slots__ = ("__weakref__", "captured", "nbytes", "ops", "ptr")
 
     def __init__(self, ops: CudaOps, nbytes: int) -> None:
         self.ops = ops
         self.nbytes = nbytes
+        self.captured = ops._in_capture  # the capture's own: freed inside it, as CUDA asks
         ops.ctx.bind()
         self.ptr = int(cu("cuMemAllocAsync", max(nbytes, 1), ops.stream.handle))
 
@@ -206,10 +209,13 @@ class _Allocation:
 
     def __del__(self) -> None:
         ptr, self.ptr = self.ptr, 0
-        if ptr and not self.ops.ctx.released:
-            with contextlib.suppress(Exception):  # interpreter shutdown, dead context
-                self.ops.ctx.bind()
-                cu("cuMemFreeAsync", driver().CUdeviceptr(ptr), self.ops.stream.handle)
+        if not ptr:
+            return
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            if not self.captured and self.ops._defer_free(ptr):
+                return
+            if not self.ops.ctx.released:
+                self.ops._free(ptr)
 
 
 class _StagingRing:
@@ -264,7 +270,8 @@ class _Mem:
 class _BatchMeta:
     """A batch's per-session descriptors on the device, made once per forward."""
 
-    batch: ForwardBatch
+    batch: ForwardBatch | None  # None in a captured graph: the sizes below are all there is
+    n_seqs: int
     seqs: DeviceTensor  # SEQ_DESC [n_seqs]
     row_seq: DeviceTensor  # int32 [n_tokens]
     first_kv: DeviceSessionKV
@@ -350,6 +357,9 @@ class CudaOps:
         self._prefill_checked: dict[int, bool] = {}
         self._gemm: Any = None
         self._workspace: Any = None
+        self._capture_lock = threading.RLock()  # RLock: a __del__ may run while held
+        self._in_capture = False
+        self._deferred_frees: list[int] = []
 
     @property
     def _s(self) -> Any:
@@ -364,6 +374,41 @@ class CudaOps:
         if self.poison_outputs and nbytes:
             self.fill(t, 0xFF)  # NaN in bf16 and float32, -1 in ints
         return t
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Around a capture of this ops' stream (kernels/cuda_graphs.py). A free captured
+        into a graph may only free memory the capture itself allocated: anything else
+        fails and invalidates the capture on a GPU. So a tensor from before the capture
+        whose last reference goes away meanwhile (a garbage-collected cycle, another
+        thread dropping it) is freed once the capture has ended, and no garbage
+        collection runs inside it."""
+        gc_enabled = gc.isenabled()
+        gc.disable()
+        with self._capture_lock:
+            self._in_capture = True
+        try:
+            yield
+        finally:
+            with self._capture_lock:
+                self._in_capture = False
+                deferred, self._deferred_frees = self._deferred_frees, []
+            if gc_enabled:
+                gc.enable()
+            for ptr in deferred:
+                self._free(ptr)
+
+    def _defer_free(self, ptr: int) -> bool:
+        """Keep `ptr` for the end of the capture under way, if one is (see `capturing`)."""
+        with self._capture_lock:
+            if self._in_capture:
+                self._deferred_frees.append(ptr)
+            return self._in_capture
+
+    def _free(self, ptr: int) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown, dead context
+            self.ctx.bind()
+            cu("cuMemFreeAsync", driver().CUdeviceptr(ptr), self._s)
 
     def fill(self, t: DeviceTensor, byte: int) -> None:
         self.ctx.bind()
@@ -562,6 +607,7 @@ class CudaOps:
         dev = self.upload(blob, "u8")
         meta = _BatchMeta(
             batch=batch,
+            n_seqs=len(descs),
             seqs=dev.view_at(0, (len(descs),), "u8"),
             row_seq=dev.view_at(descs.nbytes, (len(row_seq),), "i32"),
             first_kv=first, kv_base0=k0.ptr, token_bytes=token_bytes,
@@ -611,7 +657,7 @@ class CudaOps:
         if hpl is None:
             raise NotImplementedError(f"attention supports head_dim <= 256, not {hd}")
         g = n_heads // n_kv
-        n_seqs = len(meta.batch.seqs)
+        n_seqs = meta.n_seqs
         tiles = -(-meta.max_new * g // ATT_QB)
         blocks = tiles * n_kv * n_seqs
         n_splits = 1
@@ -729,7 +775,7 @@ class CudaOps:
         k_off, v_off = meta.layer_offsets(layer)
         smem = 2 * PF_BN * hd * 2  # one K and one V tile of bf16
         self.kernels[f"attention_prefill_hd{hd}"].launch(
-            self._s, (n_kv, tiles, len(meta.batch.seqs)), PF_BM // 16 * 32, out.ptr, q.ptr,
+            self._s, (n_kv, tiles, meta.n_seqs), PF_BM // 16 * 32, out.ptr, q.ptr,
             meta.seqs.ptr, k_off, v_off, meta.token_bytes, n_heads, n_kv,
             float(scale) * _LOG2E, int(window), smem=smem)
         return out

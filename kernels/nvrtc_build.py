@@ -99,22 +99,37 @@ def _include_candidates() -> Iterable[Path]:
     yield Path("/usr/local/cuda/include")
 
 
+def _headers_version(d: Path) -> int:
+    """CUDART_VERSION (e.g. 13000) of the runtime headers in `d`; 0 if it says none."""
+    text = (d / "cuda_runtime_api.h").read_text(errors="replace")
+    m = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", text)
+    return int(m.group(1)) if m else 0
+
+
 @cache
 def cuda_include_dir() -> Path:
-    """The directory holding `cuda_bf16.h` (nvidia-cuda-runtime's headers)."""
-    for d in _include_candidates():
-        if (d / "cuda_bf16.h").is_file() and (d / "cuda_runtime_api.h").is_file():
-            return d
-    raise NvrtcUnavailable("CUDA runtime headers (cuda_bf16.h) not found: install "
-                           "nvidia-cuda-runtime, or set EAGERLM_CUDA_INCLUDE")
+    """The directory holding `cuda_bf16.h` (nvidia-cuda-runtime's headers): one whose CUDA
+    major version is NVRTC's where several are installed (NVRTC 13 with CUDA 12 headers,
+    say, fails in ways that do not name the mismatch). EAGERLM_CUDA_INCLUDE always wins."""
+    found = [d for d in dict.fromkeys(_include_candidates())
+             if (d / "cuda_bf16.h").is_file() and (d / "cuda_runtime_api.h").is_file()]
+    if not found:
+        raise NvrtcUnavailable("CUDA runtime headers (cuda_bf16.h) not found: install "
+                               "nvidia-cuda-runtime, or set EAGERLM_CUDA_INCLUDE")
+    if os.environ.get("EAGERLM_CUDA_INCLUDE") and found[0] == Path(
+            os.environ["EAGERLM_CUDA_INCLUDE"]):
+        return found[0]
+    try:
+        major = nvrtc_version()[0]
+    except NvrtcUnavailable:
+        return found[0]
+    return next((d for d in found if _headers_version(d) // 1000 == major), found[0])
 
 
 @cache
 def runtime_headers_version() -> int:
     """CUDART_VERSION of the headers the kernels include (part of the cache key)."""
-    text = (cuda_include_dir() / "cuda_runtime_api.h").read_text(errors="replace")
-    m = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", text)
-    return int(m.group(1)) if m else 0
+    return _headers_version(cuda_include_dir())
 
 
 def cache_dir() -> Path:

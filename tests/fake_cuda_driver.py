@@ -319,8 +319,9 @@ class FakeDriver:
     # -- plain memory ----------------------------------------------------------------
 
     def cuMemAlloc(self, n: int) -> tuple:
-        if err := self._enter("cuMemAlloc", (n,)):
-            return err
+        return self._enter("cuMemAlloc", (n,)) or self._alloc(n)
+
+    def _alloc(self, n: int) -> tuple:
         if n <= 0:
             return (R.CUDA_ERROR_INVALID_VALUE, None)
         addr = _mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE,
@@ -331,13 +332,14 @@ class FakeDriver:
         return (R.CUDA_SUCCESS, real.CUdeviceptr(addr))
 
     def cuMemFree(self, ptr: Any) -> tuple:
-        if err := self._enter("cuMemFree", (ptr,)):
-            return err
+        return self._enter("cuMemFree", (ptr,)) or self._free(int(ptr))
+
+    def _free(self, addr: int) -> tuple:
         with self.mem_lock:
-            n = self.allocs.pop(int(ptr), None)
+            n = self.allocs.pop(addr, None)
             if n is None:
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            _libc.munmap(int(ptr), n)
+            _libc.munmap(addr, n)
             self.used -= n
         return (R.CUDA_SUCCESS,)
 

@@ -33,6 +33,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,6 +49,7 @@ RUNTIME = Path(__file__).resolve().parent / "cuda_emulation"
 _DYNAMIC_SMEM = re.compile(
     r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([A-Za-z_][\w\s]*?)\s+(\w+)\s*\[\s*\]\s*;")
 _KIND_SIZE = {"p": 8, "i": 4, "q": 8, "f": 4, "d": 8}
+SMEM_OPT_IN = 227 << 10  # the most dynamic shared memory an sm_90 block may opt in to
 SM_COUNT = 8  # few, so grid-stride loops and split heuristics take their long paths
 
 
@@ -166,9 +168,12 @@ class EmulatedDriver(FakeDriver):
         super().__init__(memory_bytes)
         self.modules: dict[int, ctypes.CDLL] = {}
         self.functions: dict[int, tuple[str, Any, str]] = {}  # id -> (name, entry, kinds)
+        self.smem_allowed: dict[int, int] = {}  # function -> opted-in dynamic shared memory
         self.async_allocs: set[int] = set()
         self.launches = 0
         self.capturing: dict[int, set[int]] = {}  # stream -> allocations of its capture
+        self.capture_threads: dict[int, int] = {}  # stream -> the thread capturing it
+        self.capture_invalid: set[int] = set()  # captures a refused call invalidated
         self.capture_freed: set[int] = set()
         self.graphs: dict[int, tuple[list, set[int]]] = {}  # graph -> (work, owned memory)
         self.execs: dict[int, int] = {}  # exec -> graph
@@ -206,7 +211,7 @@ class EmulatedDriver(FakeDriver):
     def cuMemAllocAsync(self, n: int, stream: Any) -> tuple:
         if err := self._enter("cuMemAllocAsync", (n, stream)):
             return err
-        got = self.cuMemAlloc(n)
+        got = self._alloc(n)
         if int(got[0]) == 0:
             owned = self.capturing.get(int(stream))
             if owned is not None:
@@ -222,13 +227,14 @@ class EmulatedDriver(FakeDriver):
         owned = self.capturing.get(int(stream))
         if owned is not None:  # inside a capture only the capture's own memory is freed
             if addr not in owned:
+                self.capture_invalid.add(int(stream))
                 return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
             self.capture_freed.add(addr)
             return (R.CUDA_SUCCESS,)
         if addr not in self.async_allocs or self._stream(stream) is None:
             return (R.CUDA_ERROR_INVALID_VALUE,)
         self.async_allocs.discard(addr)
-        self.enqueue(stream, lambda: self.cuMemFree(real.CUdeviceptr(addr)))
+        self.enqueue(stream, lambda: self._free(addr))
         return (R.CUDA_SUCCESS,)
 
     def cuMemsetD8Async(self, ptr: Any, byte: int, n: int, stream: Any) -> tuple:
@@ -294,6 +300,15 @@ class EmulatedDriver(FakeDriver):
         self.functions[h] = (kname, entry, SIGNATURES[kname][1])
         return (R.CUDA_SUCCESS, real.CUfunction(h))
 
+    def cuFuncSetAttribute(self, f: Any, attr: Any, value: int) -> tuple:
+        if err := self._enter("cuFuncSetAttribute", (f, attr, value)):
+            return err
+        opt_in = real.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        if int(f) not in self.functions or attr != opt_in or not 0 <= value <= SMEM_OPT_IN:
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        self.smem_allowed[int(f)] = value
+        return (R.CUDA_SUCCESS,)
+
     def cuLaunchKernel(self, f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
                        smem: int, stream: Any, params: Any, extra: Any) -> tuple:
         args = (f, gx, gy, gz, bx, by, bz, smem, stream, params, extra)
@@ -302,7 +317,7 @@ class EmulatedDriver(FakeDriver):
         fn = self.functions.get(int(f))
         if fn is None or self._stream(stream) is None:
             return (R.CUDA_ERROR_INVALID_HANDLE,)
-        if smem > 48 << 10:  # beyond this a kernel must opt in (cuFuncSetAttribute)
+        if smem > self.smem_allowed.get(int(f), 48 << 10):  # beyond 48 KiB: an opt-in
             return (R.CUDA_ERROR_INVALID_VALUE,)
         name, entry, kinds = fn
         # The driver copies the argument values now: the caller reuses its buffers.
@@ -328,6 +343,23 @@ class EmulatedDriver(FakeDriver):
     # order. Memory allocated inside the capture belongs to the graph: it must be freed
     # inside the capture too (as CUDA requires of a graph relaunched without
     # AUTO_FREE_ON_LAUNCH), stays mapped for the replays and goes with the graph.
+    # As on a GPU in CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, the capturing thread may not
+    # call what could allocate or synchronize implicitly (UNSAFE_IN_CAPTURE), nor free
+    # memory from outside the capture: such a call fails and invalidates the capture, so
+    # that cuStreamEndCapture fails too, even where the caller ignored the first error.
+
+    UNSAFE_IN_CAPTURE = frozenset({
+        "cuMemAlloc", "cuMemFree", "cuCtxSynchronize", "cuMemcpyHtoD", "cuMemcpyDtoH",
+        "cuMemcpyDtoD", "cuModuleLoadData"})
+
+    def _enter(self, name: str, args: tuple, needs_ctx: bool = True) -> tuple | None:
+        if name in self.UNSAFE_IN_CAPTURE:
+            me = threading.get_ident()
+            mine = [s for s, t in list(self.capture_threads.items()) if t == me]
+            if mine:
+                self.capture_invalid.update(mine)
+                return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, None)
+        return super()._enter(name, args, needs_ctx)
 
     def cuStreamBeginCapture(self, s: Any, mode: Any) -> tuple:
         if err := self._enter("cuStreamBeginCapture", (s, mode)):
@@ -337,6 +369,7 @@ class EmulatedDriver(FakeDriver):
             return (R.CUDA_ERROR_ILLEGAL_STATE,)
         w.capture = []
         self.capturing[int(s)] = set()
+        self.capture_threads[int(s)] = threading.get_ident()
         return (R.CUDA_SUCCESS,)
 
     def cuStreamEndCapture(self, s: Any) -> tuple:
@@ -347,8 +380,13 @@ class EmulatedDriver(FakeDriver):
             return (R.CUDA_ERROR_ILLEGAL_STATE, None)
         work, w.capture = w.capture, None
         owned = self.capturing.pop(int(s))
+        self.capture_threads.pop(int(s), None)
         live = owned - self.capture_freed
-        if live:
+        if live or int(s) in self.capture_invalid:
+            self.capture_invalid.discard(int(s))
+            for addr in owned:  # the capture's memory goes with it
+                self.capture_freed.discard(addr)
+                self._free(addr)
             return (R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None)
         h = next(self.ids)
         self.graphs[h] = (work, owned)
@@ -389,7 +427,7 @@ class EmulatedDriver(FakeDriver):
             return (R.CUDA_ERROR_INVALID_HANDLE,)
         for addr in got[1]:
             self.capture_freed.discard(addr)
-            self.cuMemFree(real.CUdeviceptr(addr))
+            self._free(addr)
         return (R.CUDA_SUCCESS,)
 
     def failures(self) -> list[BaseException]:

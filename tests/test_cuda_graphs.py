@@ -111,6 +111,23 @@ def test_graph_replays_give_the_eager_tokens(device, qwen3) -> None:
 
 
 
+def test_graphs_capture_the_general_attention_kernel_too(device, qwen3) -> None:
+    """Head dims the flash-decoding kernel does not serve decode with attention.cu; its
+    launch must take every size from the graph's fixed inputs, not from a batch."""
+    from kernels.cuda_backend import cuda_transformer
+    from kernels.cuda_ops import CudaOps
+
+    ops = CudaOps(device)
+    ops.use_decode_attention = False
+    gpu = cuda_transformer(qwen3, ops=ops)
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (7, 4)]
+    spy: list = []
+    got = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=spy)
+    assert not spy[0].failures and spy[0].replays > 0
+    assert got == _run(device, qwen3, gpu, prompts, params, graphs=False, spy=[])
+
+
 def test_rounds_with_penalties_or_logprobs_replay_graphs_that_hold_them(device,
                                                                        qwen3) -> None:
     """Rounds with penalized sessions replay a variant of their bucket's graph that counts
@@ -175,3 +192,71 @@ def test_a_failed_capture_leaves_that_bucket_eager(device, qwen3,
     assert spy[0].replays == 0
     assert all("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED" in v for v in spy[0].failures.values())
     assert np.all([len(t) == 6 for t in got])
+
+
+def _emulated_driver():
+    import vmm.cuda_driver
+
+    drv = vmm.cuda_driver._driver
+    if not hasattr(drv, "capture_threads"):
+        pytest.skip("needs the emulated driver to act inside a capture")
+    return drv
+
+
+def _once_inside_a_capture(monkeypatch, ops, drv, action) -> list:
+    """Run `action` at the sampler's launch the first time it comes inside a capture;
+    the returned list records that it ran."""
+    ran: list = []
+    sample = ops.sample_device
+
+    def sample_device(*args, **kw):
+        if drv.capture_threads and not ran:
+            ran.append(action())
+        return sample(*args, **kw)
+
+    monkeypatch.setattr(ops, "sample_device", sample_device)
+    return ran
+
+
+def test_a_tensor_released_during_a_capture_is_freed_after_it(device, qwen3,
+                                                              monkeypatch) -> None:
+    """CUDA lets a captured free release only the capture's own memory; a tensor from
+    before the capture whose last reference goes away during it (a garbage-collected
+    cycle, another thread) must wait for the capture to end, or the graph is lost."""
+    from kernels.cuda_backend import cuda_transformer
+    from kernels.cuda_ops import CudaOps
+
+    drv = _emulated_driver()
+    gpu = cuda_transformer(qwen3, ops=CudaOps(device))
+    held = [gpu.ops.empty((64,), "f32")]
+    ptr = held[0].ptr
+    ran = _once_inside_a_capture(monkeypatch, gpu.ops, drv, held.clear)
+    spy: list = []
+    got = _run(device, qwen3, gpu, [[5, 6, 7]],
+               [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)],
+               graphs=True, spy=spy)
+    assert ran and not held
+    assert not spy[0].failures and spy[0].replays > 0
+    assert ptr not in drv.async_allocs  # freed once the capture had ended
+    assert [len(t) for t in got] == [6]
+
+
+def test_a_refused_call_inside_a_capture_leaves_the_bucket_eager(device, qwen3,
+                                                                 monkeypatch) -> None:
+    """A call CUDA refuses inside a thread-local capture (here a context synchronization
+    whose error is ignored) invalidates the capture, on a GPU and on the emulator: the
+    bucket stays eager, with the reason kept, and the tokens are those of eager launches."""
+    from kernels.cuda_backend import cuda_transformer
+    from kernels.cuda_ops import CudaOps
+
+    drv = _emulated_driver()
+    gpu = cuda_transformer(qwen3, ops=CudaOps(device))
+    ran = _once_inside_a_capture(monkeypatch, gpu.ops, drv, drv.cuCtxSynchronize)
+    prompts = [[5, 6, 7]]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
+    spy: list = []
+    got = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=spy)
+    assert ran and "STREAM_CAPTURE_UNSUPPORTED" in str(ran[0][0])
+    (reason,) = spy[0].failures.values()
+    assert "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED" in reason
+    assert got == _run(device, qwen3, gpu, prompts, params, graphs=False, spy=[])

@@ -104,6 +104,38 @@ def test_softcap(ops, dtype) -> None:
     close(ops.to_numpy(ops.softcap(ops.upload(x, dtype), 30.0)), REF.softcap(x, 30.0))
 
 
+def test_a_launch_with_more_than_48_kib_of_shared_memory_opts_in_first(ops) -> None:
+    """CUDA refuses a launch asking for more dynamic shared memory than 48 KiB unless its
+    function opted in (cuFuncSetAttribute); `Kernel.launch` does that when first asked."""
+    x = rand(1000, scale=40.0)
+    src, out = ops.upload(x, "f32"), ops.empty((1000,), "f32")
+    kernel = ops.kernels["softcap_f32"]
+    for smem in (64 << 10, 100 << 10, 80 << 10):
+        ops.fill(out, 0xFF)
+        kernel.launch(ops.stream.handle, 4, 256, out.ptr, src.ptr, 1000, 30.0, smem=smem)
+        close(ops.to_numpy(out), REF.softcap(x, 30.0))
+
+
+def test_a_dropped_tensor_is_freed_once_the_stream_reaches_the_free(ops) -> None:
+    """Memory goes back in stream order, after the work enqueued before its last reference
+    went away. On the emulated GPU freed memory is unmapped, so a kernel that reads a
+    tensor its caller had already dropped crashes the test instead of passing by luck (on
+    a GPU the pool would hand that memory to the next allocation)."""
+    import vmm.cuda_driver
+
+    if not is_emulated(ops.device):
+        pytest.skip("reads the emulated driver's allocation table")
+    allocs = vmm.cuda_driver._driver.allocs
+    host = rand(4096, scale=40.0)
+    x = ops.upload(host)
+    ptr = x.ptr
+    y = ops.softcap(x, 30.0)  # enqueued before the free: it still reads x
+    del x
+    ops.synchronize()
+    assert ptr not in allocs
+    close(ops.to_numpy(y), REF.softcap(host, 30.0))
+
+
 def test_rows(ops) -> None:
     x = rand(9, 70)
     rows = np.array([8, 0, 8, 3], np.int64)

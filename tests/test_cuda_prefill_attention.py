@@ -98,9 +98,8 @@ def test_mma_fragment_layouts(ops, mode) -> None:
     the emulator's model of the instructions against numpy."""
     a, b = rand(16, 16), rand(16, 16)
     c = rng.standard_normal((16, 16)).astype(np.float32)
-    d = ops.upload(c)
-    ops.kernels["mma_selftest"].launch(ops.stream.handle, 1, 32, d.ptr,
-                                       ops.upload(a, "bf16").ptr, ops.upload(b, "bf16").ptr,
+    d, a_dev, b_dev = ops.upload(c), ops.upload(a, "bf16"), ops.upload(b, "bf16")
+    ops.kernels["mma_selftest"].launch(ops.stream.handle, 1, 32, d.ptr, a_dev.ptr, b_dev.ptr,
                                        mode, smem=3 * 16 * 16 * 2)
     want = c.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64)
     np.testing.assert_allclose(ops.to_numpy(d), want, rtol=1e-5, atol=1e-5)

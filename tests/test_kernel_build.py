@@ -48,6 +48,28 @@ def test_nvrtc_and_runtime_headers_are_installed() -> None:
     assert (nb.cuda_include_dir() / "cuda_bf16.h").is_file()
 
 
+def test_headers_of_nvrtcs_cuda_version_are_preferred(tmp_path, monkeypatch) -> None:
+    """Where CUDA 12 and 13 runtime headers are both installed, NVRTC 13 gets 13's,
+    whichever comes first on sys.path; with no match the first found is used."""
+    dirs = []
+    for name, version in (("cu12", 12080), ("cu13", 13000)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "cuda_bf16.h").write_text("")
+        (d / "cuda_runtime_api.h").write_text(f"#define CUDART_VERSION {version}\n")
+        dirs.append(d)
+    monkeypatch.delenv("EAGERLM_CUDA_INCLUDE", raising=False)
+    monkeypatch.setattr(nb, "_include_candidates", lambda: iter(dirs))
+    nb.cuda_include_dir.cache_clear()
+    try:
+        for nvrtc_major, want in ((13, dirs[1]), (12, dirs[0]), (14, dirs[0])):
+            monkeypatch.setattr(nb, "nvrtc_version", lambda m=nvrtc_major: (m, 0))
+            nb.cuda_include_dir.cache_clear()
+            assert nb.cuda_include_dir() == want
+    finally:
+        nb.cuda_include_dir.cache_clear()
+
+
 def test_every_source_is_covered() -> None:
     assert set(nb.kernel_sources()) == {src for src, _ in SIGNATURES.values()}
 

@@ -38,8 +38,11 @@
 // phase and the 16-byte cp.async stores then hit 8 distinct bank groups, without padding.
 // Tiles arrive by cp.async (16 bytes per thread per copy, zero-filled past the last key), and
 // the loads overlap compute: V(j) is in flight while S(j) is computed, K(j+1) while the
-// softmax and P.V of tile j run. One buffer of each is enough for that overlap and keeps
-// shared memory at a size where two blocks fit on an SM.
+// softmax and P.V of tile j run. One buffer of each is enough for that overlap. Shared
+// memory would let two blocks share an SM, but registers do not: NVRTC 13 gives hd 128
+// 248 registers a thread (8 warps: the whole 64K register file), so one block per SM
+// there; __launch_bounds__(256, 2) would halve that at the cost of spills, a trade to
+// measure on the GPU before making it.
 //
 // Scheduling: blockIdx = (kv head, query tile in reverse, session). Later query tiles see
 // more keys, so they are issued first and the short ones fill the tail. Tiles that a warp's

@@ -303,8 +303,11 @@ def _write_atomic(path: Path, data: bytes) -> None:
 # (and the loader) can check that Python's idea of each kernel's arguments matches the
 # compiled code: a wrong argument list is otherwise silent garbage on the device.
 
+_EIATTR_MAX_THREADS = 0x05  # in .nv.info.<kernel>: __launch_bounds__' block, x y z
 _EIATTR_KPARAM_INFO = 0x17
+_EIATTR_REGCOUNT = 0x2F  # in .nv.info: (symbol index, registers per thread)
 _STT_FUNC = 2
+_SHT_SYMTAB = 2
 
 
 def _sections(image: bytes) -> list[tuple[str, int, int, int, int]]:
@@ -327,51 +330,97 @@ def _sections(image: bytes) -> list[tuple[str, int, int, int, int]]:
     return [(cstr(str_off + n), t, o, s, lk) for n, t, o, s, lk in raw]
 
 
-def cubin_functions(image: bytes) -> set[str]:
-    """Names of the global functions (kernels) a cubin defines."""
+def _symbols(image: bytes) -> list[tuple[str, int, int]]:
+    """(name, st_info, section index) of each symbol, by symbol index."""
     secs = _sections(image)
-    out: set[str] = set()
+    out = []
     for _name, typ, off, size, link in secs:
-        if typ != 2:  # SHT_SYMTAB
+        if typ != _SHT_SYMTAB:
             continue
         str_off = secs[link][2]
         for at in range(off, off + size, 24):
             st_name, st_info, _other, shndx = struct.unpack_from("<IBBH", image, at)
-            if st_info & 0xF == _STT_FUNC and st_info >> 4 == 1 and shndx != 0:
-                end = image.index(b"\0", str_off + st_name)
-                out.add(image[str_off + st_name:end].decode())
+            end = image.index(b"\0", str_off + st_name)
+            out.append((image[str_off + st_name:end].decode(), st_info, shndx))
     return out
 
 
-def cubin_params(image: bytes) -> dict[str, list[tuple[int, int]]]:
-    """Per kernel, its parameters as (offset, size) in bytes, in declaration order, read
-    from the EIATTR_KPARAM_INFO records of its `.nv.info.<kernel>` section."""
-    out: dict[str, list[tuple[int, int]]] = {}
+def _nv_info(image: bytes) -> Iterable[tuple[str, int, bytes]]:
+    """(section, attribute, payload) of each record with a payload (EIFMT_SVAL) in the
+    `.nv.info` sections: `.nv.info` itself (per-module) and `.nv.info.<kernel>`."""
     for name, _typ, off, size, _link in _sections(image):
-        if not name.startswith(".nv.info."):
+        if name != ".nv.info" and not name.startswith(".nv.info."):
             continue
-        params: dict[int, tuple[int, int]] = {}
         at, end = off, off + size
         while at + 4 <= end:
             fmt, attr = image[at], image[at + 1]
             if fmt == 4:  # EIFMT_SVAL: u16 size, then the payload
                 (n,) = struct.unpack_from("<H", image, at + 2)
-                if attr == _EIATTR_KPARAM_INFO and n >= 12:
-                    _index, ordinal, offset, flags = struct.unpack_from("<IHHI", image, at + 4)
-                    params[ordinal] = (offset, (flags >> 18) & 0x3FFF)
+                yield name, attr, image[at + 4:at + 4 + n]
                 at += 4 + n
             elif fmt in (1, 2, 3):  # EIFMT_NVAL / BVAL / HVAL: no value or one inline, 4 bytes
                 at += 4
             else:
                 break
-        out[name[len(".nv.info."):]] = [params[i] for i in sorted(params)]
-    return out
+
+
+def cubin_functions(image: bytes) -> set[str]:
+    """Names of the global functions (kernels) a cubin defines."""
+    return {name for name, info, shndx in _symbols(image)
+            if info & 0xF == _STT_FUNC and info >> 4 == 1 and shndx != 0}
+
+
+def cubin_params(image: bytes) -> dict[str, list[tuple[int, int]]]:
+    """Per kernel, its parameters as (offset, size) in bytes, in declaration order, read
+    from the EIATTR_KPARAM_INFO records of its `.nv.info.<kernel>` section."""
+    found: dict[str, dict[int, tuple[int, int]]] = {}
+    for section, attr, payload in _nv_info(image):
+        if section == ".nv.info":
+            continue
+        params = found.setdefault(section[len(".nv.info."):], {})
+        if attr == _EIATTR_KPARAM_INFO and len(payload) >= 12:
+            _index, ordinal, offset, flags = struct.unpack_from("<IHHI", payload)
+            params[ordinal] = (offset, (flags >> 18) & 0x3FFF)
+    return {k: [p[i] for i in sorted(p)] for k, p in found.items()}
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What a kernel needs of an SM, as compiled: registers per thread, and the most
+    threads per block its `__launch_bounds__` allows (None: none declared, so 1024)."""
+
+    registers: int
+    max_threads: int | None
+
+    def block_fits(self, threads: int, register_file: int = 65536) -> bool:
+        """Whether a block of `threads` can launch: within the bound, and its registers
+        (allocated per warp, per thread in units of 8) within the SM's register file."""
+        if threads > (self.max_threads or 1024):
+            return False
+        warps = -(-threads // 32)
+        return warps * 32 * (-(-self.registers // 8) * 8) <= register_file
+
+
+def cubin_resources(image: bytes) -> dict[str, KernelResources]:
+    """Per kernel, its registers (EIATTR_REGCOUNT) and launch bound (EIATTR_MAX_THREADS)."""
+    symbols = _symbols(image)
+    registers: dict[str, int] = {}
+    bounds: dict[str, int] = {}
+    for section, attr, payload in _nv_info(image):
+        if section == ".nv.info" and attr == _EIATTR_REGCOUNT and len(payload) >= 8:
+            index, count = struct.unpack_from("<II", payload)
+            registers[symbols[index][0]] = count
+        elif attr == _EIATTR_MAX_THREADS and len(payload) >= 12:
+            x, y, z = struct.unpack_from("<III", payload)
+            bounds[section[len(".nv.info."):]] = x * y * z
+    return {k: KernelResources(r, bounds.get(k)) for k, r in registers.items()}
 
 
 __all__ = [
     "KERNEL_DIR",
     "Cubin",
     "KernelCompileError",
+    "KernelResources",
     "NvrtcUnavailable",
     "cache_dir",
     "compile_all",
@@ -379,6 +428,7 @@ __all__ = [
     "compile_source",
     "cubin_functions",
     "cubin_params",
+    "cubin_resources",
     "cuda_include_dir",
     "kernel_sources",
     "normalize_arch",

@@ -13,7 +13,11 @@ rules are kept) plus what kernels need:
   memory.
 - `cuLaunchKernel` copies the argument values at launch, as the driver does, and runs the
   kernel on the stream's thread; a kernel that deadlocks or breaks a collective's rules
-  fails the stream, and the next synchronization reports CUDA_ERROR_LAUNCH_FAILED.
+  fails the stream, and the next synchronization reports CUDA_ERROR_LAUNCH_FAILED. It
+  refuses, as a GPU does, a block larger than the kernel's `__launch_bounds__` or than the
+  register file holds at the kernel's register count (both read from the sm_90 cubin
+  NVRTC makes of the same source), and more than 48 KiB of dynamic shared memory
+  without the opt-in.
 - stream-ordered allocation, memset and the synchronous copies;
 - cuBLASLt's GEMM is replaced by a numpy float32 GEMM over the same bf16 bytes
   (`EmulatedGemm`): cuBLASLt is NVIDIA's, not ours to test.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -157,6 +162,20 @@ class _Launch(ctypes.Structure):
                 ("smem", ctypes.c_size_t)]
 
 
+@functools.cache
+def sm90_resources(source: str) -> dict[str, Any]:
+    """Registers and launch bounds of `source`'s kernels as NVRTC compiles them for sm_90
+    (the emulated device's architecture), so that a launch the real GPU would refuse (a
+    block over its kernel's bound or over the register file) is refused here too; empty
+    if NVRTC cannot compile here."""
+    from kernels.nvrtc_build import compile_kernel, cubin_resources
+
+    try:
+        return cubin_resources(compile_kernel(source, "sm_90").image)
+    except Exception:
+        return {}
+
+
 class KernelFailed(RuntimeError):
     """An emulated kernel broke CUDA's rules (deadlock, a bad collective, bad dimensions)."""
 
@@ -169,6 +188,8 @@ class EmulatedDriver(FakeDriver):
         self.modules: dict[int, ctypes.CDLL] = {}
         self.functions: dict[int, tuple[str, Any, str]] = {}  # id -> (name, entry, kinds)
         self.smem_allowed: dict[int, int] = {}  # function -> opted-in dynamic shared memory
+        self.module_resources: dict[int, dict[str, Any]] = {}  # module -> kernel -> needs
+        self.resources: dict[int, Any] = {}  # function -> KernelResources (sm_90 cubin)
         self.async_allocs: set[int] = set()
         self.launches = 0
         self.capturing: dict[int, set[int]] = {}  # stream -> allocations of its capture
@@ -276,6 +297,7 @@ class EmulatedDriver(FakeDriver):
         lib = ctypes.CDLL(str(build_module(source, names)))
         h = next(self.ids)
         self.modules[h] = lib
+        self.module_resources[h] = sm90_resources(source)
         return (R.CUDA_SUCCESS, real.CUmodule(h))
 
     def cuModuleUnload(self, module: Any) -> tuple:
@@ -298,6 +320,8 @@ class EmulatedDriver(FakeDriver):
         entry.argtypes = [ctypes.POINTER(_Launch), ctypes.c_void_p]
         h = next(self.ids)
         self.functions[h] = (kname, entry, SIGNATURES[kname][1])
+        if kname in self.module_resources.get(int(module), {}):
+            self.resources[h] = self.module_resources[int(module)][kname]
         return (R.CUDA_SUCCESS, real.CUfunction(h))
 
     def cuFuncSetAttribute(self, f: Any, attr: Any, value: int) -> tuple:
@@ -319,6 +343,11 @@ class EmulatedDriver(FakeDriver):
             return (R.CUDA_ERROR_INVALID_HANDLE,)
         if smem > self.smem_allowed.get(int(f), 48 << 10):  # beyond 48 KiB: an opt-in
             return (R.CUDA_ERROR_INVALID_VALUE,)
+        needs = self.resources.get(int(f))
+        threads = bx * by * bz
+        if needs is not None and not needs.block_fits(threads):  # as the compiled kernel
+            return (R.CUDA_ERROR_INVALID_VALUE if threads > (needs.max_threads or 1024)
+                    else R.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,)
         name, entry, kinds = fn
         # The driver copies the argument values now: the caller reuses its buffers.
         ptrs = ctypes.cast(int(params), ctypes.POINTER(ctypes.c_void_p))

@@ -116,6 +116,38 @@ def test_a_launch_with_more_than_48_kib_of_shared_memory_opts_in_first(ops) -> N
         close(ops.to_numpy(out), REF.softcap(x, 30.0))
 
 
+def test_a_block_larger_than_the_kernels_launch_bound_is_refused(ops) -> None:
+    """attention_decode.cu declares __launch_bounds__(128): CUDA refuses a 256-thread
+    block of it at launch (nothing runs, so null pointers are fine), and so does the
+    emulated GPU, which reads the bound from the sm_90 cubin."""
+    from vmm.cuda_driver import CudaError
+
+    kernel = ops.kernels["attention_decode_hd64_g1"]
+    args = [0] * len(kernel.kinds)
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_VALUE"):
+        kernel.launch(ops.stream.handle, 1, 256, *args)
+
+
+def test_the_emulator_refuses_blocks_over_the_register_file(ops, monkeypatch) -> None:
+    """A kernel compiled to 128 registers a thread fits 512 threads in an SM's 64K
+    registers, not 1024: the emulated GPU refuses the launch with the error a GPU gives."""
+    import vmm.cuda_driver
+    from kernels.nvrtc_build import KernelResources
+    from vmm.cuda_driver import CudaError
+
+    drv = vmm.cuda_driver._driver
+    if not is_emulated(ops.device):
+        pytest.skip("sets the emulated driver's idea of the kernel's registers")
+    kernel = ops.kernels["softcap_f32"]
+    monkeypatch.setitem(drv.resources, int(kernel.function), KernelResources(128, None))
+    x = ops.upload(rand(64))
+    out = ops.empty((64,), "f32")
+    kernel.launch(ops.stream.handle, 1, 512, out.ptr, x.ptr, 64, 30.0)
+    with pytest.raises(CudaError, match="CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
+        kernel.launch(ops.stream.handle, 1, 1024, out.ptr, x.ptr, 64, 30.0)
+    ops.synchronize()
+
+
 def test_a_dropped_tensor_is_freed_once_the_stream_reaches_the_free(ops) -> None:
     """Memory goes back in stream order, after the work enqueued before its last reference
     went away. On the emulated GPU freed memory is unmapped, so a kernel that reads a

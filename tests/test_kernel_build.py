@@ -94,6 +94,45 @@ def test_signatures_match_the_compiled_parameters(cubins: dict, arch: str) -> No
         assert params[name] == expected_params(kinds), name
 
 
+@pytest.mark.parametrize("arch", ARCHES)
+def test_every_kernel_fits_an_sm_at_the_block_size_it_declares(cubins: dict,
+                                                              arch: str) -> None:
+    """Registers and launch bounds read from the cubins: a block of a kernel's
+    `__launch_bounds__` (1024 threads where it declares none) fits the 64K-register file,
+    so no launch of it within its bound fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES."""
+    checked = set()
+    for (src, built_for), cubin in cubins.items():
+        if built_for != arch:
+            continue
+        found = nb.cubin_resources(cubin.image)
+        assert set(found) == cubin.symbols(), src
+        for name, needs in found.items():
+            assert 0 < needs.registers <= 255, name
+            assert needs.block_fits(needs.max_threads or 1024), (name, needs)
+            checked.add(name)
+    assert checked == set(SIGNATURES)
+
+
+def test_launch_bounds_are_read_as_declared(cubins: dict) -> None:
+    """The values the kernels' sources declare: attention_prefill.cu's 256 threads (8 warps),
+    attention_decode.cu's 128, the sampler's 1024, and none for the elementwise kernels."""
+    found = {k: v for (_src, arch), c in cubins.items() if arch == "sm_90"
+             for k, v in nb.cubin_resources(c.image).items()}
+    assert found["attention_prefill_hd128"].max_threads == 256
+    assert found["attention_decode_hd64_g1"].max_threads == 128
+    assert found["sample_rows"].max_threads == 1024
+    assert found["swiglu"].max_threads is None
+
+
+def test_a_block_fits_by_warps_of_registers_rounded_to_8() -> None:
+    needs = nb.KernelResources(registers=250, max_threads=256)  # 256 a thread as allocated
+    assert needs.block_fits(256) and not needs.block_fits(257)
+    assert not nb.KernelResources(registers=65, max_threads=None).block_fits(1024)
+    assert nb.KernelResources(registers=64, max_threads=None).block_fits(1024)
+    assert nb.KernelResources(registers=129, max_threads=None).block_fits(480)  # 15 warps
+    assert not nb.KernelResources(registers=129, max_threads=None).block_fits(481)
+
+
 def test_structs_shared_with_the_kernels_have_the_compiled_size() -> None:
     # common.cuh and sampler.cu static_assert the same sizes: all three agree
     assert SEQ_DESC.itemsize == 24

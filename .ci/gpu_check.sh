@@ -15,8 +15,12 @@ status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # the modules with GPU tests (each also runs its cpu cases); the server and API tests
   # need packages the image lacks and no GPU, so they stay with CI
-  python3 -m pytest -q -rs -p no:cacheprovider -k "not emulated" tests/test_cuda_*.py tests/test_vmm.py \
-    tests/test_device.py tests/test_slab_loader.py tests/test_kernel_build.py \
+  # the build and the mma fragment self-test first: everything else rests on them; a
+  # test that hangs on the device is stopped after 5 minutes (pytest-timeout is there)
+  timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=300")
+  python3 -m pytest -q -rs -p no:cacheprovider $timeout_opt -k "not emulated" \
+    tests/test_kernel_build.py tests/test_cuda_prefill_attention.py tests/test_cuda_*.py \
+    tests/test_vmm.py tests/test_device.py tests/test_slab_loader.py \
     2>&1 | tee "$out/gpu_tests.log"
   status=${PIPESTATUS[0]}
 fi

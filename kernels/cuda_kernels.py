@@ -119,7 +119,6 @@ class Kernel:
         check(self._launch(self.function, gx, gy, gz, bx, by, bz, smem, stream, addr, 0),
               f"cuLaunchKernel({self.name})")
 
-
     def _allow_smem(self, smem: int) -> None:
         """Opt in to more dynamic shared memory than the default 48 KiB, as CUDA requires
         of each function (once; the attribute stays set). Never called while capturing: the

@@ -392,10 +392,15 @@ class KernelResources:
     registers: int
     max_threads: int | None
 
+    @property
+    def thread_limit(self) -> int:
+        """The most threads a block of this kernel may have: its bound, or CUDA's 1024."""
+        return self.max_threads or 1024
+
     def block_fits(self, threads: int, register_file: int = 65536) -> bool:
         """Whether a block of `threads` can launch: within the bound, and its registers
         (allocated per warp, per thread in units of 8) within the SM's register file."""
-        if threads > (self.max_threads or 1024):
+        if threads > self.thread_limit:
             return False
         warps = -(-threads // 32)
         return warps * 32 * (-(-self.registers // 8) * 8) <= register_file

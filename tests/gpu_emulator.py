@@ -188,7 +188,6 @@ class EmulatedDriver(FakeDriver):
         self.modules: dict[int, ctypes.CDLL] = {}
         self.functions: dict[int, tuple[str, Any, str]] = {}  # id -> (name, entry, kinds)
         self.smem_allowed: dict[int, int] = {}  # function -> opted-in dynamic shared memory
-        self.module_resources: dict[int, dict[str, Any]] = {}  # module -> kernel -> needs
         self.resources: dict[int, Any] = {}  # function -> KernelResources (sm_90 cubin)
         self.async_allocs: set[int] = set()
         self.launches = 0
@@ -297,7 +296,6 @@ class EmulatedDriver(FakeDriver):
         lib = ctypes.CDLL(str(build_module(source, names)))
         h = next(self.ids)
         self.modules[h] = lib
-        self.module_resources[h] = sm90_resources(source)
         return (R.CUDA_SUCCESS, real.CUmodule(h))
 
     def cuModuleUnload(self, module: Any) -> tuple:
@@ -320,8 +318,9 @@ class EmulatedDriver(FakeDriver):
         entry.argtypes = [ctypes.POINTER(_Launch), ctypes.c_void_p]
         h = next(self.ids)
         self.functions[h] = (kname, entry, SIGNATURES[kname][1])
-        if kname in self.module_resources.get(int(module), {}):
-            self.resources[h] = self.module_resources[int(module)][kname]
+        needs = sm90_resources(SIGNATURES[kname][0]).get(kname)
+        if needs is not None:
+            self.resources[h] = needs
         return (R.CUDA_SUCCESS, real.CUfunction(h))
 
     def cuFuncSetAttribute(self, f: Any, attr: Any, value: int) -> tuple:
@@ -346,7 +345,7 @@ class EmulatedDriver(FakeDriver):
         needs = self.resources.get(int(f))
         threads = bx * by * bz
         if needs is not None and not needs.block_fits(threads):  # as the compiled kernel
-            return (R.CUDA_ERROR_INVALID_VALUE if threads > (needs.max_threads or 1024)
+            return (R.CUDA_ERROR_INVALID_VALUE if threads > needs.thread_limit
                     else R.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,)
         name, entry, kinds = fn
         # The driver copies the argument values now: the caller reuses its buffers.

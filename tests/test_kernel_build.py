@@ -108,7 +108,7 @@ def test_every_kernel_fits_an_sm_at_the_block_size_it_declares(cubins: dict,
         assert set(found) == cubin.symbols(), src
         for name, needs in found.items():
             assert 0 < needs.registers <= 255, name
-            assert needs.block_fits(needs.max_threads or 1024), (name, needs)
+            assert needs.block_fits(needs.thread_limit), (name, needs)
             checked.add(name)
     assert checked == set(SIGNATURES)
 

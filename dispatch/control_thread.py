@@ -59,7 +59,9 @@ class ControlConfig:
     sync: bool = False  # wait for each round's stop decisions before planning the next
     prefix_cache: bool = True
     prefix_cache_entries: int = 64
-    cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (on backends that can)
+    # replay decode rounds as CUDA graphs (on backends that can); off, the same padded
+    # launches are made one by one, so the tokens are the same
+    cuda_graphs: bool = True
 
 
 @dataclass
@@ -303,7 +305,7 @@ class ControlThread:
                          self._sampler_state, self._forget,
                          (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
                          else None)
-        if self._graphs is not None and n_rows == n_seqs:  # a decode round: maybe a replay
+        if self._graphs is not None and n_rows == n_seqs:  # a decode round: fixed buffers
             run.graph = (self._graphs, rows.copy())
         self._forget = []
         self.compute.launch(run)
@@ -454,9 +456,10 @@ class _RoundWork:
         self.kvs = []  # drop the views of the KV pages as soon as the work is done
 
     def _replay(self, graphs: Any, rows: np.ndarray) -> bool:
-        """A decode round in which every session samples, as a captured graph's replay
-        (which also counts penalized sessions' inputs and writes logprobs where asked);
-        False when it must run eagerly."""
+        """A decode round in which every session samples, through the decode graphs' fixed
+        buffers (a replay, or their launches one by one), which also count penalized
+        sessions' inputs and write logprobs where asked; False when it must take the
+        general path."""
         if not all(w.samples for w in self.seq_work):
             return False
         counts = [None if c is None else (c, split)

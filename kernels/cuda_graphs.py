@@ -7,7 +7,7 @@ GPU idles between launches. A graph captured once replays them all with a single
 host-to-device copy, one launch, one device-to-device copy of the sampled tokens.
 
 A graph may be replayed only if nothing it reads moved, so everything that changes from
-round to round lives in fixed device buffers that the round overwrites (`_Inputs`):
+round to round lives in fixed device buffers that the round overwrites (laid out by `_Layout`):
 - per row: [host token id, token-buffer slot] (decode rows read the previous round's
   sample from the token buffer on the device, as in the eager path);
 - per session: the SeqDesc (start, n_new = 1, n_past, KV base address: a session's KV
@@ -28,9 +28,14 @@ A round with penalized sessions replays a variant of its bucket's graph that als
 the round's inputs (count_tokens) and samples from penalized logits (penalize_rows); a
 round in which some session asks for logprobs, one that also runs token_logprobs into the
 graph's own buffers, copied out after the replay as the sampled tokens are. Prefill
-rounds run eagerly. `enabled = False`
-turns graphs off entirely (the tests compare both paths token for token). If capture
-fails on some driver, that bucket stays eager and the reason is kept in `failures`.
+and mixed rounds run through the general eager path.
+
+Every decode round that fits a bucket goes through these fixed buffers, graphs or not:
+with `enabled = False`, or where a capture failed (the reason is kept in `failures`), the
+same launches are made one by one. So turning graphs off changes how the kernels are
+launched, never which kernels run on which shapes: a GEMM's rounding may depend on its row
+count, and a batch padded to its bucket must not sample differently from the same batch
+unpadded. The tests compare both paths token for token and logprob for logprob.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,16 +125,20 @@ class _Kind:
 
 
 @dataclass
-class _Graph:
+class _Step:
+    """One (batch bucket, context bucket, kind): its fixed buffers, its launches, and once
+    captured, their graph."""
+
     batch: int
     context: int
     kind: _Kind
-    graph: Any
-    exec: Any
+    launch: Callable[[], None]  # the round's kernels, reading every input from `inputs`
     inputs: Any  # DeviceBuffer: the blob
     out: Any  # DeviceBuffer: int32 [batch] sampled tokens
     lp_values: Any  # DeviceBuffer: float32 [batch, 1 + MAX_LOGPROBS] (logprob kinds)
     lp_ids: Any  # DeviceBuffer: int32 [batch, MAX_LOGPROBS]
+    graph: Any = None
+    exec: Any = None  # None: launched eagerly (graphs off, or the capture failed)
 
 
 class DecodeGraphs:
@@ -146,12 +155,13 @@ class DecodeGraphs:
         self.enabled = enabled
         self.scratch = ContiguousDeviceKV(ops, layout, 1)  # what padding rows attend over
         # keyed by (batch bucket, context bucket, kind)
-        self.graphs: dict[tuple[int, int, _Kind], _Graph] = {}
+        self.steps: dict[tuple[int, int, _Kind], _Step] = {}
         self.failures: dict[tuple[int, int, _Kind], str] = {}
         self.replays = 0
         self.penalized_replays = 0  # of which, of graphs with penalties
         self.logprob_replays = 0  # and of graphs with logprobs
         self.captured = 0
+        self.eager_rounds = 0  # rounds through the fixed buffers launched one by one
 
     # -- per round -----------------------------------------------------------------------
 
@@ -159,45 +169,48 @@ class DecodeGraphs:
             params: Sequence[SamplingParams], out: Any,
             counts: Sequence[tuple[DeviceTensor, int] | None] | None = None,
             logprobs_out: tuple[Any, Any] | None = None) -> bool:
-        """Replay the round's graph: one row per session, `rows[i]` = [host token id,
-        token-buffer slot or -1] as in the eager path's metadata, each row sampled into
-        `out[i]` and into the token buffer at its slot. Penalized sessions need
-        `counts[i]` = (their token counts, 1 if this row is still in the prompt else 0);
-        rows asking for logprobs write them to `logprobs_out` (values, ids buffers, laid
-        out as NumpyOps.sample_round's). False when this round cannot be replayed (the
-        caller runs it eagerly)."""
+        """Run the decode round through its bucket's fixed buffers: one row per session,
+        `rows[i]` = [host token id, token-buffer slot or -1] as in the eager path's
+        metadata, each row sampled into `out[i]` and into the token buffer at its slot.
+        Penalized sessions need `counts[i]` = (their token counts, 1 if this row is still
+        in the prompt else 0); rows asking for logprobs write them to `logprobs_out`
+        (values, ids buffers, laid out as NumpyOps.sample_round's). The round is the
+        bucket's graph replayed, or (graphs off, or its capture failed) the same launches
+        made one by one. False only when the round has no bucket (the caller runs it
+        through the general path)."""
         n = len(n_pasts)
-        if not self.enabled or n == 0 or n > self.buckets[-1]:
+        if n == 0 or n > self.buckets[-1]:
             return False
         kind = _Kind(any(p.penalized for p in params),
                      any(p.logprobs is not None for p in params))
         if kind.logprobs and logprobs_out is None:
             raise ValueError("a round with logprobs needs buffers for them")
         b = next(x for x in self.buckets if x >= n)
-        ctx = context_bucket(max(n_pasts) + 1, self.max_context)
-        key = (b, ctx, kind)
-        if key in self.failures:
-            return False
-        g = self.graphs.get(key)
-        if g is None:
-            g = self._capture(b, ctx, kind)
-            if g is None:
-                return False
+        key = (b, context_bucket(max(n_pasts) + 1, self.max_context), kind)
+        step = self.steps.get(key)
+        if step is None:
+            step = self.steps[key] = self._step(*key)
+        if self.enabled and step.exec is None and key not in self.failures:
+            self._capture(step)
         blob = self._blob(b, rows, n_pasts, kvs, params, counts)
-        self.ops._ring.upload(blob, DeviceTensor(g.inputs.ptr, (blob.size,), "u8"))
+        self.ops._ring.upload(blob, DeviceTensor(step.inputs.ptr, (blob.size,), "u8"))
         d = driver()
         self.ops.ctx.bind()
         s = self.ops.stream.handle
-        check(d.cuGraphLaunch(g.exec, s), "cuGraphLaunch")
-        copies = [(out, g.out, n * 4)]
+        if step.exec is not None:
+            check(d.cuGraphLaunch(step.exec, s), "cuGraphLaunch")
+            self.replays += 1
+            self.penalized_replays += kind.penalized
+            self.logprob_replays += kind.logprobs
+        else:
+            step.launch()
+            self.eager_rounds += 1
+        copies = [(out, step.out, n * 4)]
         if kind.logprobs and logprobs_out is not None:
-            copies += [(logprobs_out[0], g.lp_values, n * (1 + MAX_LOGPROBS) * 4),
-                       (logprobs_out[1], g.lp_ids, n * MAX_LOGPROBS * 4)]
+            copies += [(logprobs_out[0], step.lp_values, n * (1 + MAX_LOGPROBS) * 4),
+                       (logprobs_out[1], step.lp_ids, n * MAX_LOGPROBS * 4)]
         for dst, src, nbytes in copies:
             cu("cuMemcpyDtoDAsync", d.CUdeviceptr(dst.ptr), d.CUdeviceptr(src.ptr), nbytes, s)
-        self.replays += 1
-        self.penalized_replays += kind.penalized
-        self.logprob_replays += kind.logprobs
         return True
 
     def _blob(self, b: int, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
@@ -246,18 +259,16 @@ class DecodeGraphs:
                 params, [None if x is None else x[0] for x in c], vocab)
         return blob
 
-    # -- capture -------------------------------------------------------------------------
+    # -- the fixed launches and their capture ---------------------------------------------
 
-    def _capture(self, b: int, ctx: int, kind: _Kind) -> _Graph | None:
-        ops, d = self.ops, driver()
+    def _step(self, b: int, ctx: int, kind: _Kind) -> _Step:
+        """The bucket's buffers and its round: every launch reads its inputs from them."""
+        ops = self.ops
         lay = _Layout(b)
         inputs = ops.device.alloc(lay.nbytes)
         out_buf = ops.device.alloc(b * 4)
         lp_values = ops.device.alloc(b * (1 + MAX_LOGPROBS) * 4) if kind.logprobs else None
         lp_ids = ops.device.alloc(b * MAX_LOGPROBS * 4) if kind.logprobs else None
-        key = (b, ctx, kind)
-        blob = self._blob(b, np.zeros((0, 2), np.int32), [], [], [])
-        ops._ring.upload(blob, DeviceTensor(inputs.ptr, (blob.size,), "u8"))
 
         def tensor(name: str, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
             return DeviceTensor(inputs.ptr + lay.offset(name), shape, dtype, inputs)
@@ -283,7 +294,7 @@ class DecodeGraphs:
 
         want = tensor("logprob_n", (b,), "i32")
 
-        def round_() -> None:  # as _RoundWork's eager round, with every input in the blob
+        def launch() -> None:  # as _RoundWork's eager round, with every input in the blob
             if kind.penalized:
                 ops.count_inputs_device(ids, spans, b, vocab)
             logits = self.transformer.forward(batch)
@@ -294,16 +305,25 @@ class DecodeGraphs:
                 ops.token_logprobs_device(logits, out, want, values=lp_values.ptr,
                                           top_ids=lp_ids.ptr)
 
+        return _Step(b, ctx, kind, launch, inputs, out_buf, lp_values, lp_ids)
+
+    def _capture(self, step: _Step) -> None:
+        """Record `step`'s launches as a graph. They run once first, on padding only (every
+        row a padding row), to load modules and plan GEMMs outside the capture; if the
+        capture fails, the step stays eager and the reason is kept in `failures`."""
+        ops, d = self.ops, driver()
+        blob = self._blob(step.batch, np.zeros((0, 2), np.int32), [], [], [])
+        ops._ring.upload(blob, DeviceTensor(step.inputs.ptr, (blob.size,), "u8"))
         stream = ops.stream.handle
         try:
-            round_()  # warm-up: modules loaded and GEMMs planned outside the capture
+            step.launch()  # warm-up
             ops.synchronize()
             ops.ctx.bind()
             with ops.capturing():
                 cu("cuStreamBeginCapture", stream,
                    d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 try:
-                    round_()
+                    step.launch()
                 except BaseException:
                     with contextlib.suppress(Exception):  # the capture may be invalidated
                         cu("cuGraphDestroy", cu("cuStreamEndCapture", stream))
@@ -315,25 +335,21 @@ class DecodeGraphs:
                 cu("cuGraphDestroy", graph)
                 raise
         except Exception as exc:  # this bucket stays eager; the reason is kept
-            self.failures[key] = f"{type(exc).__name__}: {exc}"
+            self.failures[(step.batch, step.context, step.kind)] = f"{type(exc).__name__}: {exc}"
             ops.synchronize()
-            for buf in (inputs, out_buf, lp_values, lp_ids):
-                if buf is not None:
-                    buf.free()
-            return None
-        g = self.graphs[key] = _Graph(b, ctx, kind, graph, exec_, inputs, out_buf, lp_values,
-                                      lp_ids)
+            return
+        step.graph, step.exec = graph, exec_
         self.captured += 1
-        return g
 
     def close(self) -> None:
         """After the stream has finished every replay."""
         self.ops.synchronize()
-        for g in self.graphs.values():
-            cu("cuGraphExecDestroy", g.exec)
-            cu("cuGraphDestroy", g.graph)
-            for buf in (g.inputs, g.out, g.lp_values, g.lp_ids):
+        for step in self.steps.values():
+            if step.exec is not None:
+                cu("cuGraphExecDestroy", step.exec)
+                cu("cuGraphDestroy", step.graph)
+            for buf in (step.inputs, step.out, step.lp_values, step.lp_ids):
                 if buf is not None:
                     buf.free()
-        self.graphs.clear()
+        self.steps.clear()
         self.scratch.free()

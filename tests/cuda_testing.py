@@ -12,7 +12,7 @@ from kernels.numpy_ops import NumpyOps
 from vmm.kv_layout import ContiguousKV, KVLayout
 
 REF = NumpyOps()
-rng = np.random.default_rng(1234)
+rng = np.random.default_rng(1234)  # reseeded per test (tests/conftest.py)
 
 
 @pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu), "emulated"])

@@ -107,8 +107,7 @@ def test_graph_replays_give_the_eager_tokens(device, qwen3) -> None:
     (graphs,) = spy_on
     assert graphs.replays > 0 and not graphs.failures
     assert graphs.captured >= 2  # several batch buckets
-    assert spy_off[0].replays == 0
-
+    assert spy_off[0].replays == 0 and spy_off[0].eager_rounds > 0
 
 
 def test_graphs_capture_the_general_attention_kernel_too(device, qwen3) -> None:
@@ -155,13 +154,8 @@ def test_rounds_with_penalties_or_logprobs_replay_graphs_that_hold_them(device,
     without = _run(device, qwen3, gpu, prompts, params, graphs=False, spy=[],
                    logprobs=lp_off)
     assert with_graphs == without
-    # the same kernels, but a graph's batch is padded to its bucket, and a GEMM's rounding
-    # may depend on the batch size: equal ids, values within float32 noise
-    flat_on, flat_off = ([lp for req in x for lp in req] for x in (lp_on, lp_off))
-    for on, off in zip(flat_on, flat_off, strict=True):
-        assert (on.token, [t for t, _ in on.top]) == (off.token, [t for t, _ in off.top])
-        np.testing.assert_allclose([on.logprob, *(v for _, v in on.top)],
-                                   [off.logprob, *(v for _, v in off.top)], atol=1e-4)
+    # the same kernels on the same padded shapes, launched as a graph or one by one
+    assert lp_on == lp_off
     assert [len(x) for x in lp_on] == [0, 12, 5, 0]
     graphs = spy_on[0]
     assert graphs.replays > 0 and not graphs.failures
@@ -189,7 +183,7 @@ def test_a_failed_capture_leaves_that_bucket_eager(device, qwen3,
     got = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=spy)
     want = _run(device, qwen3, gpu, prompts, params, graphs=False, spy=[])
     assert got == want
-    assert spy[0].replays == 0
+    assert spy[0].replays == 0 and spy[0].eager_rounds > 0
     assert all("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED" in v for v in spy[0].failures.values())
     assert np.all([len(t) == 6 for t in got])
 

@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
 # Run ON THE GPU MACHINE (through the device tool, with `carry: [".whl"]`): installs the
 # carried wheels, then runs the GPU tests and the GPU benchmarks, writing logs under $OUT.
-# Usage: bash .ci/gpu_check.sh [tests|bench|all]   (default all)
+# Usage: bash .ci/gpu_check.sh [tests|micro|decode|peer|bench|all] [SHAPES]   (default all)
+#   micro: vmm, load, GEMM and attention benchmarks; decode: bench_gpu_decode, peer: HF
+#   transformers, each on SHAPES (comma-separated; default qwen3-0.6b,llama-3.2-1b, plus
+#   llama-3.1-8b for decode); bench = micro + decode + peer.
+# One device call may run 10 minutes: run `tests`, `micro`, `decode qwen3-0.6b,llama-3.2-1b`,
+# `decode llama-3.1-8b` and `peer` as separate calls. Each benchmark is also stopped after
+# its own time limit, so one that hangs leaves the others their time, and its log says so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 out=${OUT:-/tmp/eagerlm-gpu}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+shapes=${2:-}
+shapes=${shapes//,/ }
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+else
+  echo "no wheels in .whl/ (run .ci/gpu_wheels.sh first, and carry .whl): using what is installed"
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$out/device.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # the modules with GPU tests (each also runs its cpu cases); the server and API tests
@@ -24,17 +36,36 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     2>&1 | tee "$out/gpu_tests.log"
   status=${PIPESTATUS[0]}
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 benchmarks/bench_vmm.py --backend cuda 2>&1 | tee "$out/bench_vmm.log"
-  python3 benchmarks/bench_load.py 2>&1 | tee "$out/bench_load.log"
-  python3 benchmarks/bench_gemm.py 2>&1 | tee "$out/bench_gemm.log"
-  python3 benchmarks/bench_decode_attention.py 2>&1 | tee "$out/bench_attention.log"
-  python3 benchmarks/bench_prefill_attention.py 2>&1 | tee -a "$out/bench_attention.log"
-  python3 benchmarks/bench_gpu_decode.py --shapes qwen3-0.6b,llama-3.2-1b,llama-3.1-8b \
-    2>&1 | tee "$out/bench_decode.log"
-  for shape in qwen3-0.6b llama-3.2-1b; do
-    python3 benchmarks/peer_transformers.py --shape $shape --device cuda --num-requests 64 \
-      2>&1 | tee -a "$out/peer_transformers.log"
+# run NAME LIMIT_S LOG CMD...: one benchmark, its output appended to $out/LOG
+run() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  echo "== $name (limit ${limit}s)" | tee -a "$out/$log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$out/$log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 124 ] && echo "== $name: stopped after ${limit}s" | tee -a "$out/$log"
+  [ "$rc" = 0 ] || status=$rc
+}
+part() { [ "$what" = "$1" ] || [ "$what" = bench ] || [ "$what" = all ]; }
+if part micro; then
+  run vmm 120 bench_vmm.log python3 benchmarks/bench_vmm.py --backend cuda
+  run load 150 bench_load.log python3 benchmarks/bench_load.py
+  run gemm 120 bench_gemm.log python3 benchmarks/bench_gemm.py
+  run decode-attention 90 bench_attention.log python3 benchmarks/bench_decode_attention.py
+  run prefill-attention 90 bench_attention.log python3 benchmarks/bench_prefill_attention.py
+fi
+if part decode; then
+  for shape in ${shapes:-qwen3-0.6b llama-3.2-1b llama-3.1-8b}; do
+    limit=300
+    [ "$shape" = llama-3.1-8b ] && limit=560  # a 16 GB file is written first
+    run "decode $shape" $limit bench_decode.log \
+      python3 benchmarks/bench_gpu_decode.py --shapes $shape --json "$out/decode_$shape.json"
+  done
+fi
+if part peer; then
+  for shape in ${shapes:-qwen3-0.6b llama-3.2-1b}; do
+    run "transformers $shape" 240 peer_transformers.log \
+      python3 benchmarks/peer_transformers.py --shape $shape --device cuda --num-requests 64
   done
 fi
 exit "$status"

@@ -1,0 +1,53 @@
+"""The synthetic model writer (loader/synthetic.py): what the benchmark shapes rest on, since
+real models over 64 MiB cannot travel to the GPU machine."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType, quants
+
+from loader.gguf_file import GGUFFile
+from loader.synthetic import bf16_bits, tiny_spec, write_synthetic_model
+
+
+def test_bf16_bits_round_as_gguf_does() -> None:
+    """Reference: gguf-py's own `quants.quantize(.., BF16)`, on random values and on the
+    cases that decide a rounding rule: exact ties to even and to odd, values just above
+    and below a tie, subnormals, the largest finite floats; a size that is not a multiple
+    of the chunk."""
+    rng = np.random.default_rng(0)
+    random = (rng.standard_normal(100_003) * 10.0 ** rng.integers(-30, 30, 100_003))
+    upper = rng.integers(0, 1 << 16, 4000, dtype=np.uint32) << 16
+    ties = np.concatenate([upper | 0x8000, upper | 0x7FFF, upper | 0x8001, upper | 0xFFFF])
+    ties = ties[((ties >> 23) & 0xFF) != 0xFF]  # finite only
+    edge = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-40, 3.4028235e38, -3.4028235e38],
+                    np.float32)
+    values = np.concatenate([random.astype(np.float32), ties.view(np.float32), edge])
+    got = bf16_bits(values, chunk=1000)
+    want = quants.quantize(values, GGMLQuantizationType.BF16).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_uniform_init_draws_matrices_of_the_normal_draws_scale(tmp_path) -> None:
+    """The real shapes draw their matrices uniform for speed: mean 0, standard deviation
+    1/sqrt(fan_in) as the normal draw's (uniform on [-a, a] has variance a^2 / 3), bounded
+    by a = sqrt(3) / sqrt(fan_in); norms keep their normal draw around 1."""
+    spec = tiny_spec("llama", d_model=256, d_ff=512,
+                     weight_type=GGMLQuantizationType.F32, uniform_init=True)
+    with GGUFFile.open(write_synthetic_model(tmp_path / "u.gguf", spec)) as f:
+        w = f.tensor_bytes("blk.0.ffn_down.weight").view(np.float32).reshape(256, 512)
+        norm = f.tensor_bytes("blk.0.attn_norm.weight").view(np.float32)
+        std = 1 / np.sqrt(512)
+        assert abs(w.mean()) < 0.02 * std
+        assert abs(w.std() / std - 1) < 0.02
+        assert np.abs(w).max() <= np.sqrt(3) * std
+        assert np.abs(w).max() > 0.99 * np.sqrt(3) * std  # uniform, not normal: a hard edge
+        assert abs(norm.mean() - 1) < 0.05
+
+
+def test_the_default_draw_is_normal(tmp_path) -> None:
+    """Tests keep normal weights: beyond sqrt(3) standard deviations there are values."""
+    spec = tiny_spec("llama", d_model=256, d_ff=512, weight_type=GGMLQuantizationType.F32)
+    with GGUFFile.open(write_synthetic_model(tmp_path / "n.gguf", spec)) as f:
+        w = f.tensor_bytes("blk.0.ffn_down.weight").view(np.float32)
+        assert np.abs(w).max() > 3 / np.sqrt(512)

@@ -52,18 +52,27 @@ def time_gemm(ops: CudaOps, n_tok: int, n_in: int, n_out: int, reps: int,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--layers", nargs="+", help="only these layers (default: all)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    ap.add_argument("--peak-dim", type=int, default=8192,
+                    help="side of the square product that measures the matrix rate")
+    ap.add_argument("--copy-mib", type=int, default=1024, help="size of the timed copy")
     args = ap.parse_args()
     device = open_gpu("bench_gemm")
     if device is None:
         return 0
     ops = CudaOps(device)
-    peak_s = time_gemm(ops, 8192, 8192, 8192, max(5, args.reps // 5))
-    peak = 2 * 8192**3 / peak_s / 1e12
-    hbm = copy_bandwidth(ops.device, ops.stream, 1 << 30, 5)
+    side = args.peak_dim
+    peak_s = time_gemm(ops, side, side, side, max(5, args.reps // 5))
+    peak = 2 * side**3 / peak_s / 1e12
+    hbm = copy_bandwidth(ops.device, ops.stream, args.copy_mib << 20, 5)
     rows = []
-    for model, layers in MODELS.items():
-        for layer, (n_out, n_in) in layers.items():
-            for n_tok in TOKENS:
+    for model in args.models:
+        for layer, (n_out, n_in) in MODELS[model].items():
+            if args.layers and layer not in args.layers:
+                continue
+            for n_tok in args.tokens:
                 out_dtype = CUDA_R_32F if layer == "lm_head" else CUDA_R_16BF
                 sec = time_gemm(ops, n_tok, n_in, n_out, args.reps, out_dtype)
                 tflops = 2 * n_tok * n_in * n_out / sec / 1e12
@@ -72,7 +81,7 @@ def main() -> int:
                                  n_out=n_out, us=sec * 1e6, tflops=tflops,
                                  of_peak=tflops / peak, weight_gb_s=weight_gb_s,
                                  of_hbm=weight_gb_s * 1e9 / (hbm / 2)))
-    print(f"measured matrix rate (8192^3 bf16): {peak:.0f} TFLOP/s; "
+    print(f"measured matrix rate ({side}^3 bf16): {peak:.0f} TFLOP/s; "
           f"device copy: {hbm / 1e12:.2f} TB/s read+write\n")
     print("| model | layer | tokens | us | TFLOP/s | of matrix rate | weight GB/s | of HBM |")
     print("|---|---|---|---|---|---|---|---|")

@@ -73,6 +73,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--memory-fraction", type=float, default=0.9,
+                    help="the KV pool's share of the GPU memory left after the weights")
+    ap.add_argument("--copy-mib", type=int, default=1024, help="size of the timed copy")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     try:
@@ -92,7 +95,7 @@ def main() -> None:
         try:
             stream = loaded.device.stream("bandwidth")
             try:
-                bw = copy_bandwidth(loaded.device, stream)
+                bw = copy_bandwidth(loaded.device, stream, args.copy_mib << 20)
             finally:
                 stream.close()
             per_tok = bytes_per_token(loaded, args.prompt + args.output // 2)
@@ -102,7 +105,8 @@ def main() -> None:
             row = {"shape": shape, "bandwidth_gbs": bw / 1e9, "roofline_tok_s": limit}
             for graphs in (True, False):
                 settings = DispatchSettings(device="cuda", max_batch=max(64, args.batch),
-                                            kv_budget_mb=8192, cuda_graphs=graphs)
+                                            memory_fraction=args.memory_fraction,
+                                            cuda_graphs=graphs)
                 b1 = decode_run(loaded, settings, 1, args.prompt, args.output)
                 bn = decode_run(loaded, settings, args.batch, args.prompt, args.output)
                 tag = "graphs" if graphs else "eager launches"

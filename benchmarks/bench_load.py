@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--model", help="a GGUF file (default: a synthetic model of --shape)")
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--copy-mib", type=int, default=256,
+                    help="size of the pinned host-to-device copy that measures the limit")
     args = ap.parse_args()
 
     device = open_gpu("bench_load")
@@ -105,7 +107,7 @@ def main() -> None:
                                                        SHAPES[args.shape]))
         model = ModelFile.open(path)
         warm = warm_page_cache(model)
-        limit = pinned_bandwidth(ops)
+        limit = pinned_bandwidth(ops, args.copy_mib << 20)
         naive = [naive_load(model, ops) for _ in range(args.reps)]
         slab = []
         for _ in range(args.reps):

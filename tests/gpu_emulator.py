@@ -130,11 +130,19 @@ class EmulatedGemm:
 
     def __init__(self, drv: EmulatedDriver) -> None:
         self.drv = drv
+        self._shapes: set[tuple[int, int, int, int]] = set()
+        self.heuristic_calls = 0  # as Gemm's: one per new shape
 
     def matmul(self, stream: int, y: int, x: int, w: int, n_tok: int, n_in: int, n_out: int,
                out_type: int) -> None:
         from kernels.cublaslt import CUDA_R_32F
         from kernels.cuda_ops import from_bf16_bits, to_bf16_bits
+
+        if n_tok == 0:
+            return
+        if (key := (n_tok, n_in, n_out, out_type)) not in self._shapes:
+            self._shapes.add(key)
+            self.heuristic_calls += 1
 
         def run() -> None:
             xs = from_bf16_bits(_host_array(x, n_tok * n_in, np.uint16)).reshape(n_tok, n_in)

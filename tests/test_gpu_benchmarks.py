@@ -1,0 +1,114 @@
+"""The GPU benchmark scripts run end to end on the emulated GPU (tests/gpu_emulator.py),
+in CI-sized settings. A script that would crash on the device costs one of the rare GPU
+sessions its minutes; here it costs a red CI instead. Nothing is timed: the emulator's
+speed says nothing about a GPU's. What is checked is that each script completes and prints
+its report: the physical limit it compares with and the figures beside it."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+
+import pytest
+
+from tests.gpu_emulator import EmulatorUnavailable, emulated_gpu
+
+
+@pytest.fixture
+def emulator():
+    try:
+        with emulated_gpu() as drv:
+            yield drv
+            assert drv.failures() == [], "an emulated kernel failed"
+    except EmulatorUnavailable as exc:
+        pytest.skip(f"no kernel emulator ({exc})")
+
+
+def run_script(name: str, argv: list[str], monkeypatch, capsys) -> str:
+    """`python benchmarks/NAME.py ARGV...`, in this process (so on the emulated GPU)."""
+    module = importlib.import_module(f"benchmarks.{name}")
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    assert module.main() in (0, None)
+    out = capsys.readouterr().out
+    assert "nothing measured" not in out, out
+    return out
+
+
+def json_block(out: str) -> dict:
+    match = re.search(r"```json\n(.*)\n```", out, re.S)
+    assert match, out
+    return json.loads(match.group(1))
+
+
+def test_bench_gemm(emulator, monkeypatch, capsys) -> None:
+    out = run_script("bench_gemm", ["--models", "qwen3-0.6b", "--layers", "q", "down",
+                                    "--tokens", "1", "16", "--peak-dim", "128",
+                                    "--copy-mib", "1", "--reps", "1"], monkeypatch, capsys)
+    assert "measured matrix rate (128^3 bf16)" in out
+    result = json_block(out)
+    assert [(r["layer"], r["tokens"]) for r in result["rows"]] == [
+        ("q", 1), ("q", 16), ("down", 1), ("down", 16)]
+    assert all(r["tflops"] > 0 and r["of_hbm"] > 0 for r in result["rows"])
+
+
+def test_bench_decode_attention(emulator, monkeypatch, capsys) -> None:
+    out = run_script("bench_decode_attention",
+                     ["--sessions", "3", "--context", "96", "--heads", "4", "--kv-heads", "2",
+                      "--head-dim", "64", "--reps", "1", "--warmup", "1", "--copy-mib", "1"],
+                     monkeypatch, capsys)
+    result = json_block(out)
+    assert result["outputs_agree"] is True
+    assert {r["kernel"] for r in result["rows"]} >= {"attention_decode",
+                                                     "attention.cu general kernel"}
+    assert all(r["gb_s"] > 0 for r in result["rows"])
+
+
+def test_bench_prefill_attention(emulator, monkeypatch, capsys) -> None:
+    out = run_script("bench_prefill_attention",
+                     ["--tokens", "80", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                      "--reps", "1", "--no-torch"], monkeypatch, capsys)
+    result = json_block(out)
+    (row,) = result["rows"]
+    assert row["tokens"] == 80 and row["eagerlm_tflops"] > 0 and row["old_tflops"] > 0
+    assert row["err_vs_old_kernel"] < 2e-2  # the timed kernel computes attention
+    assert "start-up check" in out
+
+
+def test_bench_load(emulator, monkeypatch, capsys, tmp_path) -> None:
+    from gguf import GGMLQuantizationType
+
+    from loader.synthetic import tiny_spec, write_synthetic_model
+
+    path = write_synthetic_model(tmp_path / "m.gguf", tiny_spec(
+        "qwen3", weight_type=GGMLQuantizationType.Q8_0))
+    out = run_script("bench_load", ["--model", str(path), "--reps", "1", "--copy-mib", "1"],
+                     monkeypatch, capsys)
+    result = json_block(out)
+    assert result["file_bytes"] > 0
+    assert result["pinned_h2d_gb_s"] > 0 and result["slab_gb_s"] > 0
+    assert result["naive_gb_s"] > 0
+    assert "| slab loader |" in out
+
+
+def test_bench_vmm_on_cuda(emulator, monkeypatch, capsys) -> None:
+    out = run_script("bench_vmm", ["--backend", "cuda", "--sessions", "2", "--pages", "4",
+                                   "--budget-gib", "0.25"], monkeypatch, capsys)
+    (result,) = json.loads(out[out.index("\n[\n") + 1:])
+    assert result["backend"] == "cuda"
+    assert result["latency"]["map_us_p50"] > 0
+    assert result["packing"]["live_over_mapped_at_full_length"] > 0.95
+    assert "[cuda] live/mapped" in out
+
+
+def test_bench_gpu_decode(emulator, monkeypatch, capsys, tmp_path) -> None:
+    out = run_script("bench_gpu_decode",
+                     ["--shapes", "tiny", "--prompt", "6", "--output", "6", "--batch", "3",
+                      "--memory-fraction", "0.02", "--copy-mib", "1",
+                      "--json", str(tmp_path / "r.json")], monkeypatch, capsys)
+    (row,) = json.loads((tmp_path / "r.json").read_text())
+    assert row["shape"] == "tiny" and row["roofline_tok_s"] > 0
+    for mode in ("graphs", "eager"):
+        assert row[mode]["batch1"]["tok_s"] > 0 and row[mode]["batchN"]["tok_s"] > 0
+    assert "of roofline" in out

@@ -112,3 +112,35 @@ def test_bench_gpu_decode(emulator, monkeypatch, capsys, tmp_path) -> None:
     for mode in ("graphs", "eager"):
         assert row[mode]["batch1"]["tok_s"] > 0 and row[mode]["batchN"]["tok_s"] > 0
     assert "of roofline" in out
+
+
+def _cli(argv: list[str]):
+    """`eagerlm ARGV...` as the entry point parses it."""
+    from service.cli import build_parser
+
+    return build_parser().parse_args(argv)
+
+
+def test_eagerlm_profile_on_cuda(emulator, tmp_path, capsys) -> None:
+    """The issue-8 bubble measurement on a GPU is this command with --device cuda."""
+    out = tmp_path / "prof"
+    args = _cli(["profile", "--synthetic", "tiny", "--device", "cuda", "--requests", "4",
+                 "--max-batch", "4", "--prompt-len", "6", "--output-len", "8", "--min-batch",
+                 "2", "--memory-fraction", "0.02", "--out", str(out), "--quiet"])
+    assert args.func(args) == 0
+    assert "bubble, steady decode" in capsys.readouterr().out
+    report = json.loads((out / "profile.json").read_text())
+    for mode in ("eager", "sync"):
+        assert report["modes"][mode]["latency"]["output_tokens"] == 4 * 8
+    assert (out / "timeline.png").exists() and (out / "trace.json").exists()
+
+
+def test_eagerlm_bench_offline_on_cuda(emulator, tmp_path, capsys) -> None:
+    out = tmp_path / "offline.json"
+    args = _cli(["bench", "offline", "--synthetic", "tiny", "--device", "cuda", "-n", "5",
+                 "--input-len", "4-12", "--output-len", "3-9", "--max-batch", "4",
+                 "--memory-fraction", "0.02", "--json", str(out)])
+    assert args.func(args) == 0
+    assert "Throughput:" in capsys.readouterr().out
+    s = json.loads(out.read_text())["summary"]
+    assert s["n_failed"] == 0 and s["output_tokens"] > 0

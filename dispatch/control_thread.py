@@ -466,8 +466,8 @@ class _RoundWork:
                   for c, split in zip(self._session_counts(), self._prompt_rows(),
                                       strict=True)]
         return graphs.run(rows, [past for _, _, past in self.seq_rows], self.kvs,
-                          [w.params for w in self.seq_work], self.sampled, counts,
-                          self.logprob_out)
+                          [w.params for w in self.seq_work], self.sampled,
+                          [w.slot for w in self.seq_work], counts, self.logprob_out)
 
     def _count_inputs(self, tokens: Any) -> dict[int, Any]:
         """Bring penalized sessions' token counts up to date with this round's inputs

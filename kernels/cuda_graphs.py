@@ -166,12 +166,14 @@ class DecodeGraphs:
     # -- per round -----------------------------------------------------------------------
 
     def run(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
-            params: Sequence[SamplingParams], out: Any,
+            params: Sequence[SamplingParams], out: Any, out_slots: Sequence[int],
             counts: Sequence[tuple[DeviceTensor, int] | None] | None = None,
             logprobs_out: tuple[Any, Any] | None = None) -> bool:
         """Run the decode round through its bucket's fixed buffers: one row per session,
         `rows[i]` = [host token id, token-buffer slot or -1] as in the eager path's
-        metadata, each row sampled into `out[i]` and into the token buffer at its slot.
+        metadata, each row sampled into `out[i]` and into the token buffer at
+        `out_slots[i]` (the session's slot: a row that read a host token, such as the
+        last prompt token after a cached prefix, has no input slot to write back to).
         Penalized sessions need `counts[i]` = (their token counts, 1 if this row is still
         in the prompt else 0); rows asking for logprobs write them to `logprobs_out`
         (values, ids buffers, laid out as NumpyOps.sample_round's). The round is the
@@ -192,7 +194,7 @@ class DecodeGraphs:
             step = self.steps[key] = self._step(*key)
         if self.enabled and step.exec is None and key not in self.failures:
             self._capture(step)
-        blob = self._blob(b, rows, n_pasts, kvs, params, counts)
+        blob = self._blob(b, rows, n_pasts, kvs, params, out_slots, counts)
         self.ops._ring.upload(blob, DeviceTensor(step.inputs.ptr, (blob.size,), "u8"))
         d = driver()
         self.ops.ctx.bind()
@@ -214,7 +216,7 @@ class DecodeGraphs:
         return True
 
     def _blob(self, b: int, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
-              params: Sequence[SamplingParams],
+              params: Sequence[SamplingParams], out_slots: Sequence[int] = (),
               counts: Sequence[tuple[DeviceTensor, int] | None] | None = None) -> np.ndarray:
         """The graph's inputs for this round; rows past the real ones are padding."""
         n = len(n_pasts)
@@ -246,7 +248,7 @@ class DecodeGraphs:
         table[n:] = sample_table([SamplingParams(temperature=0.0)] * (b - n), [0] * (b - n),
                                  vocab)
         slots = field("out_slots", np.int32)
-        slots[:n] = rows[:n, 1]
+        slots[:n] = out_slots
         slots[n:] = -1
         want = field("logprob_n", np.int32)
         want[:n] = logprob_table([p.logprobs for p in params])

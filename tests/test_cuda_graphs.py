@@ -30,10 +30,14 @@ def test_context_buckets_are_powers_of_two_capped_at_the_context() -> None:
 
 
 def _run(device, model, transformer, prompts, params, *, graphs: bool, spy: list,
-         logprobs: list | None = None):
-    """Each request's tokens (and into `logprobs`, if given, each one's TokenLogprobs)."""
+         logprobs: list | None = None, one_by_one: bool = False, prefix_cache: bool = True,
+         max_round_tokens: int = 256):
+    """Each request's tokens (and into `logprobs`, if given, each one's TokenLogprobs).
+    All requests are submitted at once, or with `one_by_one` each after the previous one
+    has finished (so later ones may start from the prefix cache)."""
     from dispatch.control_thread import ControlConfig
     from dispatch.dispatcher import Dispatcher, DispatcherConfig
+    from dispatch.scheduler import SchedulerConfig
 
     ops = transformer.ops
     make = type(ops).decode_graphs
@@ -45,14 +49,23 @@ def _run(device, model, transformer, prompts, params, *, graphs: bool, spy: list
 
     ops.decode_graphs = record
     try:
-        config = DispatcherConfig(control=ControlConfig(cuda_graphs=graphs),
-                                  kv_budget_bytes=64 << 20, memory_fraction=0.05)
+        config = DispatcherConfig(
+            control=ControlConfig(SchedulerConfig(max_round_tokens=max_round_tokens),
+                                  cuda_graphs=graphs, prefix_cache=prefix_cache),
+            kv_budget_bytes=64 << 20, memory_fraction=0.05)
         with Dispatcher(device, transformer, model.tokenizer, config) as d:
             queues = [queue.Queue() for _ in prompts]
-            for p, sp, q in zip(prompts, params, queues, strict=True):  # all at once
-                d.submit(p, sp, q.put)
             outs = []
-            for q in queues:
+
+            def submit(i: int) -> None:
+                d.submit(prompts[i], params[i], queues[i].put)
+
+            if not one_by_one:
+                for i in range(len(prompts)):
+                    submit(i)
+            for i, q in enumerate(queues):
+                if one_by_one:
+                    submit(i)
                 tokens, lps, done = [], [], False
                 while not done:
                     o = q.get(timeout=600)
@@ -108,6 +121,33 @@ def test_graph_replays_give_the_eager_tokens(device, qwen3) -> None:
     assert graphs.replays > 0 and not graphs.failures
     assert graphs.captured >= 2  # several batch buckets
     assert spy_off[0].replays == 0 and spy_off[0].eager_rounds > 0
+
+
+def test_rows_that_read_host_tokens_sample_into_their_sessions_slots(device, qwen3) -> None:
+    """A round of one row per session is replayed even when a row reads its token from
+    the host rather than the token buffer: the last prompt token of a prompt served from
+    the prefix cache, or of a prefill whose last chunk is a single token. Its sample must
+    still reach the session's slot, or the next round decodes from a stale token. (It did
+    not: every later token of such a session was wrong.) Reference: the same requests
+    without the prefix cache, in rounds that prefill whole prompts at once."""
+    from kernels.cuda_backend import cuda_transformer
+    from kernels.cuda_ops import CudaOps
+
+    gpu = cuda_transformer(qwen3, ops=CudaOps(device))
+    base = rng.integers(0, 300, 9).tolist()
+    prompts = [base, base, base[:6] + [7, 8], rng.integers(0, 300, 9).tolist()]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)] * 4
+    want = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=[], one_by_one=True,
+                prefix_cache=False)
+    spy: list = []
+    cached = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=spy,
+                  one_by_one=True)
+    assert cached == want
+    assert want[0] == want[1]
+    assert spy[0].replays > 0
+    chunked = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=[], one_by_one=True,
+                   prefix_cache=False, max_round_tokens=8)  # 9 = 8 + a 1-row round
+    assert chunked == want
 
 
 def test_graphs_capture_the_general_attention_kernel_too(device, qwen3) -> None:

@@ -1,8 +1,9 @@
-"""The GPU benchmark scripts run end to end on the emulated GPU (tests/gpu_emulator.py),
-in CI-sized settings. A script that would crash on the device costs one of the rare GPU
-sessions its minutes; here it costs a red CI instead. Nothing is timed: the emulator's
-speed says nothing about a GPU's. What is checked is that each script completes and prints
-its report: the physical limit it compares with and the figures beside it."""
+"""The GPU benchmark scripts and the `eagerlm` commands with `--device cuda` run end to end
+on the emulated GPU (tests/gpu_emulator.py), in CI-sized settings. A script that would
+crash on the device costs one of the rare GPU sessions its minutes; here it costs a red CI
+instead. Nothing is timed: the emulator's speed says nothing about a GPU's. What is
+checked is that each completes and reports: a benchmark, the physical limit it compares
+with and the figures beside it; a command, what it does on the cpu backend."""
 
 from __future__ import annotations
 
@@ -144,3 +145,59 @@ def test_eagerlm_bench_offline_on_cuda(emulator, tmp_path, capsys) -> None:
     assert "Throughput:" in capsys.readouterr().out
     s = json.loads(out.read_text())["summary"]
     assert s["n_failed"] == 0 and s["output_tokens"] > 0
+
+
+def test_eagerlm_generate_on_cuda_prints_the_cpu_backends_greedy_text(emulator, tmp_path,
+                                                                      capsys) -> None:
+    from gguf import GGMLQuantizationType
+
+    from loader.synthetic import tiny_spec, write_synthetic_model
+    from service.cli import main
+
+    path = str(write_synthetic_model(tmp_path / "m.gguf", tiny_spec(
+        "llama", weight_type=GGMLQuantizationType.BF16)))
+    texts, launches = [], []
+    for device in ("cpu", "cuda"):
+        launches.append(emulator.calls.get("cuLaunchKernel", 0))
+        assert main(["generate", "-m", path, "-p", "hello there", "-n", "12", "-t", "0",
+                     "-q", "--device", device, "--memory-fraction", "0.02"]) == 0
+        out, err = capsys.readouterr()
+        assert "generated 12 tokens" in err
+        texts.append(out)
+    assert launches[0] == 0 < emulator.calls.get("cuLaunchKernel", 0)  # cuda ran on the GPU
+    assert texts[0] == texts[1] and texts[0].strip()
+
+
+def test_eagerlm_serve_on_cuda_streams_concurrent_chats(emulator, tmp_path) -> None:
+    """The OpenAI-compatible server over a cuda engine: concurrent streamed chats, each
+    the text the same request gets without streaming, and the KV pages all back after."""
+    import concurrent.futures
+
+    import openai
+
+    from loader.synthetic import tiny_spec, write_synthetic_model
+    from service.engine import Engine
+    from service.server import ServerConfig, create_app
+    from tests.test_server import LiveServer
+
+    path = write_synthetic_model(tmp_path / "m.gguf", tiny_spec("qwen3", context_length=256))
+    with Engine.load(path, "cuda", memory_fraction=0.02, model_name="m") as engine, \
+            LiveServer(create_app(engine, ServerConfig())) as server, \
+            openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0,
+                          timeout=120) as client:
+        def chat(i: int, stream: bool) -> str:
+            kw = dict(model="m", messages=[{"role": "user", "content": f"hello {i}"}],
+                      max_tokens=6 + i, temperature=0, extra_body={"ignore_eos": True})
+            if not stream:
+                return client.chat.completions.create(**kw).choices[0].message.content
+            return "".join(c.choices[0].delta.content or ""
+                           for c in client.chat.completions.create(stream=True, **kw)
+                           if c.choices)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            streamed = list(pool.map(lambda i: chat(i, True), range(4)))
+        assert streamed == [chat(i, False) for i in range(4)]
+        assert all(streamed)
+        engine.flush()
+        pool_ = engine.dispatcher.pool
+        assert pool_.n_free == pool_.n_pages

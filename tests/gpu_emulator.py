@@ -126,10 +126,13 @@ def build_module(source: str, kernels: list[str]) -> Path:
 
 class EmulatedGemm:
     """kernels.cublaslt.Gemm's matmul as a float32 numpy GEMM over the same bf16 bytes,
-    run in stream order."""
+    run in stream order. Like cuBLAS, its rounding may depend on the row count (BLAS
+    takes another path for one row than for many); with `row_exact`, each row is its own
+    float64 product, so a row's result never depends on the others in the batch."""
 
-    def __init__(self, drv: EmulatedDriver) -> None:
+    def __init__(self, drv: EmulatedDriver, row_exact: bool = False) -> None:
         self.drv = drv
+        self.row_exact = row_exact
         self._shapes: set[tuple[int, int, int, int]] = set()
         self.heuristic_calls = 0  # as Gemm's: one per new shape
 
@@ -147,7 +150,11 @@ class EmulatedGemm:
         def run() -> None:
             xs = from_bf16_bits(_host_array(x, n_tok * n_in, np.uint16)).reshape(n_tok, n_in)
             ws = from_bf16_bits(_host_array(w, n_out * n_in, np.uint16)).reshape(n_out, n_in)
-            out = xs @ ws.T
+            if self.row_exact:
+                w64 = ws.astype(np.float64)
+                out = np.stack([w64 @ row for row in xs.astype(np.float64)]).astype(np.float32)
+            else:
+                out = xs @ ws.T
             if out_type == CUDA_R_32F:
                 _host_array(y, n_tok * n_out, np.float32)[:] = out.reshape(-1)
             else:
@@ -471,9 +478,9 @@ class EmulatedDriver(FakeDriver):
 
 
 @contextlib.contextmanager
-def emulated_gpu() -> Iterator[EmulatedDriver]:
+def emulated_gpu(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
     """Within: `open_device("cuda")` gives a device on the emulated driver, kernels build
-    for the host, and GEMMs are numpy's."""
+    for the host, and GEMMs are numpy's (`row_exact_gemm`: see EmulatedGemm)."""
     import pytest
 
     import kernels.cublaslt
@@ -492,7 +499,8 @@ def emulated_gpu() -> Iterator[EmulatedDriver]:
         mp.setattr(vmm.cuda_driver, "_driver", drv)
         mp.setattr(kernels.cuda_kernels, "compile_kernel",
                    lambda source, arch: SimpleNamespace(image=b"EMU:" + source.encode()))
-        mp.setattr(kernels.cublaslt, "Gemm", lambda workspace, nbytes: EmulatedGemm(drv))
+        mp.setattr(kernels.cublaslt, "Gemm",
+                   lambda workspace, nbytes: EmulatedGemm(drv, row_exact_gemm))
         try:
             yield drv
         finally:

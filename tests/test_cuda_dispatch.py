@@ -1,0 +1,127 @@
+"""The dispatcher on the cuda backend, on the emulated GPU: whatever the configuration
+(graphs or eager launches, prefix cache, chunked prefill, eager or sync, preemption by
+recompute or swap), every request gives exactly the tokens it gives run alone.
+
+On a GPU, as on the emulator's default GEMM, a row's rounding may depend on how many rows
+share its GEMM, so batch composition can flip a near-tie; that is numerics, not dispatch.
+Here the emulated GEMM computes each row on its own (`row_exact_gemm`), which makes exact
+equality the specification: any difference is a dispatch bug (a token read from the wrong
+slot, KV written to the wrong place), as the one a cached prefix once caused on cuda."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from dispatch.control_thread import ControlConfig
+from dispatch.dispatcher import Dispatcher, DispatcherConfig
+from dispatch.scheduler import SchedulerConfig
+from loader.model_file import ModelFile
+from loader.synthetic import tiny_spec, write_synthetic_model
+from tests.gpu_emulator import EmulatorUnavailable, emulated_gpu
+from tests.test_dispatcher import random_workload, run_workload
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from vmm.device import open_device
+
+    try:
+        with emulated_gpu(row_exact_gemm=True) as drv:
+            device = open_device("cuda")
+            yield device
+            device.close()
+            assert drv.failures() == [], "an emulated kernel failed"
+    except EmulatorUnavailable as exc:
+        pytest.skip(f"no kernel emulator ({exc})")
+
+
+@pytest.fixture(scope="module")
+def model(gpu, tmp_path_factory):
+    """gemma3: its sliding window (16) and softcapping beside the common path. Sessions
+    span several pages (2 KiB of KV per token, 32 tokens per emulated page)."""
+    from kernels.cuda_backend import cuda_transformer
+    from kernels.cuda_ops import CudaOps
+
+    spec = tiny_spec("gemma3", n_layers=4, n_kv_heads=4, n_heads=4, head_dim=32,
+                     d_model=64, context_length=160, final_logit_softcap=30.0)
+    path = tmp_path_factory.mktemp("m") / "gemma3.gguf"
+    m = ModelFile.open(write_synthetic_model(path, spec))
+    return m, cuda_transformer(m, ops=CudaOps(gpu))
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    """Seeded and greedy sampling, top-k, penalties, logprobs, EOS honoured or not. The
+    last two repeat the first two's prompts (and run after the others: see `_results`),
+    so they start from the prefix cache."""
+    rng = random.Random(7)
+    reqs = [(k, prompt, dataclasses.replace(
+                params, repetition_penalty=rng.choice([1.0, 1.3]),
+                frequency_penalty=rng.choice([0.0, 0.5]), logprobs=rng.choice([None, 2])))
+            for k, prompt, params in random_workload(model, rng, 12)]
+    return reqs + [(12 + k, prompt, params) for k, prompt, params in reqs[:2]]
+
+
+def _dispatcher(gpu, model, *, pages: int | None = None, max_batch: int = 8,
+                round_tokens: int = 32, preempt: str = "recompute",
+                **control) -> Dispatcher:
+    m, tf = model
+    fraction = 0.05
+    if pages is not None:  # a pool of about `pages` pages
+        free, _ = gpu.mem_info()
+        fraction = (pages + 0.5) * gpu.page_size / free
+    scheduler = SchedulerConfig(max_batch=max_batch, max_round_tokens=round_tokens,
+                                map_ahead=4, preempt=preempt)
+    return Dispatcher(gpu, tf, m.tokenizer, DispatcherConfig(
+        control=ControlConfig(scheduler, **control), memory_fraction=fraction))
+
+
+def _results(d: Dispatcher, reqs, arrivals: random.Random | None = None,
+             then: int = 2) -> tuple[dict, tuple[int, int, int]]:
+    """Each request's (tokens, text, finish reason), the last `then` submitted once the
+    others have finished; and (preemptions, pages in the pool, prefix-cache hits)."""
+    with d:
+        first = run_workload(d, reqs[:len(reqs) - then], arrivals)
+        last = run_workload(d, reqs[len(reqs) - then:])
+        stats = (d.control.scheduler.preemptions, d.pool.n_pages, d.control.cache.hits
+                 if d.control.cache is not None else 0)
+    return {k: (first if i < len(reqs) - then else last).result(k)
+            for i, (k, _, _) in enumerate(reqs)}, stats
+
+
+@pytest.fixture(scope="module")
+def alone(gpu, model, workload):
+    """Each request by itself: one session per round, whole prompts, no cache."""
+    out = {}
+    for req in workload:
+        got, _ = _results(_dispatcher(gpu, model, max_batch=1, round_tokens=256,
+                                      prefix_cache=False), [req], then=0)
+        out.update(got)
+    return out
+
+
+CONFIGS = {
+    "graphs": {},
+    "eager launches": dict(cuda_graphs=False),
+    "no prefix cache": dict(prefix_cache=False),
+    "sync": dict(sync=True),
+    "chunked prefill": dict(round_tokens=8),
+    "preempt, recompute": dict(pages=10),
+    "preempt, swap": dict(pages=10, preempt="swap"),
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_request_equals_its_run_alone(gpu, model, workload, alone, config) -> None:
+    kw = CONFIGS[config]
+    got, (preemptions, n_pages, hits) = _results(_dispatcher(gpu, model, **kw), workload,
+                                                 random.Random(5))
+    if "pages" in kw:
+        assert n_pages <= kw["pages"] + 1 and preemptions > 0, "the pool was not tight"
+    if kw.get("prefix_cache", True) and "pages" not in kw:  # a tight pool evicts entries
+        assert hits >= 2, "the repeated prompts did not start from the prefix cache"
+    differ = [k for k in got if got[k] != alone[k]]
+    assert not differ, {k: (got[k][0], alone[k][0]) for k in differ}

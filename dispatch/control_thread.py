@@ -234,6 +234,9 @@ class ControlThread:
         except OutOfPages:
             region.release()
             return
+        # the copy of the partial page reads the entry after its last round: evicting the
+        # entry must wait for the copy too, or its page is unmapped (and reused) under it
+        entry.event = self.compute.record(self.device.event(timing=False))
         s.region, s.n_cached, s.n_reused = region, n, n
         self.cache.hits += 1
         self.cache.reused_tokens += n
@@ -256,9 +259,10 @@ class ControlThread:
         s.region = None
 
     def _evict_cached(self) -> bool:
-        if self.cache is None or not self.cache.evict_one():
+        entry = self.cache.evict_one() if self.cache is not None else None
+        if entry is None:
             return False
-        _sync(self.last_event)  # its last writes are at most the latest round's
+        _sync(entry.event)  # so that reclaim gets its pages back now
         self.pool.reclaim()
         return True
 

@@ -19,7 +19,9 @@ from vmm.kv_region import KVRegion
 class CachedPrefix:
     tokens: tuple[int, ...]
     region: KVRegion
-    event: Event | None  # recorded after the last round that wrote the region
+    # recorded after the last work that touched the region: the round that wrote it last,
+    # or a later copy of its partial page into a session that shares its prefix
+    event: Event | None
 
 
 class PrefixCache:
@@ -51,16 +53,17 @@ class PrefixCache:
             self._entries.move_to_end(best_key)
         return best, best_n
 
-    def evict_one(self) -> bool:
-        """Release the least recently used entry (pages return once its event completes)."""
+    def evict_one(self) -> CachedPrefix | None:
+        """Release the least recently used entry (its pages return once its event has
+        completed) and return it; None when the cache is empty."""
         if not self._entries:
-            return False
+            return None
         _, entry = self._entries.popitem(last=False)
         entry.region.release(after=entry.event)
-        return True
+        return entry
 
     def clear(self) -> None:
-        while self.evict_one():
+        while self.evict_one() is not None:
             pass
 
 

@@ -125,3 +125,35 @@ def test_every_request_equals_its_run_alone(gpu, model, workload, alone, config)
         assert hits >= 2, "the repeated prompts did not start from the prefix cache"
     differ = [k for k in got if got[k] != alone[k]]
     assert not differ, {k: (got[k][0], alone[k][0]) for k in differ}
+
+
+def test_an_evicted_prefix_waits_for_the_copy_that_reads_it(gpu, model) -> None:
+    """A session starting from a cached prefix copies the entry's partial last page on
+    the compute stream. If the pool then needs that entry's pages at once, evicting it
+    must wait for the copy: its pages are unmapped and handed to the new session, and a
+    copy still queued would read unmapped memory (a crash on the emulator; on a GPU, an
+    illegal address or another session's KV). It did not wait. Here the compute stream
+    is held by a gate while the session is admitted, so the copy is surely still queued
+    (without the wait, this test crashes the emulator: the copy reads unmapped memory)."""
+    import threading
+
+    from kernels.sampling import SamplingParams
+    from tests.test_dispatcher import Collector
+
+    prompt = [(7 * i + 3) % 500 + 5 for i in range(40)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with _dispatcher(gpu, model, pages=3, max_batch=2, round_tokens=256) as d:
+        assert d.pool.n_pages == 3
+        first = run_workload(d, [(0, prompt, greedy)]).result(0)[0]
+        # 48 tokens cached = 1 whole page (32 tokens, shared) + a partial one (copied)
+        longer = prompt + first + [(11 * i + 1) % 500 + 5 for i in range(40)]
+        gate = d.control.compute.gate()
+        threading.Timer(0.5, gate.open).start()
+        col = Collector()
+        d.submit(longer, greedy, col.sink_for(1))
+        col.wait(1)
+        got = col.result(1)
+        assert d.control.cache.hits == 1
+    want, _ = _results(_dispatcher(gpu, model, max_batch=1, round_tokens=256,
+                                   prefix_cache=False), [(1, longer, greedy)], then=0)
+    assert got == want[1]

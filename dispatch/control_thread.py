@@ -234,10 +234,12 @@ class ControlThread:
         except OutOfPages:
             region.release()
             return
-        # the copy of the partial page reads the entry after its last round: evicting the
-        # entry must wait for the copy too, or its page is unmapped (and reused) under it
-        entry.event = self.compute.record(self.device.event(timing=False))
-        s.region, s.n_cached, s.n_reused = region, n, n
+        # the copy of the partial page reads the entry after its last round and writes the
+        # new region before any: releasing either (eviction; a cancel or preemption before
+        # the first round) must wait for the copy, or a page is unmapped and reused under it
+        copied = self.compute.record(self.device.event(timing=False))
+        entry.event = copied
+        s.region, s.n_cached, s.n_reused, s.last_event = region, n, n, copied
         self.cache.hits += 1
         self.cache.reused_tokens += n
 

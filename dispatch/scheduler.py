@@ -42,7 +42,7 @@ class Session:
     n_cached: int = 0  # positions whose KV launched rounds write
     n_sampled: int = 0  # tokens sampled by launched rounds
     n_reused: int = 0  # prompt positions taken from the prefix cache
-    last_event: Event | None = None  # recorded after the last round that touched its KV
+    last_event: Event | None = None  # recorded after the last work that touched its KV
     stopped: bool = False
     counts_valid: bool = False  # the sampler's penalty counts match what is cached
     prompt_len: int = field(init=False)

@@ -157,3 +157,48 @@ def test_an_evicted_prefix_waits_for_the_copy_that_reads_it(gpu, model) -> None:
     want, _ = _results(_dispatcher(gpu, model, max_batch=1, round_tokens=256,
                                    prefix_cache=False), [(1, longer, greedy)], then=0)
     assert got == want[1]
+
+
+def test_a_session_cancelled_before_its_first_round_waits_for_its_prefix_copy(gpu,
+                                                                             model) -> None:
+    """The same copy writes the new session's own page. A session cancelled before its
+    first round (here it waits behind another, one session per round) keeps its region
+    in the prefix cache; that entry may be evicted (its pages unmapped and reused) only
+    after the copy: its event must come after it, not be missing (which meant: release
+    at once)."""
+    import time
+
+    from dispatch.messages import FinishReason
+    from kernels.sampling import SamplingParams
+    from tests.test_dispatcher import Collector
+
+    prompt = [(5 * i + 2) % 500 + 5 for i in range(40)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    other = [(3 * i + 1) % 500 + 5 for i in range(12)]
+    with _dispatcher(gpu, model, max_batch=1, round_tokens=256, lookahead=8) as d:
+        first = run_workload(d, [(0, prompt, greedy)]).result(0)[0]
+        col = Collector()
+        # from here on the device waits behind the gate: the copy is surely still queued
+        # when the cancel reaches the control thread (which may launch 8 rounds ahead)
+        gate = d.control.compute.gate()
+        try:
+            d.submit(other, long, col.sink_for("other"))
+            request = d.submit(prompt + first + [9, 10], greedy, col.sink_for("cancelled"))
+            d.cancel(request)
+            for _ in range(1000):  # until the cancelled session's region is cached
+                if len(d.control.cache) == 2:
+                    break
+                time.sleep(0.01)
+            assert d.control.cache.hits == 1 and len(d.control.cache) == 2
+            entry = list(d.control.cache._entries.values())[-1]
+            assert entry.event is not None and not entry.event.query()  # copy pending
+        finally:
+            gate.open()
+        col.wait(2)
+        entry.event.synchronize()
+        assert col.result("cancelled")[2] is FinishReason.CANCELLED
+        got = col.result("other")
+    want, _ = _results(_dispatcher(gpu, model, max_batch=1, round_tokens=256,
+                                   prefix_cache=False), [("other", other, long)], then=0)
+    assert got == want["other"]

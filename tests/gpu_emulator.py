@@ -478,6 +478,20 @@ class EmulatedDriver(FakeDriver):
 
 
 @contextlib.contextmanager
+def emulated_gpu_for_test(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
+    """`emulated_gpu` for a test fixture: the test is skipped where the emulator cannot be
+    built, and fails if an emulated kernel failed on any stream."""
+    import pytest
+
+    try:
+        with emulated_gpu(row_exact_gemm) as drv:
+            yield drv
+            assert drv.failures() == [], "an emulated kernel failed"
+    except EmulatorUnavailable as exc:
+        pytest.skip(f"no kernel emulator ({exc})")
+
+
+@contextlib.contextmanager
 def emulated_gpu(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
     """Within: `open_device("cuda")` gives a device on the emulated driver, kernels build
     for the host, and GEMMs are numpy's (`row_exact_gemm`: see EmulatedGemm)."""

@@ -20,7 +20,7 @@ from dispatch.dispatcher import Dispatcher, DispatcherConfig
 from dispatch.scheduler import SchedulerConfig
 from loader.model_file import ModelFile
 from loader.synthetic import tiny_spec, write_synthetic_model
-from tests.gpu_emulator import EmulatorUnavailable, emulated_gpu
+from tests.gpu_emulator import emulated_gpu_for_test
 from tests.test_dispatcher import random_workload, run_workload
 
 
@@ -28,14 +28,10 @@ from tests.test_dispatcher import random_workload, run_workload
 def gpu():
     from vmm.device import open_device
 
-    try:
-        with emulated_gpu(row_exact_gemm=True) as drv:
-            device = open_device("cuda")
-            yield device
-            device.close()
-            assert drv.failures() == [], "an emulated kernel failed"
-    except EmulatorUnavailable as exc:
-        pytest.skip(f"no kernel emulator ({exc})")
+    with emulated_gpu_for_test(row_exact_gemm=True):
+        device = open_device("cuda")
+        yield device
+        device.close()
 
 
 @pytest.fixture(scope="module")

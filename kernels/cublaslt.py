@@ -6,9 +6,14 @@ so cuBLASLt computes D (out x T) = op(A) B with A = w seen column-major as (in x
 transposed, and B = x seen column-major as (in x T): the "TN" case, the one the library
 tunes best.
 
-Descriptors and the heuristic's choice of algorithm are cached per shape: the heuristic
-costs tens of microseconds, a launch a few. nvmath-python is an optional dependency (the
-`cuda` extra) imported on first use, so everything else imports without it.
+Descriptors and the heuristic's choice of algorithm are cached per shape and operand
+alignment: the heuristic costs tens of microseconds, a launch a few. The alignment is part
+of the key because the heuristic assumes every operand 256-byte aligned unless told
+otherwise, and an algorithm chosen under that assumption refuses (CUBLAS_STATUS_NOT_SUPPORTED)
+or faults on a less aligned pointer, such as a view that starts a few rows into a
+buffer; so each plan tells the heuristic the alignment its pointers really have, as
+PyTorch and TransformerEngine do. nvmath-python is an optional dependency (the `cuda` extra)
+imported on first use, so everything else imports without it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ CUBLAS_OP_N = 0
 CUBLAS_OP_T = 1
 WORKSPACE_BYTES = 32 << 20  # cuBLASLt's recommendation for Hopper
 MAX_CACHED_SHAPES = 1024
+MAX_ALIGNMENT = 256  # what the heuristic assumes of a pointer unless told less
+
+
+def alignment(ptr: int) -> int:
+    """The largest power of two up to MAX_ALIGNMENT that divides `ptr`."""
+    return min(MAX_ALIGNMENT, ptr & -ptr) if ptr else MAX_ALIGNMENT
 
 
 class CublasLtUnavailable(RuntimeError):
@@ -63,7 +74,7 @@ class Gemm:
         self.handle = self.lt.create()
         self.workspace_ptr = workspace_ptr
         self.workspace_bytes = workspace_bytes
-        self._plans: OrderedDict[tuple[int, int, int, int], _Plan] = OrderedDict()
+        self._plans: OrderedDict[tuple[int, ...], _Plan] = OrderedDict()
         self._lock = threading.Lock()
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
@@ -74,27 +85,28 @@ class Gemm:
         """Enqueue y[n_tokens, n_out] = x[n_tokens, n_in] @ w[n_out, n_in]^T on `stream`."""
         if n_tokens == 0:
             return
+        key = (n_tokens, n_in, n_out, out_dtype, alignment(w), alignment(x), alignment(y))
         with self._lock:  # a plan is never evicted while a launch uses it
-            plan = self._plan(n_tokens, n_in, n_out, out_dtype)
+            plan = self._plan(key)
             self.lt.matmul(self.handle, plan.desc, self._alpha.ctypes.data, w, plan.a, x,
                            plan.b, self._beta.ctypes.data, y, plan.d, y, plan.d,
                            plan.heuristic.ptr, self.workspace_ptr, plan.workspace_size, stream)
 
-    def _plan(self, n_tokens: int, k: int, n_out: int, out_dtype: int) -> _Plan:
-        """The cached plan of a shape (lock held)."""
-        key = (n_tokens, k, n_out, out_dtype)
+    def _plan(self, key: tuple[int, ...]) -> _Plan:
+        """The cached plan of a shape and alignment (lock held)."""
         plan = self._plans.get(key)
         if plan is not None:
             self._plans.move_to_end(key)
             return plan
-        plan = self._make_plan(n_tokens, k, n_out, out_dtype)
+        plan = self._make_plan(*key)
         self._plans[key] = plan
         if len(self._plans) > MAX_CACHED_SHAPES:
             _, old = self._plans.popitem(last=False)
             self._destroy(old)
         return plan
 
-    def _make_plan(self, n_tokens: int, k: int, n_out: int, out_dtype: int) -> _Plan:
+    def _make_plan(self, n_tokens: int, k: int, n_out: int, out_dtype: int, align_w: int,
+                   align_x: int, align_y: int) -> _Plan:
         lt = self.lt
         from nvmath.bindings import cublas
 
@@ -112,6 +124,13 @@ class Gemm:
             lt.matmul_preference_set_attribute(
                 pref, int(lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES),
                 ctypes.addressof(ws), 8)
+            pa = lt.MatmulPreferenceAttribute
+            for attr, value in ((pa.MIN_ALIGNMENT_A_BYTES, align_w),
+                                (pa.MIN_ALIGNMENT_B_BYTES, align_x),
+                                (pa.MIN_ALIGNMENT_C_BYTES, align_y),
+                                (pa.MIN_ALIGNMENT_D_BYTES, align_y)):
+                v32 = ctypes.c_uint32(value)
+                lt.matmul_preference_set_attribute(pref, int(attr), ctypes.addressof(v32), 4)
             result = lt.MatmulHeuristicResult(1)
             count = ctypes.c_int(0)
             lt.matmul_algo_get_heuristic(self.handle, desc, a, b, d, d, pref, 1, result.ptr,

@@ -19,8 +19,10 @@ rules are kept) plus what kernels need:
   NVRTC makes of the same source), and more than 48 KiB of dynamic shared memory
   without the opt-in.
 - stream-ordered allocation, memset and the synchronous copies;
-- cuBLASLt's GEMM is replaced by a numpy float32 GEMM over the same bf16 bytes
-  (`EmulatedGemm`): cuBLASLt is NVIDIA's, not ours to test.
+- cuBLASLt is tests/fake_cublaslt.py: the engine's own `kernels.cublaslt.Gemm` builds its
+  descriptors, preferences and plans against it, the library's documented contract is
+  checked (argument types, shapes, operand alignment, workspace), and the product is a
+  numpy GEMM over the same bf16 bytes: cuBLASLt's kernels are NVIDIA's, not ours to test.
 
 This checks indexing, synchronization and numerics of our kernels and the host code that
 drives them; it says nothing about speed, and the hardware's own behaviour is checked only
@@ -43,8 +45,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-
-import numpy as np
 
 from tests.fake_cuda_driver import FakeDriver, R, real
 
@@ -124,53 +124,6 @@ def build_module(source: str, kernels: list[str]) -> Path:
     return out
 
 
-class EmulatedGemm:
-    """kernels.cublaslt.Gemm's matmul as a float32 numpy GEMM over the same bf16 bytes,
-    run in stream order. Like cuBLAS, its rounding may depend on the row count (BLAS
-    takes another path for one row than for many); with `row_exact`, each row is its own
-    float64 product, so a row's result never depends on the others in the batch."""
-
-    def __init__(self, drv: EmulatedDriver, row_exact: bool = False) -> None:
-        self.drv = drv
-        self.row_exact = row_exact
-        self._shapes: set[tuple[int, int, int, int]] = set()
-        self.heuristic_calls = 0  # as Gemm's: one per new shape
-
-    def matmul(self, stream: int, y: int, x: int, w: int, n_tok: int, n_in: int, n_out: int,
-               out_type: int) -> None:
-        from kernels.cublaslt import CUDA_R_32F
-        from kernels.cuda_ops import from_bf16_bits, to_bf16_bits
-
-        if n_tok == 0:
-            return
-        if (key := (n_tok, n_in, n_out, out_type)) not in self._shapes:
-            self._shapes.add(key)
-            self.heuristic_calls += 1
-
-        def run() -> None:
-            xs = from_bf16_bits(_host_array(x, n_tok * n_in, np.uint16)).reshape(n_tok, n_in)
-            ws = from_bf16_bits(_host_array(w, n_out * n_in, np.uint16)).reshape(n_out, n_in)
-            if self.row_exact:
-                w64 = ws.astype(np.float64)
-                out = np.stack([w64 @ row for row in xs.astype(np.float64)]).astype(np.float32)
-            else:
-                out = xs @ ws.T
-            if out_type == CUDA_R_32F:
-                _host_array(y, n_tok * n_out, np.float32)[:] = out.reshape(-1)
-            else:
-                _host_array(y, n_tok * n_out, np.uint16)[:] = to_bf16_bits(out).reshape(-1)
-
-        self.drv.enqueue(stream, run)
-
-    def close(self) -> None:
-        pass
-
-
-def _host_array(ptr: int, n: int, dtype: Any) -> np.ndarray:
-    size = n * np.dtype(dtype).itemsize
-    return np.frombuffer((ctypes.c_char * size).from_address(ptr), dtype=dtype, count=n)
-
-
 class _Launch(ctypes.Structure):
     _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint),
                 ("bx", ctypes.c_uint), ("by", ctypes.c_uint), ("bz", ctypes.c_uint),
@@ -206,6 +159,7 @@ class EmulatedDriver(FakeDriver):
         self.resources: dict[int, Any] = {}  # function -> KernelResources (sm_90 cubin)
         self.async_allocs: set[int] = set()
         self.launches = 0
+        self.cublaslt: Any = None  # tests/fake_cublaslt.FakeCublasLt, set by emulated_gpu
         self.capturing: dict[int, set[int]] = {}  # stream -> allocations of its capture
         self.capture_threads: dict[int, int] = {}  # stream -> the thread capturing it
         self.capture_invalid: set[int] = set()  # captures a refused call invalidated
@@ -494,7 +448,7 @@ def emulated_gpu_for_test(row_exact_gemm: bool = False) -> Iterator[EmulatedDriv
 @contextlib.contextmanager
 def emulated_gpu(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
     """Within: `open_device("cuda")` gives a device on the emulated driver, kernels build
-    for the host, and GEMMs are numpy's (`row_exact_gemm`: see EmulatedGemm)."""
+    for the host, and cuBLASLt is tests/fake_cublaslt.py (`row_exact_gemm`: see there)."""
     import pytest
 
     import kernels.cublaslt
@@ -508,13 +462,18 @@ def emulated_gpu(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
         cuda_include_dir()
     except Exception as exc:
         raise EmulatorUnavailable(str(exc)) from exc
+    try:
+        from tests.fake_cublaslt import FakeCublasLt
+    except ImportError as exc:
+        raise EmulatorUnavailable(f"nvmath-python, whose cuBLASLt bindings the fake "
+                                  f"checks calls against, is not installed ({exc})") from exc
     drv = EmulatedDriver()
+    drv.cublaslt = FakeCublasLt(drv, row_exact_gemm)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(vmm.cuda_driver, "_driver", drv)
         mp.setattr(kernels.cuda_kernels, "compile_kernel",
                    lambda source, arch: SimpleNamespace(image=b"EMU:" + source.encode()))
-        mp.setattr(kernels.cublaslt, "Gemm",
-                   lambda workspace, nbytes: EmulatedGemm(drv, row_exact_gemm))
+        mp.setattr(kernels.cublaslt, "_cublaslt", lambda: drv.cublaslt)
         try:
             yield drv
         finally:

@@ -1,6 +1,7 @@
 """The cuda ops against the numpy reference, on a GPU (skipped without one) and on the
 emulated GPU of tests/gpu_emulator.py (the same kernels compiled for the host, run with
-CUDA's block and warp semantics; GEMMs there are numpy's).
+CUDA's block and warp semantics; cuBLASLt there is tests/fake_cublaslt.py, whose products
+are numpy's).
 
 Every op runs on fresh random inputs; inputs are rounded to bf16 first, so the comparison
 measures the op and not the rounding of its inputs, and outputs are poisoned (NaN bytes)
@@ -172,6 +173,51 @@ def test_rows(ops) -> None:
     x = rand(9, 70)
     rows = np.array([8, 0, 8, 3], np.int64)
     close(ops.to_numpy(ops.rows(ops.upload(x, "bf16"), rows)), x[rows], ulps=0)
+
+
+# -- GEMMs (cuBLASLt) -------------------------------------------------------------------
+
+
+def _padded(ops, host: np.ndarray, offset: int, dtype: str):
+    """`host` on the device `offset` bytes into a larger allocation (the base is aligned):
+    a view as unaligned as a tensor that starts a few rows into a buffer."""
+    pad = np.zeros(offset // (2 if dtype == "bf16" else 4), host.dtype)
+    big = ops.upload(np.concatenate([pad, host.reshape(-1)]), dtype)
+    return big, big.view_at(offset, host.shape, dtype)
+
+
+@pytest.mark.parametrize("n_tok,n_in,n_out", [(1, 64, 96), (3, 72, 200), (17, 640, 130)])
+def test_linear_equals_the_float64_product(gemm_ops, n_tok, n_in, n_out) -> None:
+    """Reference: the float64 product of the same bf16 inputs (numpy). A bf16 output is
+    rounded before the bias is added, so an element that cancels is judged against its
+    row's RMS."""
+    ops = gemm_ops
+    x, w, b = rand(n_tok, n_in), rand(n_out, n_in, scale=0.1), rand(n_out)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    got = ops.linear(ops.upload(x, "bf16"), ops.upload(w, "bf16"))
+    close(ops.to_numpy(got), want, row=n_out)
+    got = ops.linear(ops.upload(x, "bf16"), ops.upload(w, "bf16"), ops.upload(b))
+    close(ops.to_numpy(got), want + b, row=n_out)
+
+
+@pytest.mark.parametrize("offset", [0, 2, 16, 128])
+@pytest.mark.parametrize("out", ["bf16", "f32"])
+def test_gemm_operands_need_not_be_256_byte_aligned(gemm_ops, offset, out) -> None:
+    """cuBLASLt's heuristic assumes 256-byte aligned operands unless told otherwise; a view
+    a few rows into a buffer is less aligned, and must still give the product (reference:
+    float64 numpy of the same bf16 inputs)."""
+    from kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F
+
+    ops = gemm_ops
+    n_tok, n_in, n_out = 5, 64, 48
+    x, w = rand(n_tok, n_in), rand(n_out, n_in, scale=0.1)
+    _xb, xv = _padded(ops, x, offset, "bf16")
+    _wb, wv = _padded(ops, w, offset, "bf16")
+    y_offset = offset if out == "bf16" else -(-offset // 4) * 4  # float32: 4-byte aligned
+    _yb, yv = _padded(ops, np.full((n_tok, n_out), np.nan, np.float32), y_offset, out)
+    ops.gemm.matmul(int(ops.stream.handle), yv.ptr, xv.ptr, wv.ptr, n_tok, n_in, n_out,
+                    CUDA_R_32F if out == "f32" else CUDA_R_16BF)
+    close(ops.to_numpy(yv), x.astype(np.float64) @ w.astype(np.float64).T, row=n_out)
 
 
 # -- rope --------------------------------------------------------------------------------

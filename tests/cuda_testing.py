@@ -15,7 +15,13 @@ REF = NumpyOps()
 rng = np.random.default_rng(1234)  # reseeded per test (tests/conftest.py)
 
 
-@pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu), "emulated"])
+# "emulated-reverse": blocks, and a block's threads between synchronizations, run in the
+# reverse order (tests/cuda_emulation/runtime.h). A GPU promises no order, so every kernel
+# must give the same result both ways; one that races on shared or global memory does not.
+# A test module of whole models sets FORWARD_SCHEDULE_ONLY: each kernel they run is tested
+# under both orders one by one.
+@pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu), "emulated",
+                                        "emulated-reverse"])
 def device(request):
     from vmm.cuda_driver import NoCudaDevice
     from vmm.device import open_device
@@ -30,10 +36,18 @@ def device(request):
         return
     from tests.gpu_emulator import emulated_gpu_for_test
 
-    with emulated_gpu_for_test():
+    if request.param == "emulated-reverse" and getattr(request.module,
+                                                       "FORWARD_SCHEDULE_ONLY", False):
+        pytest.skip("whole models run under the forward schedule only")
+    with emulated_gpu_for_test(), pytest.MonkeyPatch.context() as mp:
+        if request.param == "emulated-reverse":
+            mp.setenv(SCHEDULE_VARIABLE, "reverse")
         d = open_device("cuda")
         yield d
         d.close()
+
+
+SCHEDULE_VARIABLE = "EAGERLM_EMULATOR_SCHEDULE"
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +61,15 @@ def ops(device):
 
 @pytest.fixture()
 def gemm_ops(ops, device):
+    """`ops` for GEMMs and whole models. Not under the reversed schedule: GEMMs there are
+    numpy's, and every kernel a model runs is tested under it one by one."""
+    import os
+
+    if os.environ.get(SCHEDULE_VARIABLE) == "reverse":
+        pytest.skip("whole models and GEMMs run under the forward schedule only")
     if "Emulated" not in type(device.ctx).__name__ and "emulated" not in device.name:
         pytest.importorskip("nvmath.bindings.cublasLt", reason="nvmath-python not installed")
     return ops
-
-
 
 
 def bf16(x: np.ndarray) -> np.ndarray:

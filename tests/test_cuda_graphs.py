@@ -15,6 +15,8 @@ from kernels.cuda_graphs import batch_buckets, context_bucket
 from kernels.sampling import SamplingParams
 from tests.cuda_testing import device, rng  # noqa: F401  (fixtures)
 
+FORWARD_SCHEDULE_ONLY = True  # whole models: see tests/cuda_testing.py
+
 
 def test_batch_buckets_cover_every_size_up_to_the_limit() -> None:
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]

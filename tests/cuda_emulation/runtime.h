@@ -11,6 +11,12 @@
 // some threads of the block never reach, or a shuffle whose mask names an exited lane
 // ends the launch with an error instead of passing by luck.
 //
+// Blocks, and the fibers of a block between two synchronizations, run in index order, or
+// in reverse with EAGERLM_EMULATOR_SCHEDULE=reverse. A GPU promises neither, and for any
+// two threads (or blocks) one order runs the first before the second and the other the
+// second first, so a kernel that races on shared or global memory between two
+// synchronizations gives different results under the two: the tests run under both.
+//
 // What it does not model: the memory model between blocks (blocks run one after another),
 // timing, the hardware's exact float rounding of expf / exp2f / tanhf (the host libm's is
 // as good or better), and shared-memory bank conflicts. Dynamic shared memory is filled with
@@ -176,38 +182,44 @@ inline const char* launch(const Launch& l, std::function<void()> body) {
   S.block = dim3(l.bx, l.by, l.bz);
   S.body = std::move(body);
   S.n = (int)n;
-  for (unsigned bz = 0; bz < l.gz; ++bz)
-    for (unsigned by = 0; by < l.gy; ++by)
-      for (unsigned bx = 0; bx < l.gx; ++bx) {
-        S.block_idx = make_uint3(bx, by, bz);
-        if (l.smem) memset(S.smem, 0xFF, l.smem);
-        for (int i = 0; i < S.n; ++i) {
-          Fiber& f = S.fibers[i];
-          getcontext(&f.ctx);
-          f.ctx.uc_stack.ss_sp = S.stacks + (size_t)i * kStack;
-          f.ctx.uc_stack.ss_size = kStack;
-          f.ctx.uc_link = &S.sched;
-          makecontext(&f.ctx, trampoline, 0);
-          f.wait = RUN;
-        }
-        for (;;) {
-          bool alive = false;
-          for (int i = 0; i < S.n; ++i) {
-            if (S.fibers[i].wait != RUN) continue;
-            S.cur = i;
-            S.thread_idx = make_uint3(i % l.bx, (i / l.bx) % l.by, i / (l.bx * l.by));
-            swapcontext(&S.sched, &S.fibers[i].ctx);
-            if (S.error[0]) return S.error;
-          }
-          for (int i = 0; i < S.n; ++i) alive |= S.fibers[i].wait != DONE;
-          if (!alive) break;
-          if (!release()) {
-            fail("deadlock: threads of a block wait at different barriers (or some never "
-                 "reach a __syncthreads the others wait at)");
-            return S.error;
-          }
-        }
+  // The order blocks, and the threads of a block between two synchronizations, run in.
+  // A GPU promises none, so a kernel must give the same result under both: a race on
+  // shared or global memory that one order hides, the other shows.
+  const char* schedule = getenv("EAGERLM_EMULATOR_SCHEDULE");
+  const bool reverse = schedule && strcmp(schedule, "reverse") == 0;
+  const unsigned n_blocks = l.gx * l.gy * l.gz;
+  for (unsigned k = 0; k < n_blocks; ++k) {
+    const unsigned b = reverse ? n_blocks - 1 - k : k;
+    S.block_idx = make_uint3(b % l.gx, (b / l.gx) % l.gy, b / (l.gx * l.gy));
+    if (l.smem) memset(S.smem, 0xFF, l.smem);
+    for (int i = 0; i < S.n; ++i) {
+      Fiber& f = S.fibers[i];
+      getcontext(&f.ctx);
+      f.ctx.uc_stack.ss_sp = S.stacks + (size_t)i * kStack;
+      f.ctx.uc_stack.ss_size = kStack;
+      f.ctx.uc_link = &S.sched;
+      makecontext(&f.ctx, trampoline, 0);
+      f.wait = RUN;
+    }
+    for (;;) {
+      bool alive = false;
+      for (int j = 0; j < S.n; ++j) {
+        const int i = reverse ? S.n - 1 - j : j;
+        if (S.fibers[i].wait != RUN) continue;
+        S.cur = i;
+        S.thread_idx = make_uint3(i % l.bx, (i / l.bx) % l.by, i / (l.bx * l.by));
+        swapcontext(&S.sched, &S.fibers[i].ctx);
+        if (S.error[0]) return S.error;
       }
+      for (int i = 0; i < S.n; ++i) alive |= S.fibers[i].wait != DONE;
+      if (!alive) break;
+      if (!release()) {
+        fail("deadlock: threads of a block wait at different barriers (or some never "
+             "reach a __syncthreads the others wait at)");
+        return S.error;
+      }
+    }
+  }
   return nullptr;
 }
 

@@ -138,6 +138,8 @@ def dequantize(f: GGUFFile, info: TensorInfo) -> np.ndarray:
         out = raw.view(np.float16).astype(np.float32)
     elif info.qtype == Q.BF16:
         out = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif info.qtype == Q.Q8_0:
+        out = dequantize_q8_0(raw)
     elif info.qtype in SUPPORTED_TYPES:
         rows = raw.reshape(-1, raw.size // max(1, int(np.prod(info.shape[:-1]))))
         out = quants.dequantize(rows, info.qtype).astype(np.float32, copy=False)
@@ -145,6 +147,23 @@ def dequantize(f: GGUFFile, info: TensorInfo) -> np.ndarray:
         raise UnsupportedTensorType(f"cannot dequantize ggml type {info.qtype.name}",
                                     path=f.path, field=info.name)
     return out.reshape(info.shape)
+
+
+Q8_0_BLOCK_BYTES = 34  # a float16 scale, then 32 int8 values
+_Q8_0_CHUNK = 1 << 15  # blocks per step: ~4 MiB of float32 out, cache-sized temporaries
+
+
+def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q8_0 bytes as float32, with gguf-py's arithmetic (scale * value in float32, exact: an
+    11-bit by 8-bit product) but without its per-row-group Python loop, under which the
+    demo model's Q8_0 embedding (168M elements) alone took 3.6 s to load."""
+    blocks = raw.reshape(-1, Q8_0_BLOCK_BYTES)
+    out = np.empty((len(blocks), 32), np.float32)
+    for start in range(0, len(blocks), _Q8_0_CHUNK):
+        b = blocks[start:start + _Q8_0_CHUNK]
+        scale = b[:, :2].copy().view(np.float16).astype(np.float32)
+        np.multiply(b[:, 2:].view(np.int8), scale, out=out[start:start + _Q8_0_CHUNK])
+    return out.reshape(-1)
 
 
 def load_numpy_weights(f: GGUFFile, cfg: ModelConfig) -> ModelWeights[np.ndarray]:

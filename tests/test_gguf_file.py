@@ -12,7 +12,7 @@ import pytest
 from loader.config import config_from_gguf
 from loader.errors import GGUFFormatError, MissingKey, UnknownArchitecture, UnsupportedTensorType
 from loader.gguf_file import GGUFFile
-from loader.weights import build_weights
+from loader.weights import build_weights, dequantize_q8_0
 
 STRING, ARRAY, UINT32, FLOAT32, BOOL, INT32 = 8, 9, 4, 6, 7, 5
 
@@ -139,6 +139,33 @@ def test_truncated_header_names_offset(tmp_path, cut):
     assert e.value.offset is not None and e.value.offset <= cut
 
 
+def test_a_cut_anywhere_in_a_string_array_is_truncation_at_or_before_the_cut(tmp_path):
+    head = gguf_bytes([], [])[:24]  # magic, version, 0 tensors, then the count of kvs
+    head = head[:16] + struct.pack("<Q", 1)
+    kv = _kv("tokenizer.ggml.tokens", ARRAY, (STRING, ["a", "▁bc", "", "<0x0A>"]))
+    data = head + kv
+    GGUFFile.open(write(tmp_path, data + b"\0" * 32)).close()  # whole: reads fine
+    for cut in range(len(head) + 30, len(data)):
+        with pytest.raises(GGUFFormatError, match="truncated") as e:
+            GGUFFile.open(write(tmp_path, data[:cut]))
+        assert e.value.offset is not None and e.value.offset <= cut
+
+
+def test_string_array_pieces_that_are_not_utf8_stay_recoverable(tmp_path):
+    kv = _str("tokenizer.ggml.tokens") + struct.pack("<IIQ", ARRAY, STRING, 2)
+    kv += struct.pack("<Q", 2) + b"\xe2\x96" + struct.pack("<Q", 1) + b"x"  # half a '▁'
+    with GGUFFile.open(write(tmp_path, gguf_bytes(llama_kvs() + [kv], llama_tensors()))) as f:
+        pieces = f.metadata["tokenizer.ggml.tokens"]
+    assert pieces[1] == "x"
+    assert pieces[0].encode("utf-8", "surrogateescape") == b"\xe2\x96"
+
+
+def test_absurd_string_length_in_an_array(tmp_path):
+    kv = _str("tokenizer.ggml.tokens") + struct.pack("<IIQQ", ARRAY, STRING, 1, 1 << 62)
+    with pytest.raises(GGUFFormatError, match="absurd string length"):
+        GGUFFile.open(write(tmp_path, gguf_bytes([kv], [])))
+
+
 def test_tensor_data_past_end_of_file(tmp_path):
     data = gguf_bytes(llama_kvs(), llama_tensors())
     with pytest.raises(GGUFFormatError, match="past the end") as e:
@@ -214,3 +241,18 @@ def test_wrong_tensor_shape(tmp_path):
     with GGUFFile.open(write(tmp_path, gguf_bytes(llama_kvs(), tensors))) as f:
         with pytest.raises(GGUFFormatError, match="ffn_gate"):
             build_weights(f, config_from_gguf(f), lambda info: None)
+
+
+def test_q8_0_dequantizes_as_gguf_py_does_to_the_bit():
+    """Reference: gguf-py's `quants.dequantize`, on blocks it quantized, with scales over
+    float16's range (subnormal to large), more blocks than one step of the fast path."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(8)
+    values = rng.standard_normal((70_000, 32)).astype(np.float32)
+    values *= np.exp2(rng.uniform(-20, 14, (70_000, 1))).astype(np.float32)
+    raw = quants.quantize(values, GGMLQuantizationType.Q8_0)
+    want = quants.dequantize(raw, GGMLQuantizationType.Q8_0).reshape(-1)
+    got = dequantize_q8_0(raw.reshape(-1))
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

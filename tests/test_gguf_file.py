@@ -12,7 +12,7 @@ import pytest
 from loader.config import config_from_gguf
 from loader.errors import GGUFFormatError, MissingKey, UnknownArchitecture, UnsupportedTensorType
 from loader.gguf_file import GGUFFile
-from loader.weights import build_weights, dequantize_q8_0
+from loader.weights import SUPPORTED_TYPES, build_weights, dequantize_blocks
 
 STRING, ARRAY, UINT32, FLOAT32, BOOL, INT32 = 8, 9, 4, 6, 7, 5
 
@@ -243,16 +243,19 @@ def test_wrong_tensor_shape(tmp_path):
             build_weights(f, config_from_gguf(f), lambda info: None)
 
 
-def test_q8_0_dequantizes_as_gguf_py_does_to_the_bit():
-    """Reference: gguf-py's `quants.dequantize`, on blocks it quantized, with scales over
-    float16's range (subnormal to large), more blocks than one step of the fast path."""
-    from gguf import GGMLQuantizationType, quants
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES - {0, 1, 30}, key=int))  # quantized
+def test_dequantization_is_gguf_pys_to_the_bit(qtype):
+    """Reference: gguf-py's `quants.dequantize`, on random bytes (every bit pattern of
+    scales and values; the non-finite results of non-finite scales compare by their bits),
+    more blocks than one step of the chunked loop and a partial last step."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    rng = np.random.default_rng(8)
-    values = rng.standard_normal((70_000, 32)).astype(np.float32)
-    values *= np.exp2(rng.uniform(-20, 14, (70_000, 1))).astype(np.float32)
-    raw = quants.quantize(values, GGMLQuantizationType.Q8_0)
-    want = quants.dequantize(raw, GGMLQuantizationType.Q8_0).reshape(-1)
-    got = dequantize_q8_0(raw.reshape(-1))
+    qtype = GGMLQuantizationType(qtype)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows = (1 << 19) // block // 3 + 1  # just over 2 steps of 256k elements; 3 blocks a row
+    raw = np.random.default_rng(int(qtype)).integers(0, 256, (rows, 3 * type_size), np.uint8)
+    with np.errstate(all="ignore"):
+        want = quants.dequantize(raw, qtype).reshape(-1)
+        got = dequantize_blocks(raw.reshape(-1), qtype)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -13,12 +14,54 @@ from loader.model_file import ModelFile
 from loader.weights import build_weights, dequantize
 
 
+class ModelTooLarge(MemoryError):
+    """The model's weights as float32 would not fit in the memory available: raised before
+    loading, instead of the kernel's out-of-memory killer ending the process midway."""
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation without swapping (Linux's
+    MemAvailable), or None where that is unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def float32_bytes(model: ModelFile) -> int:
+    """What the cpu backend's weights of `model` take: 4 bytes per parameter."""
+    return 4 * sum(info.n_elements for info in model.gguf.tensors.values())
+
+
+def check_fits_in_memory(model: ModelFile, available: int | None = None) -> None:
+    """Raise ModelTooLarge if the float32 weights need more than the memory available
+    (`available`, default: available_memory(); unknown: no check)."""
+    if available is None:
+        available = available_memory()
+    need = float32_bytes(model)
+    if available is not None and need > available:
+        raise ModelTooLarge(
+            f"the cpu backend holds weights as float32: {_size(need)} for "
+            f"{os.path.basename(model.path)}, but only {_size(available)} of memory is "
+            "available; run it on a GPU (--device cuda) or choose a smaller model")
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
 def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | None = None
                     ) -> Transformer[np.ndarray]:
     """Dequantize every weight of the file to float32 and pair them with numpy ops.
 
     `on_bytes(done, total)` is called as tensors load (bytes of the file's tensor data), so
-    a caller can show progress; it starts at (0, total) and ends at (total, total)."""
+    a caller can show progress; it starts at (0, total) and ends at (total, total). Raises
+    ModelTooLarge, before loading anything, where the weights would not fit in memory."""
+    check_fits_in_memory(model)
     f = model.gguf
     total = sum(info.n_bytes for info in f.tensors.values())
     done = 0

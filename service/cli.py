@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from dispatch.errors import RequestError
+from kernels.cpu_backend import ModelTooLarge
 from loader.demo_model import DemoModelMissing, demo_model_path
 from loader.errors import ModelFileError
 from loader.model_file import ModelFile
@@ -337,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (ModelFileError, RequestError, DemoModelMissing, FileNotFoundError,
-            NoCudaDevice, CudaError, ValueError) as e:
+            NoCudaDevice, CudaError, ModelTooLarge, ValueError) as e:
         print(f"eagerlm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -175,6 +175,36 @@ def test_cli_malformed_model_file(tmp_path, capsys):
     assert "bad magic" in capsys.readouterr().err
 
 
+def test_a_model_too_large_for_memory_is_refused_before_loading(model, model_path,
+                                                                monkeypatch, capsys):
+    """The float32 size is 4 bytes per parameter, counted here from the file's tensor table
+    independently of the backend; one byte less than it available is a refusal that says
+    what to do, one byte more loads."""
+    from kernels import cpu_backend
+
+    m, _ = model
+    need = 4 * sum(int(np.prod(t.shape)) for t in m.gguf.tensors.values())
+    assert cpu_backend.float32_bytes(m) == need
+    with pytest.raises(cpu_backend.ModelTooLarge, match="--device cuda"):
+        cpu_backend.check_fits_in_memory(m, available=need - 1)
+    cpu_backend.check_fits_in_memory(m, available=need)
+    monkeypatch.setattr(cpu_backend, "available_memory", lambda: need - 1)
+    assert main(["generate", "-m", model_path, "-p", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert (f"eagerlm: error: the cpu backend holds weights as float32: {need / 2**20:.1f} MiB"
+            in err)
+    assert "Traceback" not in err
+
+
+def test_available_memory_is_linuxs_memavailable() -> None:
+    from kernels.cpu_backend import available_memory
+
+    with open("/proc/meminfo") as fh:
+        line = next(x for x in fh if x.startswith("MemAvailable:"))
+    got, want = available_memory(), int(line.split()[1]) * 1024
+    assert got is not None and abs(got - want) < want // 10  # it moves between the reads
+
+
 def test_cli_without_model_or_demo_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setattr("loader.demo_model.DEMO_PACKAGE", "no_such_demo_package_xyz")
     assert main(["tokenize", "-"]) == 2

@@ -19,17 +19,28 @@ class ModelTooLarge(MemoryError):
     loading, instead of the kernel's out-of-memory killer ending the process midway."""
 
 
-def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation without swapping (Linux's
-    MemAvailable), or None where that is unknown."""
+def available_memory(cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes of memory a new allocation may take without swapping or being killed: Linux's
+    MemAvailable, or less where a cgroup v2 memory limit (a container's) leaves less; None
+    where neither is known."""
+    limits: list[int] = []
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    limits.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    try:
+        with open(os.path.join(cgroup, "memory.max")) as fh:
+            limit = fh.read().strip()
+        with open(os.path.join(cgroup, "memory.current")) as fh:
+            current = int(fh.read().strip())
+        if limit != "max":
+            limits.append(max(0, int(limit) - current))
+    except (OSError, ValueError):
+        pass
+    return min(limits) if limits else None
 
 
 def float32_bytes(model: ModelFile) -> int:

@@ -196,13 +196,19 @@ def test_a_model_too_large_for_memory_is_refused_before_loading(model, model_pat
     assert "Traceback" not in err
 
 
-def test_available_memory_is_linuxs_memavailable() -> None:
+def test_available_memory_is_linuxs_memavailable_or_a_tighter_cgroup_limit(tmp_path) -> None:
     from kernels.cpu_backend import available_memory
 
     with open("/proc/meminfo") as fh:
         line = next(x for x in fh if x.startswith("MemAvailable:"))
-    got, want = available_memory(), int(line.split()[1]) * 1024
-    assert got is not None and abs(got - want) < want // 10  # it moves between the reads
+    mem_available = int(line.split()[1]) * 1024
+    got = available_memory(cgroup=str(tmp_path / "none"))
+    assert got is not None and abs(got - mem_available) < mem_available // 10  # it moves
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("1000\n")
+    assert abs(available_memory(cgroup=str(tmp_path)) - mem_available) < mem_available // 10
+    (tmp_path / "memory.max").write_text(f"{(1 << 20) + 1000}\n")  # a container's 1 MiB
+    assert available_memory(cgroup=str(tmp_path)) == 1 << 20
 
 
 def test_cli_without_model_or_demo_says_how_to_install(monkeypatch, capsys):

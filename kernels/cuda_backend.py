@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 
 from kernels.cuda_ops import CudaOps, DeviceTensor
 from kernels.model import Transformer
+from kernels.weight_memory import check_fits
 from loader.errors import UnsupportedTensorType
 from loader.gguf_file import TensorInfo
 from loader.model_file import ModelFile
@@ -64,9 +65,18 @@ class CudaWeights:
         return DeviceTensor(out.ptr, info.shape, dtype, out)
 
 
+def device_weight_bytes(model: ModelFile) -> int:
+    """What the weights take on the device (bf16 matrices, float32 vectors)."""
+    return sum(info.n_elements * (2 if weight_dtype(info) == "bf16" else 4)
+               for info in model.gguf.tensors.values())
+
+
 def load_cuda_weights(model: ModelFile, ops: CudaOps, *, progress: bool = False,
                       **loader_options: Any) -> tuple[ModelWeights[DeviceTensor], LoadStats]:
-    """Every weight of the file on the device, through the slab loader."""
+    """Every weight of the file on the device, through the slab loader; ModelTooLarge,
+    before anything is uploaded, where they would not fit in the device's free memory."""
+    check_fits(model, device_weight_bytes(model), ops.device.mem_info()[0], "the cuda backend",
+               "bf16", "choose a smaller model (the cpu backend holds twice as much)")
     loader = SlabLoader(ops.device, model.gguf, CudaWeights(ops, model.path),
                         progress=progress, **loader_options)
     try:

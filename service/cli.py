@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from dispatch.errors import RequestError
-from kernels.cpu_backend import ModelTooLarge
+from kernels.weight_memory import ModelTooLarge
 from loader.demo_model import DemoModelMissing, demo_model_path
 from loader.errors import ModelFileError
 from loader.model_file import ModelFile

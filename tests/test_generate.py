@@ -178,17 +178,18 @@ def test_cli_malformed_model_file(tmp_path, capsys):
 def test_a_model_too_large_for_memory_is_refused_before_loading(model, model_path,
                                                                 monkeypatch, capsys):
     """The float32 size is 4 bytes per parameter, counted here from the file's tensor table
-    independently of the backend; one byte less than it available is a refusal that says
-    what to do, one byte more loads."""
+    independently of the backend; with exactly that much available the model loads, with
+    one byte less it is refused before loading, in words that say what to do."""
     from kernels import cpu_backend
+    from kernels.weight_memory import ModelTooLarge
 
     m, _ = model
     need = 4 * sum(int(np.prod(t.shape)) for t in m.gguf.tensors.values())
-    assert cpu_backend.float32_bytes(m) == need
-    with pytest.raises(cpu_backend.ModelTooLarge, match="--device cuda"):
-        cpu_backend.check_fits_in_memory(m, available=need - 1)
-    cpu_backend.check_fits_in_memory(m, available=need)
+    monkeypatch.setattr(cpu_backend, "available_memory", lambda: need)
+    cpu_transformer(m)
     monkeypatch.setattr(cpu_backend, "available_memory", lambda: need - 1)
+    with pytest.raises(ModelTooLarge, match="--device cuda"):
+        cpu_transformer(m)
     assert main(["generate", "-m", model_path, "-p", "hi"]) == 2
     err = capsys.readouterr().err
     assert (f"eagerlm: error: the cpu backend holds weights as float32: {need / 2**20:.1f} MiB"
@@ -197,7 +198,7 @@ def test_a_model_too_large_for_memory_is_refused_before_loading(model, model_pat
 
 
 def test_available_memory_is_linuxs_memavailable_or_a_tighter_cgroup_limit(tmp_path) -> None:
-    from kernels.cpu_backend import available_memory
+    from kernels.weight_memory import available_memory
 
     with open("/proc/meminfo") as fh:
         line = next(x for x in fh if x.startswith("MemAvailable:"))

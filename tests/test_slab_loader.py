@@ -228,3 +228,32 @@ def test_cuda_loading_equals_the_numpy_loader_in_bf16(model_path) -> None:
         ops.close()
     finally:
         gpu.close()
+
+
+def test_a_model_too_large_for_the_gpu_is_refused_before_any_upload(model_path,
+                                                                     monkeypatch) -> None:
+    """On the emulated GPU: the weights take 2 bytes per matrix element (bf16) and 4 per
+    vector element (float32), counted here from the file's tensor table; with one byte less
+    free than that nothing is uploaded, with exactly that the model loads."""
+    from kernels.cuda_backend import free_weights, load_cuda_weights
+    from kernels.cuda_ops import CudaOps
+    from kernels.weight_memory import ModelTooLarge
+    from tests.gpu_emulator import emulated_gpu_for_test
+    from vmm.device import open_device
+
+    with emulated_gpu_for_test() as drv:
+        gpu = open_device("cuda")
+        ops = CudaOps(gpu)
+        model = ModelFile.open(model_path)
+        need = sum(int(np.prod(t.shape)) * (2 if len(t.shape) > 1 else 4)
+                   for t in model.gguf.tensors.values())
+        monkeypatch.setattr(gpu, "mem_info", lambda: (need - 1, 80 << 30))
+        with pytest.raises(ModelTooLarge, match="bf16"):
+            load_cuda_weights(model, ops)
+        assert drv.calls.get("cuMemcpyHtoDAsync", 0) == 0
+        monkeypatch.setattr(gpu, "mem_info", lambda: (need, 80 << 30))
+        weights, _ = load_cuda_weights(model, ops)
+        assert drv.calls.get("cuMemcpyHtoDAsync", 0) > 0
+        free_weights(weights)
+        ops.close()
+        gpu.close()

@@ -16,6 +16,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -26,15 +27,68 @@ from loader.tiny_vocab import TinyVocab, bpe_vocab, spm_vocab
 
 Q = GGMLQuantizationType
 
-# Byte offsets of the float16 super-block scales in the K-quant blocks that gguf-py cannot
-# quantize: random bytes there are valid blocks once those scales are sane.
-_K_QUANT_SCALES: dict[GGMLQuantizationType, tuple[int, ...]] = {
+# Byte offsets of the float16 block scales in the blocks that gguf-py cannot quantize
+# (K-quants, IQ types): random bytes there are valid blocks once those scales are sane,
+# since every other field is a bounded integer (sub-scales, grid and codebook indices,
+# sign bits). IQ1_M has no such field: its scale is spread over four nibbles
+# (`_set_iq1_m_scales`).
+_SCALE_OFFSETS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     Q.Q2_K: (80, 82),
     Q.Q3_K: (108,),
     Q.Q4_K: (0, 2),
     Q.Q5_K: (0, 2),
     Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+    Q.IQ2_XXS: (0,),
+    Q.IQ2_XS: (0,),
+    Q.IQ2_S: (0,),
+    Q.IQ3_XXS: (0,),
+    Q.IQ3_S: (0,),
+    Q.IQ1_S: (0,),
 }
+IQ_TYPES = (Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S,
+            Q.IQ1_M)
+RANDOM_BYTE_TYPES = frozenset({*_SCALE_OFFSETS, Q.IQ1_M})
+
+
+def _set_iq1_m_scales(raw: np.ndarray, scales: np.ndarray) -> None:
+    """IQ1_M keeps its float16 scale in the top nibbles of its four u16 sub-scale words
+    (bytes 48-55, little-endian): bits 4k..4k+3 of the scale in word k's bits 12-15, which
+    is the high nibble of byte 49 + 2k (gguf-py's `IQ1_M.dequantize_blocks`)."""
+    bits = scales.astype(np.float16).view(np.uint16)
+    for k in range(4):
+        at = 49 + 2 * k
+        nibble = ((bits >> (4 * k)) & 0xF).astype(np.uint8)
+        raw[:, at] = (raw[:, at] & 0x0F) | (nibble << 4)
+
+
+def random_blocks(qtype: GGMLQuantizationType, scales: np.ndarray,
+                  rng: np.random.Generator) -> np.ndarray:
+    """`len(scales)` blocks of `qtype` (one gguf-py cannot quantize: K-quants and IQ types),
+    [blocks, bytes]: random bytes, each block's float16 scale(s) set to its entry of
+    `scales` (every scale of a K-quant block the same)."""
+    if qtype not in RANDOM_BYTE_TYPES:
+        raise ValueError(f"{qtype.name} is not written as random bytes")
+    _, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(len(scales), size), dtype=np.uint8)
+    if qtype == Q.IQ1_M:
+        _set_iq1_m_scales(raw, scales)
+    else:
+        half = scales.astype(np.float16).view(np.uint8).reshape(len(scales), 2)
+        for off in _SCALE_OFFSETS[qtype]:
+            raw[:, off:off + 2] = half
+    return raw
+
+
+@cache
+def _unit_scale_rms(qtype: GGMLQuantizationType) -> float:
+    """The root mean square of the values of random `qtype` blocks whose scale is 1: what
+    a block scale multiplies, so that scale = wanted RMS / this gives weights of the float
+    draw's size (an IQ block's values span 2 to 15 times its scale, by type)."""
+    raw = random_blocks(qtype, np.ones(256, np.float32), np.random.default_rng(0))
+    values = quants.dequantize(raw, qtype).astype(np.float64)
+    return float(np.sqrt(np.mean(values * values)))
 
 
 @dataclass(frozen=True)
@@ -177,14 +231,15 @@ def _encode(values: np.ndarray, qtype: GGMLQuantizationType,
         return values.astype(np.float16)
     if qtype == Q.BF16:  # _values draws finite values only
         return bf16_bits(values).view(np.uint8).reshape(*values.shape[:-1], -1)
-    if qtype in _K_QUANT_SCALES:
-        block, size = GGML_QUANT_SIZES[qtype]
-        n_blocks = values.size // block
-        raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-        scale = (np.abs(values).reshape(n_blocks, block).max(axis=1) / 32).astype(np.float16)
-        for off in _K_QUANT_SCALES[qtype]:
-            raw[:, off:off + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
-        return raw.reshape(*values.shape[:-1], -1)
+    if qtype in RANDOM_BYTE_TYPES:
+        block, _ = GGML_QUANT_SIZES[qtype]
+        blocks = values.reshape(-1, block)
+        if qtype in IQ_TYPES:  # each block as large as its float draw (RMS)
+            rms = np.sqrt(np.mean(np.square(blocks, dtype=np.float64), axis=1))
+            scale = rms / _unit_scale_rms(qtype)
+        else:
+            scale = np.abs(blocks).max(axis=1) / 32
+        return random_blocks(qtype, scale, rng).reshape(*values.shape[:-1], -1)
     return quants.quantize(values, qtype)
 
 

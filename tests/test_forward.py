@@ -14,7 +14,7 @@ from kernels.batch import ForwardBatch, SeqSlice
 from kernels.cpu_backend import cpu_transformer
 from loader.config import SUPPORTED_ARCHITECTURES
 from loader.model_file import ModelFile
-from loader.synthetic import tiny_spec, write_synthetic_model
+from loader.synthetic import IQ_TYPES, tiny_spec, write_synthetic_model
 from tests.reference_forward import reference_logits
 from vmm.kv_layout import ContiguousKV, KVLayout
 
@@ -52,9 +52,11 @@ def test_prefill_logits_match_float64_reference(tmp_path, arch):
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("weight_type", [Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("weight_type", [Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K,
+                                         *IQ_TYPES], ids=lambda q: q.name)
 def test_quantized_weights_match_reference(tmp_path, weight_type):
-    # K-quants pack rows in blocks of 256 values, so every row length is 256 here
+    # K-quants and most IQ types pack rows in blocks of 256 values, so every row length is
+    # 256 here
     spec = tiny_spec("qwen3", weight_type=weight_type, embedding_type=Q.Q8_0, d_model=256,
                      head_dim=64, d_ff=256)
     path, model, tf = _open(tmp_path, spec)

@@ -4,10 +4,11 @@ real models over 64 MiB cannot travel to the GPU machine."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from gguf import GGMLQuantizationType, quants
 
 from loader.gguf_file import GGUFFile
-from loader.synthetic import bf16_bits, tiny_spec, write_synthetic_model
+from loader.synthetic import IQ_TYPES, bf16_bits, tiny_spec, write_synthetic_model
 
 
 def test_bf16_bits_round_as_gguf_does() -> None:
@@ -51,3 +52,25 @@ def test_the_default_draw_is_normal(tmp_path) -> None:
     with GGUFFile.open(write_synthetic_model(tmp_path / "n.gguf", spec)) as f:
         w = f.tensor_bytes("blk.0.ffn_down.weight").view(np.float32)
         assert np.abs(w).max() > 3 / np.sqrt(512)
+
+
+@pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda q: q.name)
+def test_iq_weights_are_finite_and_of_the_float_draws_scale(tmp_path, qtype) -> None:
+    """gguf-py cannot quantize the IQ types, so their blocks are random bytes with each
+    block's float16 scale set (IQ1_M's spread over four nibbles) to give the block the RMS
+    of its float draw. Read back through gguf-py's dequantization: every weight finite,
+    each matrix's standard deviation the draw's (1 for the embedding, 1/sqrt(fan_in) for
+    the others) within 10%, nothing beyond 8 of them: a model of random IQ blocks has
+    activations of a real model's size, not ones that blow up through the layers."""
+    spec = tiny_spec("llama", d_model=256, head_dim=64, d_ff=512, weight_type=qtype)
+    with GGUFFile.open(write_synthetic_model(tmp_path / "iq.gguf", spec)) as f:
+        for name, fan_in in (("token_embd.weight", None), ("blk.0.ffn_down.weight", 512),
+                             ("blk.1.attn_q.weight", 256)):
+            info = f.tensor_info(name)
+            assert info.qtype == qtype
+            w = quants.dequantize(f.tensor_bytes(name).reshape(info.shape[0], -1), qtype)
+            assert w.shape == info.shape
+            std = 1.0 if fan_in is None else 1 / np.sqrt(fan_in)
+            assert np.isfinite(w).all(), name
+            assert abs(w.std() / std - 1) < 0.1, (name, w.std() / std)
+            assert np.abs(w).max() < 8 * std, name

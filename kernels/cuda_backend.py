@@ -28,7 +28,9 @@ Q = GGMLQuantizationType
 DEQUANT_KERNEL = {
     Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1",
     Q.Q5_0: "q5_0", Q.Q5_1: "q5_1", Q.Q8_0: "q8_0", Q.Q2_K: "q2_k", Q.Q3_K: "q3_k",
-    Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k",
+    Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k", Q.IQ2_XXS: "iq2_xxs", Q.IQ2_XS: "iq2_xs",
+    Q.IQ2_S: "iq2_s", Q.IQ3_XXS: "iq3_xxs", Q.IQ3_S: "iq3_s", Q.IQ1_S: "iq1_s",
+    Q.IQ1_M: "iq1_m", Q.IQ4_NL: "iq4_nl", Q.IQ4_XS: "iq4_xs",
 }
 
 

@@ -26,7 +26,8 @@ _KIND_SIZE = {"p": 8, "i": 4, "q": 8, "f": 4, "d": 8}
 _KIND_FORMAT = {"p": "Q", "i": "i4x", "q": "q", "f": "f4x", "d": "d"}
 
 _DEQUANT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k",
-                  "q4_k", "q5_k", "q6_k")
+                  "q4_k", "q5_k", "q6_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s",
+                  "iq1_s", "iq1_m", "iq4_nl", "iq4_xs")
 _ATTENTION = {f"attention_hd{d}": "pppppqqqiiifiiii" for d in (32, 64, 128, 256)}
 # attention_decode.cu: one kernel per (head dim, query heads per block)
 _ATTENTION_DECODE = {f"attention_decode_hd{d}_g{g}": "pppppqqqiifiiii"

@@ -452,27 +452,39 @@ def test_logprobs_match_the_float64_reference(ops) -> None:
 
 def _blocks(qtype, n_blocks: int) -> np.ndarray:
     """Random valid blocks: quantized from random floats where gguf-py can, else random
-    bytes with small finite f16 scales (the K-quants)."""
-    block, size = quants.GGML_QUANT_SIZES[qtype]
+    bytes with small finite f16 scales (K-quants and IQ types: every other field of their
+    blocks is a bounded integer, so every bit pattern is a block)."""
+    from loader.synthetic import random_blocks
+
+    block, _ = quants.GGML_QUANT_SIZES[qtype]
     try:
         return quants.quantize(rand(n_blocks * block), qtype).reshape(-1)
     except NotImplementedError:
-        raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
-        scale_at = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],
-                    Q.Q6_K: [208]}[qtype]
-        for at in scale_at:
-            raw[:, at:at + 2] = (rng.random((n_blocks, 1)) * 0.1 + 0.001).astype(
-                np.float16).view(np.uint8)
-        return raw.reshape(-1)
+        scales = rng.random(n_blocks) * 0.1 + 0.001
+        return random_blocks(qtype, scales, rng).reshape(-1)
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-                                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+DEQUANT_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K,
+                 Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S,
+                 Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M]
+
+
+def test_every_supported_type_has_a_dequantization_kernel() -> None:
+    from kernels.cuda_backend import DEQUANT_KERNEL
+    from loader.weights import SUPPORTED_TYPES
+
+    assert set(DEQUANT_KERNEL) == set(SUPPORTED_TYPES) == set(DEQUANT_TYPES)
+
+
+@pytest.mark.parametrize("qtype", DEQUANT_TYPES, ids=lambda q: q.name)
 def test_dequantization_equals_gguf(ops, qtype) -> None:
+    """Reference: gguf-py's `quants.dequantize` of the same bytes: the float32 output equal
+    to the bit, the bf16 output that value rounded (within one bf16 ulp). 256 blocks: an IQ
+    type's grid lookups then reach nearly every entry of its table (IQ1's 2048 included)."""
     from kernels.cuda_backend import DEQUANT_KERNEL
     from kernels.cuda_ops import to_bf16_bits
 
-    raw = _blocks(qtype, 64)
+    raw = _blocks(qtype, 256)
     want = quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
     n = want.size
     src = ops.upload(np.ascontiguousarray(raw).view(np.uint8))
@@ -487,6 +499,37 @@ def test_dequantization_equals_gguf(ops, qtype) -> None:
             diff = np.abs(to_bf16_bits(got).astype(np.int32) -
                           to_bf16_bits(want).astype(np.int32))
             assert diff.max() <= 1
+
+
+def test_a_model_of_iq_weights_loads_as_the_cpu_backend_dequantizes_it(ops, tmp_path) -> None:
+    """IQ matrices through the whole cuda load path (slab loader, raw upload, the kernel
+    DEQUANT_KERNEL names): each matrix is the cpu backend's float32 weight (gguf-py's
+    dequantization) rounded to bf16, within one ulp; each vector equal."""
+    from kernels.cuda_backend import free_weights, load_cuda_weights
+    from kernels.cuda_ops import to_bf16_bits
+    from loader.model_file import ModelFile
+    from loader.synthetic import SyntheticSpec, write_synthetic_model
+    from loader.weights import load_numpy_weights
+
+    spec = SyntheticSpec("qwen3", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2,
+                         head_dim=64, d_ff=256, vocab_size=512, weight_type=Q.IQ3_S,
+                         embedding_type=Q.IQ4_NL)
+    model = ModelFile.open(write_synthetic_model(tmp_path / "iq.gguf", spec))
+    weights, _ = load_cuda_weights(model, ops)
+    try:
+        want = list(load_numpy_weights(model.gguf, model.config).handles())
+        got = list(weights.handles())
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            host = ops.to_numpy(g)
+            if g.dtype == "f32":
+                np.testing.assert_array_equal(host, w)
+            else:
+                diff = np.abs(to_bf16_bits(host).astype(np.int32) -
+                              to_bf16_bits(w).astype(np.int32))
+                assert diff.max() <= 1
+    finally:
+        free_weights(weights)
 
 
 # -- whole models ------------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""Every architecture's forward agrees with llama.cpp's on the same file.
+
+Reference: `tests/fixtures/arch_llama_logits.npz`, llama.cpp's logits (llama-cpp-python
+0.3.36, CPU, f32 K/V cache, one batched eval) for small synthetic models with float32
+weights, made by `tests/fixtures/make_arch_reference.py`, which documents the settings.
+Each model is rewritten here from its recorded spec and must hash as it did then.
+
+With float32 weights llama.cpp multiplies in float32 without quantizing activations, so
+its logits differ from ours by float32 rounding only (measured when the fixture was made:
+at most 7e-7 of the largest logit for llama, qwen2 and qwen3); gemma3 reads GELU from an
+fp16 table (at most 1.2e-4). The bounds below sit a few times above those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels.batch import ForwardBatch
+from kernels.cpu_backend import cpu_transformer
+from loader.model_file import ModelFile
+from loader.synthetic import tiny_spec, write_synthetic_model
+from vmm.kv_layout import ContiguousKV, KVLayout
+
+FIXTURE = np.load(Path(__file__).parent / "fixtures" / "arch_llama_logits.npz")
+CASES = {case["name"]: case for case in json.loads(str(FIXTURE["cases"]))}
+# largest |ours - llama.cpp| allowed, as a fraction of the largest |logit|
+BOUND = {"gemma3": 5e-4}
+DEFAULT_BOUND = 5e-6
+
+
+def test_the_fixture_covers_every_architecture() -> None:
+    from loader.config import SUPPORTED_ARCHITECTURES
+
+    assert {c["spec"]["architecture"] for c in CASES.values()} == set(SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_logits_equal_llama_cpps_to_float32_rounding(tmp_path, name) -> None:
+    case = CASES[name]
+    args = dict(case["spec"])
+    path = write_synthetic_model(tmp_path / f"{name}.gguf",
+                                 tiny_spec(args.pop("architecture"), **args))
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == case["sha256"], (
+        "the synthetic writer no longer writes the file llama.cpp was run on: regenerate "
+        "the fixture with tests/fixtures/make_arch_reference.py (needs llama-cpp-python)")
+    tokens = FIXTURE[f"{name}_tokens"]
+    ref = FIXTURE[f"{name}_logits"]
+
+    model = ModelFile.open(path)
+    cfg = model.config
+    kv = ContiguousKV(KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), len(tokens))
+    ours = cpu_transformer(model).forward(
+        ForwardBatch.single(tokens, 0, kv, np.arange(len(tokens))))
+
+    assert ours.shape == ref.shape
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    err = np.abs(ours - ref).max() / np.abs(ref).max()
+    assert err < BOUND.get(name, DEFAULT_BOUND), err

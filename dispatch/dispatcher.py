@@ -39,7 +39,8 @@ class DispatcherConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     kv_budget_bytes: int = 1 << 30  # the KV page pool on a host device
     memory_fraction: float = 0.9  # of device memory left after weights (cuda)
-    max_context: int | None = None  # cap on the model's context length
+    # context length in tokens; None: the model's (see ModelConfig.context_for)
+    max_context: int | None = None
 
 
 class Dispatcher:
@@ -49,8 +50,7 @@ class Dispatcher:
         self.device = device
         self.tokenizer = tokenizer
         cfg = transformer.config
-        self.context_length = min(self.config.max_context or cfg.context_length,
-                                  cfg.context_length)
+        self.context_length = cfg.context_for(self.config.max_context)
         if device.host_accessible:
             self.pool = PagePool.with_budget(device, self.config.kv_budget_bytes)
         else:

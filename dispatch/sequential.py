@@ -68,7 +68,7 @@ class SequentialGeneration:
 
     def __post_init__(self) -> None:
         cfg = self.transformer.config
-        self.context = min(self.max_context or cfg.context_length, cfg.context_length)
+        self.context = cfg.context_for(self.max_context)
         if not self.prompt_ids:
             raise EmptyPrompt()
         if len(self.prompt_ids) >= self.context:

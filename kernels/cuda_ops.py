@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import gc
 import math
 import threading
@@ -37,7 +38,7 @@ import numpy as np
 from kernels.batch import ForwardBatch, SeqSlice
 from kernels.cuda_kernels import KernelLibrary
 from kernels.sampling import MAX_LOGPROBS, POSITION_LIMIT, SamplingParams, TokenCounts
-from loader.config import Activation, RopeStyle
+from loader.config import Activation, RopeParams, RopeStyle
 from vmm.cuda_driver import cu, driver
 from vmm.device import Event, HostBuffer
 from vmm.kv_layout import KVLayout
@@ -563,8 +564,7 @@ class CudaOps:
 
     # -- rotary embedding ----------------------------------------------------------------
 
-    def rope(self, x: DeviceTensor, positions: Any, *, style: RopeStyle, rope_dim: int,
-             base: float, scale: float,
+    def rope(self, x: DeviceTensor, positions: Any, rope: RopeParams,
              freq_factors: DeviceTensor | None = None) -> DeviceTensor:
         _require(x, "bf16", "rope input")
         n_tok, n_heads, hd = x.shape
@@ -575,10 +575,10 @@ class CudaOps:
         if freq_factors is not None:
             _require(freq_factors, "f32", "rope frequency factors")
             ff = freq_factors.ptr
-        block = min(128, max(32, -(-(rope_dim // 2) // 32) * 32))
-        name = "rope_neox" if style is RopeStyle.NEOX else "rope_norm"
+        block = min(128, max(32, -(-(rope.dim // 2) // 32) * 32))
+        name = "rope_neox" if rope.style is RopeStyle.NEOX else "rope_norm"
         self.kernels[name].launch(self._s, n_tok * n_heads, block, out.ptr, x.ptr, pos.ptr, ff,
-                                  n_heads, hd, rope_dim, float(base), float(scale))
+                                  n_heads, hd, rope.dim, *_rope_constants(rope))
         return out
 
     # -- KV cache and attention ----------------------------------------------------------
@@ -987,6 +987,15 @@ def count_table(spans: Sequence[tuple[DeviceTensor | None, int, int, int]]) -> n
             _require(counts, "i32", "token counts")
         table[i] = (0 if counts is None else counts.ptr, start, n, split, 0)
     return table
+
+
+@functools.lru_cache(maxsize=256)
+def _rope_constants(rope: RopeParams) -> tuple[float, float, float, float, float, float]:
+    """The rope kernels' (base, freq_scale, ext_factor, corr_low, corr_high, mscale): per
+    layer constants, derived once (a layer's launches repeat them, graphs capture them)."""
+    low, high = rope.corr_dims() if rope.ext_factor != 0.0 else (0.0, 0.0)
+    return (float(rope.base), float(rope.freq_scale), float(rope.ext_factor), low, high,
+            float(rope.mscale))
 
 
 def _require(t: DeviceTensor, dtype: str, what: str) -> None:

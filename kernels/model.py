@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Generic, Protocol, TypeVar
 
 from kernels.batch import ForwardBatch
-from loader.config import Activation, ModelConfig, RopeStyle
+from loader.config import Activation, ModelConfig, RopeParams
 from loader.weights import LayerWeights, ModelWeights
 
 A = TypeVar("A")  # a backend's array type
@@ -30,8 +30,8 @@ class Ops(Protocol[A]):
     def gated_ffn_act(self, gate: A, up: A, act: Activation) -> A: ...
     def softcap(self, x: A, cap: float) -> A: ...
     def rows(self, x: A, rows: Any) -> A: ...
-    def rope(self, x: A, positions: Any, *, style: RopeStyle, rope_dim: int, base: float,
-             scale: float, freq_factors: A | None = None) -> A: ...
+    def rope(self, x: A, positions: Any, rope: RopeParams,
+             freq_factors: A | None = None) -> A: ...
     def kv_append(self, batch: ForwardBatch, layer: int, k: A, v: A) -> None: ...
     def attention(self, batch: ForwardBatch, layer: int, q: A, *, scale: float,
                   window: int) -> A: ...
@@ -49,6 +49,7 @@ class Transformer(Generic[A]):
         self.config = config
         self.weights = weights
         self.ops = ops
+        self._rope = [config.layer_rope(i) for i in range(config.n_layers)]  # per model
 
     def forward(self, batch: ForwardBatch) -> A:
         """Run the batch through the model, append its K/V to the sessions' caches, and
@@ -80,11 +81,9 @@ class Transformer(Generic[A]):
         if cfg.qk_norm:
             q = ops.rms_norm(q, lw.q_norm, cfg.norm_eps)
             k = ops.rms_norm(k, lw.k_norm, cfg.norm_eps)
-        base, scale = cfg.layer_rope(i)
-        rope = dict(style=cfg.rope_style, rope_dim=cfg.rope_dim, base=base, scale=scale,
-                    freq_factors=self.weights.rope_freq_factors)
-        q = ops.rope(q, batch.positions, **rope)
-        k = ops.rope(k, batch.positions, **rope)
+        rope, factors = self._rope[i], self.weights.rope_freq_factors
+        q = ops.rope(q, batch.positions, rope, factors)
+        k = ops.rope(k, batch.positions, rope, factors)
         ops.kv_append(batch, i, k, v)
         o = ops.attention(batch, i, q, scale=cfg.attention_scale, window=cfg.sliding_window[i])
         return ops.linear(o, lw.wo)

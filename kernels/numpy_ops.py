@@ -21,7 +21,7 @@ from kernels.sampling import (
     sample,
     token_logprob,
 )
-from loader.config import Activation, RopeStyle
+from loader.config import Activation, RopeParams, RopeStyle
 from vmm.kv_layout import ContiguousKV, KVLayout, TokenMajorKV
 
 if TYPE_CHECKING:
@@ -134,28 +134,41 @@ class NumpyOps:
 
     # -- rotary embedding ------------------------------------------------------------
 
-    def rope(self, x: np.ndarray, positions: np.ndarray, *, style: RopeStyle, rope_dim: int,
-             base: float, scale: float, freq_factors: np.ndarray | None = None) -> np.ndarray:
-        """Rotate the first `rope_dim` dims of each head of x `[T, heads, head_dim]`.
+    def rope(self, x: np.ndarray, positions: np.ndarray, rope: RopeParams,
+             freq_factors: np.ndarray | None = None) -> np.ndarray:
+        """Rotate the first `rope.dim` dims of each head of x `[T, heads, head_dim]`.
 
-        Angle of pair i at position p: p * scale * base^(-2i / rope_dim) / factor_i.
+        Pair i at position p turns by theta_e = p * base^(-2i / dim) / factor_i
+        extrapolated, freq_scale * theta_e interpolated, and with YaRN (ext_factor != 0) a
+        per-pair blend of the two along the ramp between the correction dims; cos and sin
+        are scaled by mscale (see `RopeParams`). Angles in float64, cos and sin rounded to
+        float32, the rotation float32.
         """
-        half = rope_dim // 2
-        inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / rope_dim)
+        dim = rope.dim
+        half = dim // 2
+        pair = np.arange(half, dtype=np.float64)
+        inv_freq = rope.base ** (-pair * 2.0 / dim)
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.astype(np.float64)
-        theta = positions.astype(np.float64)[:, None] * scale * inv_freq[None, :]
-        cos = np.cos(theta).astype(np.float32)[:, None, :]
-        sin = np.sin(theta).astype(np.float32)[:, None, :]
+        extrap = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+        theta = rope.freq_scale * extrap
+        if rope.ext_factor != 0.0:
+            low, high = rope.corr_dims()
+            ramp = 1.0 - np.clip((pair - low) / max(0.001, high - low), 0.0, 1.0)
+            mix = ramp * rope.ext_factor
+            theta = theta * (1.0 - mix) + extrap * mix
+        mscale = rope.mscale
+        cos = (np.cos(theta) * mscale).astype(np.float32)[:, None, :]
+        sin = (np.sin(theta) * mscale).astype(np.float32)[:, None, :]
         out = x.copy()
-        if style is RopeStyle.NEOX:
-            a, b = x[..., :half], x[..., half:rope_dim]
+        if rope.style is RopeStyle.NEOX:
+            a, b = x[..., :half], x[..., half:dim]
             out[..., :half] = a * cos - b * sin
-            out[..., half:rope_dim] = a * sin + b * cos
+            out[..., half:dim] = a * sin + b * cos
         else:
-            a, b = x[..., 0:rope_dim:2], x[..., 1:rope_dim:2]
-            out[..., 0:rope_dim:2] = a * cos - b * sin
-            out[..., 1:rope_dim:2] = a * sin + b * cos
+            a, b = x[..., 0:dim:2], x[..., 1:dim:2]
+            out[..., 0:dim:2] = a * cos - b * sin
+            out[..., 1:dim:2] = a * sin + b * cos
         return out
 
     # -- KV cache and attention ------------------------------------------------------

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loader.chat_template import ChatTemplate
-from loader.config import ModelConfig, config_from_gguf
+from loader.config import ModelConfig, RopeOverride, config_from_gguf
 from loader.gguf_file import GGUFFile
 from loader.tokenizer import Tokenizer
 
@@ -36,10 +36,14 @@ class ModelFile:
     chat_template: ChatTemplate
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> ModelFile:
+    def open(cls, path: str | os.PathLike[str], rope: RopeOverride | None = None) -> ModelFile:
+        """Open and check the file; `rope` replaces the file's rope scaling (the user's
+        --rope-scaling flags), so everything built from `config` uses it."""
         f = GGUFFile.open(path)
         try:
             config = config_from_gguf(f)
+            if rope is not None:
+                config = rope.apply(config)
             tokenizer = Tokenizer.from_metadata(f.metadata)
             template = ChatTemplate.from_metadata(f.metadata, config.architecture,
                                                   token_texts=_Vocabulary(tokenizer))

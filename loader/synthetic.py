@@ -20,7 +20,7 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 
 from loader.config import SUPPORTED_ARCHITECTURES
 from loader.tiny_vocab import TinyVocab, bpe_vocab, spm_vocab
@@ -108,6 +108,12 @@ class SyntheticSpec:
     embedding_type: GGMLQuantizationType | None = None  # default: weight_type
     tied_embeddings: bool = False
     rope_base: float = 10000.0
+    # {arch}.rope.scaling.*: type ("linear", "yarn"; None writes no scaling keys), factor,
+    # original_context_length and attn_factor (None: key not written)
+    rope_scaling: str | None = None
+    rope_scaling_factor: float | None = None
+    rope_original_context: int | None = None
+    rope_attn_factor: float | None = None
     sliding_window: int = 16  # gemma3 local layers
     final_logit_softcap: float = 0.0
     norm_eps: float = 1e-6
@@ -263,6 +269,14 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> 
     w.add_layer_norm_rms_eps(spec.norm_eps)
     w.add_rope_freq_base(spec.rope_base)
     w.add_rope_dimension_count(spec.head_dim)
+    if spec.rope_scaling is not None:
+        w.add_rope_scaling_type(RopeScalingType(spec.rope_scaling))
+    if spec.rope_scaling_factor is not None:
+        w.add_rope_scaling_factor(spec.rope_scaling_factor)
+    if spec.rope_original_context is not None:
+        w.add_rope_scaling_orig_ctx_len(spec.rope_original_context)
+    if spec.rope_attn_factor is not None:
+        w.add_rope_scaling_attn_factors(spec.rope_attn_factor)
     if arch == "gemma3":
         w.add_sliding_window(spec.sliding_window)
     if spec.final_logit_softcap:

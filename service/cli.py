@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from dispatch.errors import RequestError
 from kernels.weight_memory import ModelTooLarge
+from loader.config import RopeOverride, RopeScalingType
 from loader.demo_model import DemoModelMissing, demo_model_path
 from loader.errors import ModelFileError
 from loader.model_file import ModelFile
@@ -38,6 +39,13 @@ def _model_path(arg: str | None) -> str:
 
 def _open(args: argparse.Namespace) -> ModelFile:
     return ModelFile.open(_model_path(args.model))
+
+
+def _rope_override(args: argparse.Namespace) -> RopeOverride | None:
+    """The rope scaling flags, checked (ValueError: exit 2) before anything is loaded."""
+    scaling = RopeScalingType.parse(args.rope_scaling) if args.rope_scaling else None
+    rope = RopeOverride(scaling, args.rope_scale, args.yarn_orig_ctx)
+    return None if rope.is_empty else rope
 
 
 def _load_transformer(model: ModelFile, quiet: bool):
@@ -89,6 +97,9 @@ def _engine_settings(args: argparse.Namespace, **settings: object) -> dict[str, 
     """`EngineSettings` fields from the engine flags of `args`, plus `settings`."""
     if args.ctx is not None:
         settings["max_context"] = args.ctx
+    settings["rope_scaling"] = args.rope_scaling
+    settings["rope_scale"] = args.rope_scale
+    settings["yarn_orig_ctx"] = args.yarn_orig_ctx
     settings["kv_budget_bytes"] = args.kv_budget_mib << 20
     settings["memory_fraction"] = args.memory_fraction
     settings["cuda_graphs"] = args.cuda_graphs
@@ -100,6 +111,7 @@ def _open_engine(args: argparse.Namespace, **settings: object) -> SyncEngine:
     from service.sync_engine import SyncEngine
 
     path = _model_path(args.model)
+    _rope_override(args)
     if not args.quiet:
         print(f"loading {Path(path).name} on {args.device}...", file=sys.stderr, flush=True)
     return SyncEngine.open(path, args.device, on_progress=_progress(args.quiet),
@@ -200,7 +212,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from service.perplexity import perplexity
 
-    model = _open(args)
+    model = ModelFile.open(_model_path(args.model), rope=_rope_override(args))
+    model.config.context_for(args.ctx)  # a chunk the model cannot hold fails before loading
     text = Path(args.file).read_text(encoding="utf-8")
     transformer = _load_transformer(model, args.quiet)
 
@@ -224,11 +237,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="GGUF model file (default: the demo model, Gemma 3 270M Q4_K_M, "
                             "if the eagerlm[demo] extra is installed)")
 
+    def rope_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--rope-scaling", choices=[t.value for t in RopeScalingType],
+                       default=None,
+                       help="rope scaling in place of the model file's, as llama.cpp's flag: "
+                            "yarn extends the context (e.g. Qwen: --rope-scaling yarn "
+                            "--rope-scale 4 --yarn-orig-ctx 32768); default: the file's")
+        p.add_argument("--rope-scale", type=float, default=None, metavar="F",
+                       help="rope scaling factor: the context is extended F times "
+                            "(default: the file's)")
+        p.add_argument("--yarn-orig-ctx", type=int, default=None, metavar="N",
+                       help="YaRN: the context the model was trained on before scaling "
+                            "(default: the file's rope.scaling.original_context_length, "
+                            "else its context length)")
+
     def engine_args(p: argparse.ArgumentParser) -> None:
         model_arg(p)
         add_device_args(p)
         p.add_argument("--ctx", type=int, default=None, metavar="N",
-                       help="context length limit in tokens (default: the model's)")
+                       help="context length in tokens (default: the model's trained "
+                            "context; more only as far as its rope scaling reaches, e.g. "
+                            "original context x F with --rope-scaling yarn --rope-scale F)")
+        rope_args(p)
         p.add_argument("--quiet", "-q", action="store_true",
                        help="no loading messages or progress bar")
 
@@ -326,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE", help="text file to score")
     model_arg(p)
     p.add_argument("--ctx", type=int, default=512, help="chunk size in tokens (default 512)")
+    rope_args(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no loading messages")
     p.set_defaults(func=cmd_perplexity)
     add_profile_parser(sub)

@@ -43,6 +43,7 @@ from dispatch.dispatcher import Dispatcher, DispatcherConfig
 from dispatch.messages import FinishReason, Output
 from dispatch.scheduler import SchedulerConfig
 from kernels.sampling import SamplingParams, TokenLogprob
+from loader.config import RopeOverride, RopeScalingType
 from loader.model_file import ModelFile
 from loader.tokenizer import Tokenizer
 from service.chat_tokens import TurnMemory
@@ -59,7 +60,14 @@ ChatMessage = Mapping[str, Any]
 class EngineSettings:
     """How an engine is set up. The defaults suit one user on one machine."""
 
-    max_context: int | None = None  # cap on the model's context length (tokens)
+    # context length in tokens (--ctx); default the model's trained context. Beyond it
+    # only as far as the rope scaling supports (ModelConfig.context_for)
+    max_context: int | None = None
+    # the user's rope scaling in place of the file's (loader/config.py RopeOverride):
+    # "none", "linear" or "yarn", the factor, YaRN's original context; None keeps the file's
+    rope_scaling: str | None = None
+    rope_scale: float | None = None
+    yarn_orig_ctx: int | None = None
     kv_budget_bytes: int = 1 << 30  # KV page pool on the cpu backend
     memory_fraction: float = 0.9  # of device memory left after weights (cuda)
     page_size: int | None = None  # KV page bytes (cpu; default 2 MiB)
@@ -70,6 +78,16 @@ class EngineSettings:
     cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (cuda; off: run eagerly)
     chat_turns_remembered: int = 256  # see service/chat_tokens.py
     model_name: str | None = None  # the name clients use; default: the file's stem
+
+    def __post_init__(self) -> None:
+        self.rope_override()  # bad values fail here, before anything is loaded
+
+    def rope_override(self) -> RopeOverride | None:
+        """The rope scaling settings as the loader takes them (None: the file's)."""
+        scaling = None if self.rope_scaling is None else \
+            RopeScalingType.parse(self.rope_scaling)
+        rope = RopeOverride(scaling, self.rope_scale, self.yarn_orig_ctx)
+        return None if rope.is_empty else rope
 
     def dispatcher_config(self) -> DispatcherConfig:
         control = ControlConfig(SchedulerConfig(max_batch=self.max_batch,
@@ -393,7 +411,8 @@ class Engine:
         of `EngineSettings`."""
         config = EngineSettings(**settings)
         loaded = load_model(model_path, device, page_size=config.page_size,
-                            on_progress=on_progress or _log_progress)
+                            on_progress=on_progress or _log_progress,
+                            rope=config.rope_override(), max_context=config.max_context)
         try:
             return cls(loaded, config)
         except BaseException:

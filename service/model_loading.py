@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from kernels.cpu_backend import cpu_transformer
 from kernels.model import Transformer
+from loader.config import RopeOverride
 from loader.model_file import ModelFile
 from vmm.device import Device, open_device
 
@@ -67,8 +68,14 @@ def check_device(spec: str) -> None:
 
 def load_model(path: str | os.PathLike[str], device: str = "cpu", *,
                page_size: int | None = None,
-               on_progress: ProgressCallback | None = None) -> LoadedModel:
-    """Open the GGUF at `path`, check `device`, and load the weights for its backend."""
+               on_progress: ProgressCallback | None = None,
+               rope: RopeOverride | None = None,
+               max_context: int | None = None) -> LoadedModel:
+    """Open the GGUF at `path`, check `device`, and load the weights for its backend.
+
+    `rope` replaces the file's rope scaling; `max_context` (the context the engine will
+    ask for) is checked against what the model then supports before any weight is read,
+    so a context the model cannot serve fails in a second, not after the load."""
     t0 = time.perf_counter()
 
     def report(stage: str, done: int = 0, total: int = 0) -> None:
@@ -76,8 +83,9 @@ def load_model(path: str | os.PathLike[str], device: str = "cpu", *,
             on_progress(LoadProgress(stage, done, total, time.perf_counter() - t0))
 
     check_device(device)
-    model = ModelFile.open(path)
+    model = ModelFile.open(path, rope=rope)
     try:
+        model.config.context_for(max_context)
         report("header")
         if device == "cpu":
             transformer = cpu_transformer(model, lambda done, total: report("weights", done,

@@ -45,8 +45,7 @@ def perplexity(transformer: Transformer, tokenizer: Tokenizer, text: str, ctx: i
     bos_id = tokenizer.bos_id if tokenizer.add_bos else None
     if ctx < 4:
         raise ValueError(f"--ctx must be at least 4, got {ctx}")
-    if ctx > cfg.context_length:
-        raise ValueError(f"--ctx {ctx} exceeds the model's context length {cfg.context_length}")
+    cfg.context_for(ctx)  # ContextTooLong past what the model (and its rope scaling) supports
     n_chunks = len(tokens) // ctx
     if n_chunks == 0:
         raise ValueError(f"the text has {len(tokens)} tokens, fewer than one chunk of {ctx}")

@@ -7,6 +7,7 @@ unfreed)."""
 from __future__ import annotations
 
 import queue
+from typing import Any
 
 import numpy as np
 import pytest
@@ -83,8 +84,7 @@ def _run(device, model, transformer, prompts, params, *, graphs: bool, spy: list
     return outs
 
 
-@pytest.fixture
-def qwen3(tmp_path):
+def _qwen3(tmp_path, **rope: Any):
     from gguf import GGMLQuantizationType
 
     from loader.model_file import ModelFile
@@ -94,17 +94,32 @@ def qwen3(tmp_path):
     # rounds run attention_decode.cu (with 16 they would take the general kernel)
     spec = SyntheticSpec("qwen3", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
                          head_dim=32, d_ff=128, vocab_size=300,
-                         weight_type=GGMLQuantizationType.BF16)
+                         weight_type=GGMLQuantizationType.BF16, **rope)
     return ModelFile.open(write_synthetic_model(tmp_path / "q.gguf", spec))
 
 
-def test_graph_replays_give_the_eager_tokens(device, qwen3) -> None:
+@pytest.fixture
+def qwen3(tmp_path):
+    return _qwen3(tmp_path)
+
+
+@pytest.fixture
+def qwen3_yarn(tmp_path):
+    """YaRN by 4 from an original context of 8: the decode rounds run past it."""
+    return _qwen3(tmp_path, rope_scaling="yarn", rope_scaling_factor=4.0,
+                  rope_original_context=8)
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_yarn"])
+def test_graph_replays_give_the_eager_tokens(device, model, request) -> None:
     """Concurrent requests of different lengths (so rounds of 1..5 sessions, padded to
     their bucket), greedy and seeded sampling:
-    identical tokens with graphs on and off, and graphs were really replayed."""
+    identical tokens with graphs on and off, and graphs were really replayed (also with
+    YaRN, whose rope constants the graphs capture)."""
     from kernels.cuda_backend import cuda_transformer
     from kernels.cuda_ops import CudaOps
 
+    qwen3 = request.getfixturevalue(model)
     gpu = cuda_transformer(qwen3, ops=CudaOps(device))
     prompts = [rng.integers(0, 300, n).tolist() for n in (3, 11, 6, 20, 2)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

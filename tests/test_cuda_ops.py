@@ -31,7 +31,7 @@ from kernels.sampling import (
     sample,
     token_logprob,
 )
-from loader.config import Activation, RopeStyle
+from loader.config import Activation, RopeParams, RopeStyle
 from tests.cuda_testing import (  # noqa: F401  (fixtures)
     REF,
     appended_batches,
@@ -223,16 +223,32 @@ def test_gemm_operands_need_not_be_256_byte_aligned(gemm_ops, offset, out) -> No
 # -- rope --------------------------------------------------------------------------------
 
 
+# YaRN as llama.cpp configures it for Qwen's "--rope-scaling yarn --rope-scale 4
+# --yarn-orig-ctx 32768" (plus a rope.scaling.attn_factor), and for a layer that keeps its
+# own freq_scale 1 under YaRN (gemma3's sliding-window layers): ramp, mscale and all.
+YARN = dict(ext_factor=1.0, attn_factor=0.9, original_context=32768)
+ROPES = {
+    "plain": {},
+    "linear": dict(freq_scale=0.5),
+    "yarn": dict(freq_scale=0.25, **YARN),
+    "yarn-unscaled-layer": dict(freq_scale=1.0, **YARN),
+}
+
+
 @pytest.mark.parametrize("style", [RopeStyle.NORM, RopeStyle.NEOX])
 @pytest.mark.parametrize("rope_dim,factors", [(64, False), (32, False), (64, True)])
-def test_rope(ops, style, rope_dim, factors) -> None:
+@pytest.mark.parametrize("scaling", list(ROPES))
+def test_rope(ops, style, rope_dim, factors, scaling) -> None:
     x = rand(6, 3, 64)
     pos = np.array([0, 1, 17, 4095, 32767, 131071], np.int32)
     ff = (1.0 + rng.random(rope_dim // 2) * 8).astype(np.float32) if factors else None
-    kw = dict(style=style, rope_dim=rope_dim, base=500000.0, scale=0.5)
-    got = ops.rope(ops.upload(x, "bf16").reshape(6, 3, 64), pos,
-                   freq_factors=ops.upload(ff) if factors else None, **kw)
-    close(ops.to_numpy(got), REF.rope(x, pos, freq_factors=ff, **kw))
+    rope = RopeParams(style=style, dim=rope_dim, base=500000.0, **ROPES[scaling])
+    if rope.ext_factor:
+        low, high = rope.corr_dims()
+        assert 0 < low < high < rope_dim // 2  # the ramp lies inside the rotated pairs
+    got = ops.rope(ops.upload(x, "bf16").reshape(6, 3, 64), pos, rope,
+                   ops.upload(ff) if factors else None)
+    close(ops.to_numpy(got), REF.rope(x, pos, rope, ff))
 
 
 # -- KV cache and attention --------------------------------------------------------------
@@ -535,6 +551,10 @@ def test_a_model_of_iq_weights_loads_as_the_cpu_backend_dequantizes_it(ops, tmp_
 # -- whole models ------------------------------------------------------------------------
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+# gemma3 with YaRN by 4 from an original context of 16 (its sliding-window layers keep
+# freq_scale 1): the 40 tokens below run well past it
+YARN_GEMMA3 = dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_context=16,
+                   rope_attn_factor=0.9)
 
 
 def _model(tmp_path, arch, **kw):
@@ -546,13 +566,14 @@ def _model(tmp_path, arch, **kw):
     return ModelFile.open(write_synthetic_model(tmp_path / f"{arch}.gguf", spec))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "gemma3-yarn"])
 def test_model_logits_cuda_vs_cpu(gemm_ops, device, tmp_path, arch) -> None:
     from kernels.cpu_backend import cpu_transformer
     from kernels.cuda_backend import cuda_transformer
     from kernels.cuda_ops import KV_DTYPE, ContiguousDeviceKV, CudaOps
 
-    model = _model(tmp_path, arch)
+    model = _model(tmp_path, "gemma3", **YARN_GEMMA3) if arch == "gemma3-yarn" else \
+        _model(tmp_path, arch)
     cfg = model.config
     cpu = cpu_transformer(model)
     gpu = cuda_transformer(model, ops=CudaOps(device, poison_outputs=True))

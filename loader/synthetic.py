@@ -114,6 +114,9 @@ class SyntheticSpec:
     rope_scaling_factor: float | None = None
     rope_original_context: int | None = None
     rope_attn_factor: float | None = None
+    # Llama 3.x's rope: per-frequency divisors in rope_freqs.weight, as convert_hf_to_gguf
+    # writes them from rope_scaling {"rope_type": "llama3", "factor": F, ...}; 0 = none
+    llama3_rope_factor: float = 0.0
     sliding_window: int = 16  # gemma3 local layers
     final_logit_softcap: float = 0.0
     norm_eps: float = 1e-6
@@ -149,12 +152,13 @@ SHAPES: dict[str, SyntheticSpec] = {
     "llama-3.2-1b": SyntheticSpec("llama", n_layers=16, d_model=2048, n_heads=32,
                                   n_kv_heads=8, head_dim=64, d_ff=8192, vocab_size=128256,
                                   context_length=131072, rope_base=500000.0,
-                                  tied_embeddings=True, weight_type=Q.BF16,
-                                  uniform_init=True),
+                                  llama3_rope_factor=32.0, tied_embeddings=True,
+                                  weight_type=Q.BF16, uniform_init=True),
     "llama-3.1-8b": SyntheticSpec("llama", n_layers=32, d_model=4096, n_heads=32,
                                   n_kv_heads=8, head_dim=128, d_ff=14336, vocab_size=128256,
                                   context_length=131072, rope_base=500000.0,
-                                  weight_type=Q.BF16, uniform_init=True),
+                                  llama3_rope_factor=8.0, weight_type=Q.BF16,
+                                  uniform_init=True),
     "gemma3-270m": SyntheticSpec("gemma3", n_layers=18, d_model=640, n_heads=4, n_kv_heads=1,
                                  head_dim=256, d_ff=2048, vocab_size=262144,
                                  context_length=32768, rope_base=1e6, sliding_window=512,
@@ -198,6 +202,8 @@ def _tensors(spec: SyntheticSpec) -> Iterator[tuple[str, tuple[int, ...], bool]]
     yield "output_norm.weight", (d,), False
     if not spec.tied_embeddings:
         yield "output.weight", (spec.vocab_size, d), True
+    if spec.llama3_rope_factor:  # last, so the random draws of the others do not move
+        yield "rope_freqs.weight", (spec.head_dim // 2,), False
 
 
 def _values(name: str, shape: tuple[int, ...], rng: np.random.Generator,
@@ -214,6 +220,25 @@ def _values(name: str, shape: tuple[int, ...], rng: np.random.Generator,
         return out
     out = rng.standard_normal(shape, dtype=np.float32)
     return out if std == 1.0 else (out * std).astype(np.float32)  # scaled in float64
+
+
+def llama3_rope_factors(spec: SyntheticSpec, low_freq_factor: float = 1.0,
+                        high_freq_factor: float = 4.0, original_context: int = 8192
+                        ) -> np.ndarray:
+    """Llama 3.x's per-pair rope divisors (rope_freqs.weight), by the rule of Meta's
+    reference code that convert_hf_to_gguf applies: pairs whose wavelength is shorter than
+    original_context / high_freq_factor keep their frequency (1), those longer than
+    original_context / low_freq_factor are divided by the factor, and the band between
+    blends the two smoothly."""
+    factor = spec.llama3_rope_factor
+    pair = np.arange(spec.head_dim // 2, dtype=np.float64)
+    wavelength = 2 * np.pi * spec.rope_base ** (2 * pair / spec.head_dim)
+    smooth = (original_context / wavelength - low_freq_factor) / (
+        high_freq_factor - low_freq_factor)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelength < original_context / high_freq_factor, 1.0,
+                   np.where(wavelength > original_context / low_freq_factor, factor, blended))
+    return out.astype(np.float32)
 
 
 def bf16_bits(values: np.ndarray, chunk: int = 1 << 18) -> np.ndarray:
@@ -306,7 +331,9 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> 
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for name, shape, qtype in plan:
-        w.write_tensor_data(_encode(_values(name, shape, rng, spec.uniform_init), qtype, rng))
+        values = (llama3_rope_factors(spec) if name == "rope_freqs.weight"
+                  else _values(name, shape, rng, spec.uniform_init))
+        w.write_tensor_data(_encode(values, qtype, rng))
     w.close()
     return path
 

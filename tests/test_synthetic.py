@@ -74,3 +74,25 @@ def test_iq_weights_are_finite_and_of_the_float_draws_scale(tmp_path, qtype) -> 
             assert np.isfinite(w).all(), name
             assert abs(w.std() / std - 1) < 0.1, (name, w.std() / std)
             assert np.abs(w).max() < 8 * std, name
+
+
+def test_llama3_rope_writes_rope_freqs_as_llama_3_files_hold_them(tmp_path) -> None:
+    """Llama 3.x files carry per-pair rope divisors (rope_freqs.weight): 1 for pairs whose
+    wavelength is under original_context / 4, the scaling factor for those over
+    original_context, rising strictly between. The engine must then read them."""
+    from loader.model_file import ModelFile
+    from loader.synthetic import SHAPES, llama3_rope_factors
+
+    spec = SHAPES["llama-3.1-8b"]
+    factors = llama3_rope_factors(spec)
+    wavelength = 2 * np.pi * spec.rope_base ** (np.arange(64) * 2 / spec.head_dim)
+    assert (factors[wavelength < 8192 / 4] == 1).all()
+    assert (factors[wavelength > 8192] == 8).all()
+    between = factors[(wavelength >= 8192 / 4) & (wavelength <= 8192)]
+    assert len(between) > 1 and (np.diff(between) > 0).all()
+
+    tiny = tiny_spec("llama", llama3_rope_factor=8.0)
+    model = ModelFile.open(write_synthetic_model(tmp_path / "l3.gguf", tiny))
+    assert model.config.rope_freq_factors
+    np.testing.assert_array_equal(model.gguf.tensor_bytes("rope_freqs.weight").view(np.float32),
+                                  llama3_rope_factors(tiny))

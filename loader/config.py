@@ -301,6 +301,16 @@ class RopeOverride:
             raise ValueError(f"YaRN extends the context: --rope-scale must be at least 1, "
                              f"got {self.factor:g}")
 
+    @classmethod
+    def from_settings(cls, scaling: str | None, factor: float | None,
+                      original_context: int | None) -> RopeOverride | None:
+        """The override the user's settings name (--rope-scaling, --rope-scale,
+        --yarn-orig-ctx, or the engine's fields of the same meaning), checked; None when
+        they name none, so the file's scaling stays."""
+        kind = None if scaling is None else RopeScalingType.parse(scaling)
+        rope = cls(kind, factor, original_context)
+        return None if rope.is_empty else rope
+
     @property
     def is_empty(self) -> bool:
         return self.scaling is None and self.factor is None and self.original_context is None

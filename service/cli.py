@@ -43,9 +43,7 @@ def _open(args: argparse.Namespace) -> ModelFile:
 
 def _rope_override(args: argparse.Namespace) -> RopeOverride | None:
     """The rope scaling flags, checked (ValueError: exit 2) before anything is loaded."""
-    scaling = RopeScalingType.parse(args.rope_scaling) if args.rope_scaling else None
-    rope = RopeOverride(scaling, args.rope_scale, args.yarn_orig_ctx)
-    return None if rope.is_empty else rope
+    return RopeOverride.from_settings(args.rope_scaling, args.rope_scale, args.yarn_orig_ctx)
 
 
 def _load_transformer(model: ModelFile, quiet: bool):

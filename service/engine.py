@@ -43,7 +43,7 @@ from dispatch.dispatcher import Dispatcher, DispatcherConfig
 from dispatch.messages import FinishReason, Output
 from dispatch.scheduler import SchedulerConfig
 from kernels.sampling import SamplingParams, TokenLogprob
-from loader.config import RopeOverride, RopeScalingType
+from loader.config import RopeOverride
 from loader.model_file import ModelFile
 from loader.tokenizer import Tokenizer
 from service.chat_tokens import TurnMemory
@@ -84,10 +84,8 @@ class EngineSettings:
 
     def rope_override(self) -> RopeOverride | None:
         """The rope scaling settings as the loader takes them (None: the file's)."""
-        scaling = None if self.rope_scaling is None else \
-            RopeScalingType.parse(self.rope_scaling)
-        rope = RopeOverride(scaling, self.rope_scale, self.yarn_orig_ctx)
-        return None if rope.is_empty else rope
+        return RopeOverride.from_settings(self.rope_scaling, self.rope_scale,
+                                          self.yarn_orig_ctx)
 
     def dispatcher_config(self) -> DispatcherConfig:
         control = ControlConfig(SchedulerConfig(max_batch=self.max_batch,

@@ -33,10 +33,10 @@ Q = GGMLQuantizationType
 # sign bits). IQ1_M has no such field: its scale is spread over four nibbles
 # (`_set_iq1_m_scales`).
 _SCALE_OFFSETS: dict[GGMLQuantizationType, tuple[int, ...]] = {
-    Q.Q2_K: (80, 82),
+    Q.Q2_K: (80,),
     Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
+    Q.Q4_K: (0,),
+    Q.Q5_K: (0,),
     Q.Q6_K: (208,),
     Q.IQ4_NL: (0,),
     Q.IQ4_XS: (0,),
@@ -46,6 +46,14 @@ _SCALE_OFFSETS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     Q.IQ3_XXS: (0,),
     Q.IQ3_S: (0,),
     Q.IQ1_S: (0,),
+}
+# The K-quants with a block minimum: value = d * sc * q - dmin * m with sub-scales sc and
+# mins m drawn alike, so dmin = E[q] * d (offset, E[q]) makes a block's values average zero,
+# as trained weights do, instead of all sitting far on one side of it.
+_MIN_OFFSETS: dict[GGMLQuantizationType, tuple[int, float]] = {
+    Q.Q2_K: (82, 1.5),  # q in 0..3
+    Q.Q4_K: (2, 7.5),  # q in 0..15
+    Q.Q5_K: (2, 15.5),  # q in 0..31
 }
 IQ_TYPES = (Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S,
             Q.IQ1_M)
@@ -66,8 +74,8 @@ def _set_iq1_m_scales(raw: np.ndarray, scales: np.ndarray) -> None:
 def random_blocks(qtype: GGMLQuantizationType, scales: np.ndarray,
                   rng: np.random.Generator) -> np.ndarray:
     """`len(scales)` blocks of `qtype` (one gguf-py cannot quantize: K-quants and IQ types),
-    [blocks, bytes]: random bytes, each block's float16 scale(s) set to its entry of
-    `scales` (every scale of a K-quant block the same)."""
+    [blocks, bytes]: random bytes, each block's float16 scale set to its entry of
+    `scales` (and a K-quant's minimum scale so that the block averages zero)."""
     if qtype not in RANDOM_BYTE_TYPES:
         raise ValueError(f"{qtype.name} is not written as random bytes")
     _, size = GGML_QUANT_SIZES[qtype]
@@ -78,6 +86,10 @@ def random_blocks(qtype: GGMLQuantizationType, scales: np.ndarray,
         half = scales.astype(np.float16).view(np.uint8).reshape(len(scales), 2)
         for off in _SCALE_OFFSETS[qtype]:
             raw[:, off:off + 2] = half
+        if qtype in _MIN_OFFSETS:
+            off, mean_q = _MIN_OFFSETS[qtype]
+            raw[:, off:off + 2] = (scales * mean_q).astype(np.float16).view(np.uint8).reshape(
+                len(scales), 2)
     return raw
 
 
@@ -85,7 +97,7 @@ def random_blocks(qtype: GGMLQuantizationType, scales: np.ndarray,
 def _unit_scale_rms(qtype: GGMLQuantizationType) -> float:
     """The root mean square of the values of random `qtype` blocks whose scale is 1: what
     a block scale multiplies, so that scale = wanted RMS / this gives weights of the float
-    draw's size (an IQ block's values span 2 to 15 times its scale, by type)."""
+    draw's size (a block's values span from 2 to over 1000 times its scale, by type)."""
     raw = random_blocks(qtype, np.ones(256, np.float32), np.random.default_rng(0))
     values = quants.dequantize(raw, qtype).astype(np.float64)
     return float(np.sqrt(np.mean(values * values)))
@@ -265,11 +277,9 @@ def _encode(values: np.ndarray, qtype: GGMLQuantizationType,
     if qtype in RANDOM_BYTE_TYPES:
         block, _ = GGML_QUANT_SIZES[qtype]
         blocks = values.reshape(-1, block)
-        if qtype in IQ_TYPES:  # each block as large as its float draw (RMS)
-            rms = np.sqrt(np.mean(np.square(blocks, dtype=np.float64), axis=1))
-            scale = rms / _unit_scale_rms(qtype)
-        else:
-            scale = np.abs(blocks).max(axis=1) / 32
+        # each block as large as its float draw (RMS)
+        rms = np.sqrt(np.mean(np.square(blocks, dtype=np.float64), axis=1))
+        scale = rms / _unit_scale_rms(qtype)
         return random_blocks(qtype, scale, rng).reshape(*values.shape[:-1], -1)
     return quants.quantize(values, qtype)
 

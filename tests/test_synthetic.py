@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from loader.gguf_file import GGUFFile
-from loader.synthetic import IQ_TYPES, bf16_bits, tiny_spec, write_synthetic_model
+from loader.synthetic import RANDOM_BYTE_TYPES, bf16_bits, tiny_spec, write_synthetic_model
 
 
 def test_bf16_bits_round_as_gguf_does() -> None:
@@ -54,13 +54,16 @@ def test_the_default_draw_is_normal(tmp_path) -> None:
         assert np.abs(w).max() > 3 / np.sqrt(512)
 
 
-@pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda q: q.name)
-def test_iq_weights_are_finite_and_of_the_float_draws_scale(tmp_path, qtype) -> None:
-    """gguf-py cannot quantize the IQ types, so their blocks are random bytes with each
-    block's float16 scale set (IQ1_M's spread over four nibbles) to give the block the RMS
-    of its float draw. Read back through gguf-py's dequantization: every weight finite,
-    each matrix's standard deviation the draw's (1 for the embedding, 1/sqrt(fan_in) for
-    the others) within 10%, nothing beyond 8 of them: a model of random IQ blocks has
+@pytest.mark.parametrize("qtype", sorted(RANDOM_BYTE_TYPES, key=lambda q: q.name),
+                         ids=lambda q: q.name)
+def test_random_block_weights_are_finite_and_of_the_float_draws_scale(tmp_path,
+                                                                      qtype) -> None:
+    """gguf-py cannot quantize the K-quants and IQ types, so their blocks are random
+    bytes with each block's float16 scale set (IQ1_M's spread over four nibbles) to give
+    the block the RMS of its float draw, and a K-quant's minimum so that it averages zero.
+    Read back through gguf-py's dequantization: every weight finite, each matrix's mean
+    near zero and its standard deviation the draw's (1 for the embedding, 1/sqrt(fan_in)
+    for the others) within 10%, nothing beyond 8 of them: a model of random blocks has
     activations of a real model's size, not ones that blow up through the layers."""
     spec = tiny_spec("llama", d_model=256, head_dim=64, d_ff=512, weight_type=qtype)
     with GGUFFile.open(write_synthetic_model(tmp_path / "iq.gguf", spec)) as f:
@@ -73,6 +76,8 @@ def test_iq_weights_are_finite_and_of_the_float_draws_scale(tmp_path, qtype) -> 
             std = 1.0 if fan_in is None else 1 / np.sqrt(fan_in)
             assert np.isfinite(w).all(), name
             assert abs(w.std() / std - 1) < 0.1, (name, w.std() / std)
+            # (IQ4_NL's codebook itself averages -0.08 of its RMS)
+            assert abs(w.mean()) < 0.1 * std, (name, w.mean() / std)
             assert np.abs(w).max() < 8 * std, name
 
 

@@ -3,10 +3,10 @@
 Two decisions shape this file.
 
 **Filter order (llama.cpp's default chain).** llama.cpp's `common_params_sampling.samplers`
-defaults to penalties -> DRY -> top-n-sigma -> top-k -> typical-p -> top-p -> min-p -> XTC
--> temperature, then the final draw. Of those we implement the penalties (repetition,
-presence, frequency; see `apply_penalties`), top-k, top-p and min-p, in that order, and
-apply the temperature *after* them, to the survivors only. So the candidate set
+defaults to logit bias -> penalties -> DRY -> top-n-sigma -> top-k -> typical-p -> top-p ->
+min-p -> XTC -> temperature, then the final draw. Of those we implement the logit bias and
+the penalties (repetition, presence, frequency; see `adjust_logits`), top-k, top-p and
+min-p, in that order, and apply the temperature *after* them, to the survivors only. So the candidate set
 depends on the model's own (temperature-1) distribution, and temperature only reshapes the
 probabilities among candidates; a high temperature cannot let junk tokens in. (HF
 transformers applies temperature first; its results differ whenever a filter is active.)
@@ -58,6 +58,7 @@ import numpy as np
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI's API allows (+-100 bans or forces)
 SEED_LIMIT = 1 << 64
 POSITION_LIMIT = 1 << 63  # positions travel as int64 on the device
 
@@ -105,6 +106,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output so far
     logprobs: int | None = None  # None = off; N = the sampled token's and N alternatives'
+    # added to the logits before everything else, greedy included (OpenAI's logit_bias);
+    # given as a mapping or pairs, kept as (token id, bias) pairs sorted by id
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def fail(field: str, allowed: str) -> None:
@@ -143,6 +147,7 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+        object.__setattr__(self, "logit_bias", _canonical_logit_bias(self.logit_bias))
         # Canonical types, so equal parameters compare and hash equal.
         for name, kind in (("max_tokens", int), ("temperature", float), ("top_k", int),
                            ("top_p", float), ("min_p", float), ("ignore_eos", bool),
@@ -163,9 +168,58 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before drawing (a logit bias
+        or penalties): such rows are sampled from an adjusted copy of the logits."""
+        return self.penalized or bool(self.logit_bias)
+
     def resolve_seed(self) -> SamplingParams:
         """These parameters with a concrete seed: unchanged if one is set, else a fresh one."""
         return self if self.seed is not None else dataclasses.replace(self, seed=fresh_seed())
+
+
+def _canonical_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """A logit bias as sorted (token id, float bias) pairs; InvalidSamplingParams for
+    anything else than a mapping or pairs of an id >= 0 (each once) and a finite bias in
+    [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]. (Ids beyond the vocabulary are refused at submission,
+    where the vocabulary is known.)"""
+    def fail(message: str) -> InvalidSamplingParams:
+        return InvalidSamplingParams("logit_bias", message)
+
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (tuple, list)):
+        pairs = list(value)
+    else:
+        raise fail(f"must be a mapping of token id to bias, got {value!r}")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise fail(f"must hold (token id, bias) pairs, got {pair!r}")
+        token, bias = pair
+        if not _is_int(token) or token < 0:
+            raise fail(f"token ids must be ints >= 0, got {token!r}")
+        if not _is_real(bias) or not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+            raise fail(f"biases must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                       f"got {bias!r} for token {token}")
+        if int(token) in out:
+            raise fail(f"names token {token} twice")
+        out[int(token)] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def dense_logit_bias(params: SamplingParams, vocab: int) -> np.ndarray:
+    """The request's logit bias as float32 [vocab] (zero where it names no token): what
+    the sampler adds to a row of logits. ValueError for an id outside the vocabulary."""
+    bias = np.zeros(vocab, np.float32)
+    if params.logit_bias:
+        ids = np.array([t for t, _ in params.logit_bias], np.int64)
+        if ids[-1] >= vocab:
+            raise ValueError(f"logit_bias names token {int(ids[-1])}, but the vocabulary "
+                             f"has {vocab} tokens")
+        bias[ids] = [b for _, b in params.logit_bias]
+    return bias
 
 
 def fresh_seed() -> int:
@@ -312,11 +366,26 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams,
     return out
 
 
+def adjust_logits(logits: np.ndarray, params: SamplingParams, counts: TokenCounts | None,
+                  bias: np.ndarray | None = None) -> np.ndarray:
+    """One row of logits as the sampler sees it (a new float32 array): the logit bias
+    added first (`bias`: `dense_logit_bias(params, vocab)`, made here when not given), then
+    the penalties (`counts` needed when `params.penalized`), llama.cpp's order."""
+    out = np.array(logits, dtype=np.float32)
+    if params.logit_bias:
+        out += dense_logit_bias(params, out.size) if bias is None else bias
+    if params.penalized:
+        if counts is None:
+            raise ValueError("penalties need the request's token counts")
+        out = apply_penalties(out, params, counts)
+    return out
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """The sampled token's log-probability and the `n` most likely alternatives', from the
-    model's distribution (log-softmax of the raw logits, before penalties, filters and
-    temperature, as OpenAI-compatible servers report them)."""
+    model's distribution (log-softmax of the raw logits, before the logit bias, penalties,
+    filters and temperature, as OpenAI-compatible servers report them)."""
 
     token: int
     logprob: float
@@ -334,13 +403,15 @@ def token_logprob(logits: np.ndarray, token: int, n: int) -> TokenLogprob:
 
 def sample(logits: np.ndarray, params: Sequence[SamplingParams],
            positions: Sequence[int],
-           counts: Sequence[TokenCounts | None] | None = None) -> np.ndarray:
+           counts: Sequence[TokenCounts | None] | None = None,
+           biases: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
     """One token per row of `logits` [n, vocab]; row i uses params[i] and positions[i].
 
     `positions[i]` is the counter of the row's draw: the engine passes the sequence
     position the sampled token will occupy, which is unique per step of a request.
     Non-greedy rows need a resolved seed (see `SamplingParams.resolve_seed`). Rows whose
-    params are `penalized` need `counts[i]`, the request's token counts so far.
+    params are `penalized` need `counts[i]`, the request's token counts so far; rows with a
+    logit bias may pass it dense as `biases[i]` (else it is built from their params).
     """
     logits = np.asarray(logits)
     if logits.ndim != 2:
@@ -354,10 +425,12 @@ def sample(logits: np.ndarray, params: Sequence[SamplingParams],
     out = np.empty(n, dtype=np.int32)
     rows = [logits[i] for i in range(n)]
     for i, p in enumerate(params):
-        if p.penalized:
-            if counts is None or counts[i] is None:
-                raise ValueError(f"params[{i}] has penalties but no token counts were given")
-            rows[i] = apply_penalties(rows[i], p, counts[i])
+        if not p.adjusts_logits:
+            continue
+        c = None if counts is None else counts[i]
+        if p.penalized and c is None:
+            raise ValueError(f"params[{i}] has penalties but no token counts were given")
+        rows[i] = adjust_logits(rows[i], p, c, None if biases is None else biases[i])
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     for i in drawn:
         if params[i].seed is None:
@@ -379,13 +452,16 @@ def sample(logits: np.ndarray, params: Sequence[SamplingParams],
 
 
 __all__ = [
+    "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",
     "InvalidSamplingParams",
     "SamplingParams",
     "TokenCounts",
     "TokenLogprob",
+    "adjust_logits",
     "apply_penalties",
+    "dense_logit_bias",
     "draw_uniform",
     "filter_candidates",
     "fresh_seed",

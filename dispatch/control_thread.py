@@ -248,7 +248,7 @@ class ControlThread:
         self.generated.pop(msg.session_id, None)
         if s is None:
             return
-        if s.params.penalized:
+        if s.params.adjusts_logits:
             self._forget.append(s.id)
         self.scheduler.remove(s)
         if s.region is None:
@@ -412,13 +412,15 @@ class _SeqWork:
 
 
 class _SamplerState:
-    """Per-session token counts for the penalties, in the backend's form (`token_counts`:
-    TokenCounts on cpu, a device tensor on cuda). Owned by the compute stream: only
-    `_RoundWork` (which runs there, in order) reads or changes it."""
+    """Per-session token counts for the penalties and logit biases, in the backend's form
+    (`token_counts`: TokenCounts on cpu, a device tensor on cuda; `logit_bias`: a dense
+    array or tensor). Owned by the compute stream: only `_RoundWork` (which runs there, in
+    order) reads or changes it."""
 
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
         self.counts: dict[int, Any] = {}
+        self.biases: dict[int, Any] = {}
 
 
 class _RoundWork:
@@ -449,6 +451,8 @@ class _RoundWork:
         slices = [SeqSlice(st, n, past, kv)
                   for (st, n, past), kv in zip(self.seq_rows, self.kvs, strict=True)]
         counts = self._count_inputs(tokens)
+        biases = dict(zip([w.session_id for w in self.seq_work], self._session_biases(),
+                          strict=True))
         work = [(w, (st, n, past)) for w, (st, n, past) in zip(self.seq_work, self.seq_rows,
                                                                strict=True) if w.samples]
         logit_rows = np.array([st + n - 1 for _, (st, n, _) in work], dtype=np.int64)
@@ -456,7 +460,8 @@ class _RoundWork:
         logits = self.transformer.forward(batch)
         ops.sample_round(
             logits, [w.params for w, _ in work], [past + n for _, (_, n, past) in work],
-            [counts.get(w.session_id) for w, _ in work], out=self.sampled,
+            [counts.get(w.session_id) for w, _ in work],
+            [biases[w.session_id] for w, _ in work], out=self.sampled,
             token_buf=self.token_buf, out_slots=[w.slot for w, _ in work],
             logprobs_out=self.logprob_out)
         self.kvs = []  # drop the views of the KV pages as soon as the work is done
@@ -473,7 +478,8 @@ class _RoundWork:
                                       strict=True)]
         return graphs.run(rows, [past for _, _, past in self.seq_rows], self.kvs,
                           [w.params for w in self.seq_work], self.sampled,
-                          [w.slot for w in self.seq_work], counts, self.logprob_out)
+                          [w.slot for w in self.seq_work], counts, self.logprob_out,
+                          self._session_biases())
 
     def _count_inputs(self, tokens: Any) -> dict[int, Any]:
         """Bring penalized sessions' token counts up to date with this round's inputs
@@ -486,13 +492,33 @@ class _RoundWork:
             self.transformer.ops.count_inputs(tokens, spans)
         return self.state.counts
 
+    def _forget_ended(self) -> None:
+        """Drop the sampler state of the sessions that ended since the last round."""
+        for sid in self.forget:
+            self.state.counts.pop(sid, None)
+            self.state.biases.pop(sid, None)
+        self.forget = []
+
+    def _session_biases(self) -> list[Any]:
+        """Per session of the round, its logit bias (None: it has none), made the first
+        time the session is in a round and kept until it ends."""
+        self._forget_ended()
+        st, out = self.state, []
+        for w in self.seq_work:
+            bias = None
+            if w.params.logit_bias:
+                bias = st.biases.get(w.session_id)
+                if bias is None:
+                    bias = st.biases[w.session_id] = self.transformer.ops.logit_bias(
+                        w.params, st.vocab)
+            out.append(bias)
+        return out
+
     def _session_counts(self) -> list[Any]:
         """Per session of the round, its token counts (None: not penalized), after ended
         sessions' counts are dropped and those that must be are (re)built from tokens."""
+        self._forget_ended()
         st = self.state
-        for sid in self.forget:
-            st.counts.pop(sid, None)
-        self.forget = []
         out = []
         for w in self.seq_work:
             if not w.params.penalized:

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from dispatch.control_thread import ControlConfig, ControlThread
-from dispatch.errors import EmptyPrompt, PromptTooLong
+from dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
 from dispatch.messages import (
     Cancel,
     Flush,
@@ -79,9 +79,8 @@ class Dispatcher:
             raise EmptyPrompt()
         if len(prompt_ids) >= self.context_length:
             raise PromptTooLong(len(prompt_ids), self.context_length)
-        vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        TokenOutOfVocabulary.check(prompt_ids, self.tokenizer.vocab_size, params,
+                                   self.control.transformer.config.vocab_size)
         rid = next(self._ids)
         self.service.inbox.put(Submit(rid, list(prompt_ids), params.resolve_seed(), sink))
         return rid

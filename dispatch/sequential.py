@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dispatch.errors import EmptyPrompt, PromptTooLong
+from dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
 from dispatch.messages import FinishReason
 from dispatch.token_judge import TokenJudge
 from kernels.batch import ForwardBatch
@@ -73,6 +73,8 @@ class SequentialGeneration:
             raise EmptyPrompt()
         if len(self.prompt_ids) >= self.context:
             raise PromptTooLong(len(self.prompt_ids), self.context)
+        TokenOutOfVocabulary.check(self.prompt_ids, self.tokenizer.vocab_size, self.params,
+                                   cfg.vocab_size)
         self.params = self.params.resolve_seed()
 
     def __iter__(self) -> Iterator[Chunk]:

@@ -13,8 +13,9 @@ round to round lives in fixed device buffers that the round overwrites (laid out
 - per session: the SeqDesc (start, n_new = 1, n_past, KV base address: a session's KV
   region never moves, so its base pointer is simply data), the row -> session map,
   the rope position, the logits row, the sampler's parameters and output slot, and for
-  rounds with penalties each session's token-count span and penalty row (the counts
-  themselves are per-session device tensors that never move either).
+  rounds with penalties or a logit bias each session's token-count span and penalty row
+  (the counts and the bias themselves are per-session device tensors that never move
+  either).
 Batches are padded up to a bucket size (1, 2, 4, 8, 16, 24, 32, 48, 64, ...) with rows
 that read token 0, attend over a one-token scratch KV and sample into nowhere (slot -1)
 (they all append their K and V to that one scratch slot at once: a race whose outcome
@@ -24,8 +25,9 @@ attention kernels split long contexts. One graph per (batch bucket, context buck
 captured the first time it is needed (after one eager warm-up run, which loads modules
 and plans GEMMs outside the capture) and kept.
 
-A round with penalized sessions replays a variant of its bucket's graph that also counts
-the round's inputs (count_tokens) and samples from penalized logits (penalize_rows); a
+A round with penalized or logit-biased sessions replays a variant of its bucket's graph
+that also counts the round's inputs (count_tokens) and samples from adjusted logits
+(penalize_rows; a session's bias is a device tensor that never moves, as its counts); a
 round in which some session asks for logprobs, one that also runs token_logprobs into the
 graph's own buffers, copied out after the replay as the sampled tokens are. Prefill
 and mixed rounds run through the general eager path.
@@ -120,7 +122,7 @@ class _Layout:
 class _Kind:
     """Which steps beside the forward and the draw a graph holds."""
 
-    penalized: bool  # count_tokens and penalize_rows
+    adjusted: bool  # count_tokens and penalize_rows (penalties, logit bias)
     logprobs: bool  # token_logprobs
 
 
@@ -158,7 +160,7 @@ class DecodeGraphs:
         self.steps: dict[tuple[int, int, _Kind], _Step] = {}
         self.failures: dict[tuple[int, int, _Kind], str] = {}
         self.replays = 0
-        self.penalized_replays = 0  # of which, of graphs with penalties
+        self.adjusted_replays = 0  # of which, of graphs with penalties or a logit bias
         self.logprob_replays = 0  # and of graphs with logprobs
         self.captured = 0
         self.eager_rounds = 0  # rounds through the fixed buffers launched one by one
@@ -168,14 +170,16 @@ class DecodeGraphs:
     def run(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
             params: Sequence[SamplingParams], out: Any, out_slots: Sequence[int],
             counts: Sequence[tuple[DeviceTensor, int] | None] | None = None,
-            logprobs_out: tuple[Any, Any] | None = None) -> bool:
+            logprobs_out: tuple[Any, Any] | None = None,
+            biases: Sequence[DeviceTensor | None] | None = None) -> bool:
         """Run the decode round through its bucket's fixed buffers: one row per session,
         `rows[i]` = [host token id, token-buffer slot or -1] as in the eager path's
         metadata, each row sampled into `out[i]` and into the token buffer at
         `out_slots[i]` (the session's slot: a row that read a host token, such as the
         last prompt token after a cached prefix, has no input slot to write back to).
         Penalized sessions need `counts[i]` = (their token counts, 1 if this row is still
-        in the prompt else 0); rows asking for logprobs write them to `logprobs_out`
+        in the prompt else 0), sessions with a logit bias `biases[i]` (from
+        `CudaOps.logit_bias`); rows asking for logprobs write them to `logprobs_out`
         (values, ids buffers, laid out as NumpyOps.sample_round's). The round is the
         bucket's graph replayed, or (graphs off, or its capture failed) the same launches
         made one by one. False only when the round has no bucket (the caller runs it
@@ -183,7 +187,7 @@ class DecodeGraphs:
         n = len(n_pasts)
         if n == 0 or n > self.buckets[-1]:
             return False
-        kind = _Kind(any(p.penalized for p in params),
+        kind = _Kind(any(p.adjusts_logits for p in params),
                      any(p.logprobs is not None for p in params))
         if kind.logprobs and logprobs_out is None:
             raise ValueError("a round with logprobs needs buffers for them")
@@ -194,7 +198,7 @@ class DecodeGraphs:
             step = self.steps[key] = self._step(*key)
         if self.enabled and step.exec is None and key not in self.failures:
             self._capture(step)
-        blob = self._blob(b, rows, n_pasts, kvs, params, out_slots, counts)
+        blob = self._blob(b, rows, n_pasts, kvs, params, out_slots, counts, biases)
         self.ops._ring.upload(blob, DeviceTensor(step.inputs.ptr, (blob.size,), "u8"))
         d = driver()
         self.ops.ctx.bind()
@@ -202,7 +206,7 @@ class DecodeGraphs:
         if step.exec is not None:
             check(d.cuGraphLaunch(step.exec, s), "cuGraphLaunch")
             self.replays += 1
-            self.penalized_replays += kind.penalized
+            self.adjusted_replays += kind.adjusted
             self.logprob_replays += kind.logprobs
         else:
             step.launch()
@@ -217,7 +221,8 @@ class DecodeGraphs:
 
     def _blob(self, b: int, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
               params: Sequence[SamplingParams], out_slots: Sequence[int] = (),
-              counts: Sequence[tuple[DeviceTensor, int] | None] | None = None) -> np.ndarray:
+              counts: Sequence[tuple[DeviceTensor, int] | None] | None = None,
+              biases: Sequence[DeviceTensor | None] | None = None) -> np.ndarray:
         """The graph's inputs for this round; rows past the real ones are padding."""
         n = len(n_pasts)
         lay = _Layout(b)
@@ -253,12 +258,13 @@ class DecodeGraphs:
         want = field("logprob_n", np.int32)
         want[:n] = logprob_table([p.logprobs for p in params])
         want[n:] = -1
-        if any(p.penalized for p in params):  # zeros elsewhere: nothing counted or penalized
+        if any(p.adjusts_logits for p in params):  # zeros elsewhere: nothing counted
+            # or adjusted
             c = list(counts or [None] * n)
             field("count_spans", COUNT_SPAN)[:n] = count_table(
                 [(None, i, 1, 0) if x is None else (x[0], i, 1, x[1]) for i, x in enumerate(c)])
             field("penalties", PENALTY_ROW)[:n] = penalty_table(
-                params, [None if x is None else x[0] for x in c], vocab)
+                params, [None if x is None else x[0] for x in c], biases, vocab)
         return blob
 
     # -- the fixed launches and their capture ---------------------------------------------
@@ -297,10 +303,10 @@ class DecodeGraphs:
         want = tensor("logprob_n", (b,), "i32")
 
         def launch() -> None:  # as _RoundWork's eager round, with every input in the blob
-            if kind.penalized:
+            if kind.adjusted:
                 ops.count_inputs_device(ids, spans, b, vocab)
             logits = self.transformer.forward(batch)
-            drawn = ops.penalize_device(logits, penalties) if kind.penalized else logits
+            drawn = ops.penalize_device(logits, penalties) if kind.adjusted else logits
             ops.sample_device(drawn, params, out=out, token_buf=self.token_buf.ptr,
                               out_slots=slots)
             if lp_values is not None and lp_ids is not None:

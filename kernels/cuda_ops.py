@@ -37,7 +37,13 @@ import numpy as np
 
 from kernels.batch import ForwardBatch, SeqSlice
 from kernels.cuda_kernels import KernelLibrary
-from kernels.sampling import MAX_LOGPROBS, POSITION_LIMIT, SamplingParams, TokenCounts
+from kernels.sampling import (
+    MAX_LOGPROBS,
+    POSITION_LIMIT,
+    SamplingParams,
+    TokenCounts,
+    dense_logit_bias,
+)
 from loader.config import Activation, RopeParams, RopeStyle
 from vmm.cuda_driver import cu, driver
 from vmm.device import Event, HostBuffer
@@ -55,8 +61,8 @@ SEQ_DESC = np.dtype([("start", "<i4"), ("n_new", "<i4"), ("n_past", "<i4"), ("pa
 SAMPLE_PARAMS = np.dtype([("temperature", "<f4"), ("top_k", "<i4"), ("top_p", "<f4"),
                           ("min_p", "<f4"), ("seed", "<u8"), ("position", "<i8")])
 # ... and `struct PenaltyRow` and `struct CountSpan` (kernels/cuda/sampler.cu)
-PENALTY_ROW = np.dtype([("counts", "<u8"), ("repetition", "<f4"), ("presence", "<f4"),
-                        ("frequency", "<f4"), ("pad", "<i4")])
+PENALTY_ROW = np.dtype([("counts", "<u8"), ("bias", "<u8"), ("repetition", "<f4"),
+                        ("presence", "<f4"), ("frequency", "<f4"), ("pad", "<i4")])
 COUNT_SPAN = np.dtype([("counts", "<u8"), ("start", "<i4"), ("n", "<i4"), ("split", "<i4"),
                        ("pad", "<i4")])
 
@@ -841,14 +847,21 @@ class CudaOps:
         self.kernels["count_tokens"].launch(self._s, n_spans, 256, table.ptr, tokens.rows_ptr,
                                             tokens.stride, tokens.token_buf_ptr, vocab)
 
+    def logit_bias(self, params: SamplingParams, vocab: int) -> DeviceTensor:
+        """A session's logit bias on the device, uploaded once per session: float32
+        [vocab] (`dense_logit_bias`), which penalize_rows adds to its rows."""
+        return self.upload(dense_logit_bias(params, vocab))
+
     def sample_round(self, logits: DeviceTensor, params: Sequence[SamplingParams],
-                     positions: Sequence[int], counts: Sequence[DeviceTensor | None], *,
+                     positions: Sequence[int], counts: Sequence[DeviceTensor | None],
+                     biases: Sequence[DeviceTensor | None], *,
                      out: Any, token_buf: Any, out_slots: Sequence[int],
                      logprobs_out: tuple[Any, Any] | None = None) -> None:
-        """NumpyOps.sample_round on the device: penalties, the draw, logprobs."""
+        """NumpyOps.sample_round on the device: logit bias and penalties, the draw,
+        logprobs."""
         slots = self.upload(np.asarray(out_slots, dtype=np.int32), "i32")
         sampled = DeviceTensor(out.ptr, (len(params),), "i32")
-        self.sample(logits, params, positions, counts=counts, out=sampled,
+        self.sample(logits, params, positions, counts=counts, biases=biases, out=sampled,
                     token_buf=token_buf.ptr, out_slots=slots)
         if logprobs_out is not None:
             self.token_logprobs(logits, sampled, [p.logprobs for p in params],
@@ -859,19 +872,21 @@ class CudaOps:
     def sample(self, logits: DeviceTensor, params: Sequence[SamplingParams],
                positions: Sequence[int], *,
                counts: Sequence[DeviceTensor | None] | None = None,
+               biases: Sequence[DeviceTensor | None] | None = None,
                out: DeviceTensor | None = None, token_buf: int = 0,
                out_slots: DeviceTensor | None = None) -> DeviceTensor:
         """One token per row of float32 `logits` [n, vocab] (kernels/sampling.py's rules),
         written to `out` (int32 [n]) and, for rows whose `out_slots` entry is >= 0, to
         `token_buf[slot]`. Rows whose params are penalized need `counts[i]` (from
-        `token_counts`). A row that cannot be sampled (NaN logits) gets -1."""
+        `token_counts`); rows with a logit bias take `biases[i]` (from `logit_bias`), or
+        have it uploaded here. A row that cannot be sampled (NaN logits) gets -1."""
         _require(logits, "f32", "logits")
         n, vocab = logits.shape
         if len(params) != n or len(positions) != n:
             raise ValueError(f"{n} logit rows need {n} params and positions")
         table = sample_table(params, positions, vocab)
-        if any(p.penalized for p in params):
-            logits = self.penalize(logits, params, counts)
+        if any(p.adjusts_logits for p in params):
+            logits = self.penalize(logits, params, counts, biases)
         if out is None:
             out = self.empty((n,), "i32")
         self.sample_device(logits, self.upload(table.view(np.uint8), "u8"), out=out,
@@ -879,10 +894,15 @@ class CudaOps:
         return out
 
     def penalize(self, logits: DeviceTensor, params: Sequence[SamplingParams],
-                 counts: Sequence[DeviceTensor | None] | None) -> DeviceTensor:
-        """A copy of `logits` with each penalized row's penalties applied
-        (sampling.apply_penalties): the raw logits stay for the logprobs."""
-        table = penalty_table(params, counts, logits.shape[1])
+                 counts: Sequence[DeviceTensor | None] | None,
+                 biases: Sequence[DeviceTensor | None] | None = None) -> DeviceTensor:
+        """A copy of `logits` with each row's logit bias and penalties applied
+        (sampling.adjust_logits): the raw logits stay for the logprobs. A biased row
+        without its entry in `biases` has its bias uploaded here."""
+        vocab = logits.shape[1]
+        biases = [b if b is not None or not p.logit_bias else self.logit_bias(p, vocab)
+                  for p, b in zip(params, biases or [None] * len(params), strict=True)]
+        table = penalty_table(params, counts, biases, vocab)
         return self.penalize_device(logits, self.upload(table.view(np.uint8)))
 
     def penalize_device(self, logits: DeviceTensor, table: DeviceTensor) -> DeviceTensor:
@@ -940,8 +960,8 @@ class CudaOps:
 
 def sample_table(params: Sequence[SamplingParams], positions: Sequence[int],
                  vocab: int) -> np.ndarray:
-    """The sampler's per-row parameters (SAMPLE_PARAMS), checked. (Penalties are not in
-    it: `CudaOps.penalize` applies them to the logits first.)"""
+    """The sampler's per-row parameters (SAMPLE_PARAMS), checked. (The logit bias and
+    penalties are not in it: `CudaOps.penalize` applies them to the logits first.)"""
     table = np.zeros(len(params), SAMPLE_PARAMS)
     for i, (p, pos) in enumerate(zip(params, positions, strict=True)):
         if not p.greedy and p.seed is None:
@@ -956,20 +976,31 @@ def sample_table(params: Sequence[SamplingParams], positions: Sequence[int],
 
 
 def penalty_table(params: Sequence[SamplingParams],
-                  counts: Sequence[DeviceTensor | None] | None, vocab: int) -> np.ndarray:
+                  counts: Sequence[DeviceTensor | None] | None,
+                  biases: Sequence[DeviceTensor | None] | None, vocab: int) -> np.ndarray:
     """penalize_rows' per-row table (PENALTY_ROW), checked: a penalized row needs its
-    session's counts, int32 [2, vocab]; other rows get none (copied unchanged)."""
+    session's counts, int32 [2, vocab], a biased row its bias, float32 [vocab]; other rows
+    get neither (copied unchanged)."""
     table = np.zeros(len(params), PENALTY_ROW)
     for i, p in enumerate(params):
-        if not p.penalized:
+        if not p.adjusts_logits:
             continue
-        c = None if counts is None else counts[i]
-        if c is None:
-            raise ValueError(f"params[{i}] has penalties but no token counts were given")
-        _require(c, "i32", f"counts[{i}]")
-        if c.shape != (2, vocab):
-            raise ValueError(f"counts[{i}] must be [2, {vocab}], got {c.shape}")
-        table[i] = (c.ptr, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, 0)
+        c = None if counts is None or not p.penalized else counts[i]
+        if p.penalized:
+            if c is None:
+                raise ValueError(f"params[{i}] has penalties but no token counts were given")
+            _require(c, "i32", f"counts[{i}]")
+            if c.shape != (2, vocab):
+                raise ValueError(f"counts[{i}] must be [2, {vocab}], got {c.shape}")
+        b = None if biases is None or not p.logit_bias else biases[i]
+        if p.logit_bias:
+            if b is None:
+                raise ValueError(f"params[{i}] has a logit bias but no bias was given")
+            _require(b, "f32", f"biases[{i}]")
+            if b.shape != (vocab,):
+                raise ValueError(f"biases[{i}] must be [{vocab}], got {b.shape}")
+        table[i] = (0 if c is None else c.ptr, 0 if b is None else b.ptr,
+                    p.repetition_penalty, p.presence_penalty, p.frequency_penalty, 0)
     return table
 
 

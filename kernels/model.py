@@ -39,7 +39,8 @@ class Ops(Protocol[A]):
     # Beside the forward: `contiguous_kv(layout, capacity)` (one session's cache), and for
     # the dispatcher's rounds `kv_dtype`, `session_kv(region)`,
     # `round_inputs(rows, n_rows, token_buf)`, the penalties' `token_counts(...)` and
-    # `count_inputs(...)`, and `sample_round(...)` (see NumpyOps for what each does).
+    # `count_inputs(...)`, the logit bias's `logit_bias(...)`, and `sample_round(...)` (see
+    # NumpyOps for what each does).
 
 
 class Transformer(Generic[A]):

@@ -18,6 +18,7 @@ from kernels.sampling import (
     MAX_LOGPROBS,
     SamplingParams,
     TokenCounts,
+    dense_logit_bias,
     sample,
     token_logprob,
 )
@@ -71,14 +72,22 @@ class NumpyOps:
             counts.add(ids[start:start + split], as_output=False)
             counts.add(ids[start + split:start + n], as_output=True)
 
+    def logit_bias(self, params: SamplingParams, vocab: int) -> np.ndarray:
+        """A session's logit bias in the sampler's form, made once per session: float32
+        [vocab] (`dense_logit_bias`)."""
+        return dense_logit_bias(params, vocab)
+
     def sample_round(self, logits: np.ndarray, params: Sequence[SamplingParams],
-                     positions: Sequence[int], counts: Sequence[TokenCounts | None], *,
+                     positions: Sequence[int], counts: Sequence[TokenCounts | None],
+                     biases: Sequence[np.ndarray | None], *,
                      out: Buffer, token_buf: Buffer, out_slots: Sequence[int],
                      logprobs_out: tuple[Buffer, Buffer] | None = None) -> None:
         """Sample one token per row into `out` and into the token buffer at `out_slots`;
-        with `logprobs_out`, also each row's logprobs (rows whose params ask for them)."""
+        rows with penalties need their `counts`, rows with a logit bias their `biases`
+        (from `logit_bias`). With `logprobs_out`, also each row's logprobs (rows whose
+        params ask for them)."""
         logits = np.asarray(logits, dtype=np.float32)
-        tokens = sample(logits, params, positions, counts).astype(np.int32)
+        tokens = sample(logits, params, positions, counts, biases).astype(np.int32)
         slots = np.asarray(out_slots, np.int64)
         keep = slots >= 0  # as the device sampler: a negative slot writes no token buffer row
         token_buf.array.view(np.int32)[slots[keep]] = tokens[keep]

@@ -2,14 +2,15 @@
 
 Two decisions shape this file.
 
-**Filter order (llama.cpp's default chain).** llama.cpp's `common_params_sampling.samplers`
-defaults to logit bias -> penalties -> DRY -> top-n-sigma -> top-k -> typical-p -> top-p ->
-min-p -> XTC -> temperature, then the final draw. Of those we implement the logit bias and
-the penalties (repetition, presence, frequency; see `adjust_logits`), top-k, top-p and
-min-p, in that order, and apply the temperature *after* them, to the survivors only. So the candidate set
-depends on the model's own (temperature-1) distribution, and temperature only reshapes the
-probabilities among candidates; a high temperature cannot let junk tokens in. (HF
-transformers applies temperature first; its results differ whenever a filter is active.)
+**Filter order (llama.cpp's default chain).** llama.cpp's sampler chain (common_sampler_init)
+is the logit bias, then `common_params_sampling.samplers`, which defaults to penalties -> DRY
+-> top-n-sigma -> top-k -> typical-p -> top-p -> min-p -> XTC -> temperature, then the final
+draw. Of those we implement the logit bias and the penalties (repetition, presence,
+frequency; see `adjust_logits`), top-k, top-p and min-p, in that order, and apply the
+temperature *after* them, to the survivors only. So the candidate set depends on the
+model's own (temperature-1) distribution, and temperature only reshapes the probabilities
+among candidates; a high temperature cannot let junk tokens in. (HF transformers applies
+temperature first; its results differ whenever a filter is active.)
 
   1. top-k: keep the k largest logits (k = 0 or k >= vocab: off).
   2. top-p: softmax over the survivors, sort by probability, keep the shortest prefix whose

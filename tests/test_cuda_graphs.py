@@ -186,23 +186,27 @@ def test_graphs_capture_the_general_attention_kernel_too(device, qwen3) -> None:
 
 def test_rounds_with_penalties_or_logprobs_replay_graphs_that_hold_them(device,
                                                                        qwen3) -> None:
-    """Rounds with penalized sessions replay a variant of their bucket's graph that counts
-    the round's inputs and penalizes on the device; rounds in which a session asks for
-    logprobs, one that also computes them. Tokens and logprobs equal those of a run
-    without graphs, including a penalized session whose counts are built while others
-    decode (prompts of different lengths)."""
+    """Rounds with penalized or logit-biased sessions replay a variant of their bucket's
+    graph that counts the round's inputs and adjusts the logits on the device; rounds in
+    which a session asks for logprobs, one that also computes them. Tokens and logprobs
+    equal those of a run without graphs, including a penalized session whose counts are
+    built while others decode (prompts of different lengths). The biased session outlives
+    the penalized ones, so some rounds adjust its logits alone: a bias of +100 on token 7
+    makes all its tokens 7."""
     from kernels.cuda_backend import cuda_transformer
     from kernels.cuda_ops import CudaOps
 
     gpu = cuda_transformer(qwen3, ops=CudaOps(device))
-    prompts = [rng.integers(0, 40, n).tolist() for n in (4, 9, 6, 3)]  # with repeats
+    prompts = [rng.integers(0, 40, n).tolist() for n in (4, 9, 6, 3, 5)]  # with repeats
     params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                              repetition_penalty=1.5, frequency_penalty=0.5, logprobs=2),
               SamplingParams(temperature=0.8, seed=5, max_tokens=5, ignore_eos=True,
                              logprobs=3),
               SamplingParams(temperature=0.9, seed=8, max_tokens=10, ignore_eos=True,
-                             presence_penalty=1.5)]
+                             presence_penalty=1.5),
+              SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True,
+                             logit_bias={7: 100.0, 3: -5.0})]
     spy_on: list = []
     lp_on: list = []
     with_graphs = _run(device, qwen3, gpu, prompts, params, graphs=True, spy=spy_on,
@@ -213,10 +217,11 @@ def test_rounds_with_penalties_or_logprobs_replay_graphs_that_hold_them(device,
     assert with_graphs == without
     # the same kernels on the same padded shapes, launched as a graph or one by one
     assert lp_on == lp_off
-    assert [len(x) for x in lp_on] == [0, 12, 5, 0]
+    assert [len(x) for x in lp_on] == [0, 12, 5, 0, 0]
+    assert with_graphs[4] == [7] * 14
     graphs = spy_on[0]
     assert graphs.replays > 0 and not graphs.failures
-    assert 0 < graphs.penalized_replays < graphs.replays  # both kinds were replayed
+    assert 0 < graphs.adjusted_replays < graphs.replays  # both kinds were replayed
     assert 0 < graphs.logprob_replays < graphs.replays
 
 

@@ -26,6 +26,7 @@ from kernels.sampling import (
     MAX_LOGPROBS,
     SamplingParams,
     TokenCounts,
+    adjust_logits,
     apply_penalties,
     filter_candidates,
     sample,
@@ -375,6 +376,24 @@ PENALIZED = [
 ]
 
 
+def _random_bias(vocab: int, n: int, seed: int) -> dict[int, float]:
+    """n tokens, biased by -100..100, among them large ones that move the greedy choice."""
+    g = np.random.default_rng(seed)
+    ids = g.choice(vocab, n, replace=False)
+    return {int(t): float(b) for t, b in zip(ids, g.uniform(-100, 100, n), strict=True)}
+
+
+# logit biases alone and with penalties (the bias comes first: sampling.adjust_logits)
+BIASED = [
+    SamplingParams(temperature=0.0, logit_bias=_random_bias(3000, 40, seed=1)),
+    SamplingParams(temperature=0.8, seed=13, logit_bias={5: 3.5, 2999: -0.25}),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
+                   logit_bias=_random_bias(3000, 300, seed=2)),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=14, presence_penalty=1.0,
+                   logit_bias=_random_bias(3000, 5, seed=3)),
+]
+
+
 def _random_counts(vocab: int) -> TokenCounts:
     counts = TokenCounts.empty(vocab)
     counts.add(rng.integers(0, vocab, 60), as_output=False)
@@ -400,6 +419,42 @@ def test_penalties_equal_the_reference_to_the_bit(ops) -> None:
     positions = list(range(100, 100 + n))
     tokens = ops.to_numpy(ops.sample(ops.upload(logits), PENALIZED, positions, counts=dev))
     np.testing.assert_array_equal(tokens, sample(logits, PENALIZED, positions, host))
+
+
+def test_logit_bias_and_penalties_equal_the_reference_to_the_bit(ops) -> None:
+    """penalize_rows with each row's dense bias (CudaOps.logit_bias) against
+    sampling.adjust_logits, mixed with penalized and plain rows; then the draw against
+    sampling.sample, once with the biases given and once uploaded by `sample` itself."""
+    vocab = 3000
+    params = BIASED + PENALIZED
+    n = len(params)
+    logits = _logits(n, vocab)
+    host = [_random_counts(vocab) if p.penalized else None for p in params]
+    counts = [None if h is None else ops.token_counts(
+        vocab, np.repeat(np.arange(vocab), h.prompt).tolist(),
+        np.repeat(np.arange(vocab), h.output).tolist()) for h in host]
+    biases = [ops.logit_bias(p, vocab) if p.logit_bias else None for p in params]
+    got = ops.to_numpy(ops.penalize(ops.upload(logits), params, counts, biases))
+    for i, p in enumerate(params):
+        want = adjust_logits(logits[i], p, host[i]) if p.adjusts_logits else logits[i]
+        np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
+    positions = list(range(200, 200 + n))
+    want_tokens = sample(logits, params, positions, host)
+    for given in (biases, None):
+        tokens = ops.to_numpy(ops.sample(ops.upload(logits), params, positions,
+                                         counts=counts, biases=given))
+        np.testing.assert_array_equal(tokens, want_tokens)
+    # the biases moved greedy choices: the test could tell a dropped bias
+    assert sample(logits[:1], params[:1], positions[:1])[0] != np.argmax(logits[0])
+
+
+def test_biased_rows_need_a_bias_of_the_vocabulary(ops) -> None:
+    from kernels.cuda_ops import penalty_table
+
+    with pytest.raises(ValueError, match="no bias"):
+        penalty_table(BIASED[:1], None, [None], 3000)
+    with pytest.raises(ValueError, match=r"biases\[0\] must be \[3000\]"):
+        penalty_table(BIASED[:1], None, [ops.logit_bias(BIASED[0], 3001)], 3000)
 
 
 def test_penalized_rows_need_their_counts(ops) -> None:

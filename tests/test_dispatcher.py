@@ -293,16 +293,19 @@ def test_shutdown_with_requests_in_flight_ends_them_with_error(model):
 
 
 def test_invalid_requests_are_refused_and_the_engine_keeps_serving(model):
-    from dispatch.errors import EmptyPrompt, PromptTooLong
+    from dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
 
     m, _ = model
+    vocab = m.config.vocab_size
     with make(model) as d:
         with pytest.raises(PromptTooLong):
             d.submit(list(range(3, 200)), SamplingParams(), lambda o: None)
         with pytest.raises(EmptyPrompt):
             d.submit([], SamplingParams(), lambda o: None)
-        with pytest.raises(ValueError, match="token ids"):
-            d.submit([10**6], SamplingParams(), lambda o: None)
+        with pytest.raises(TokenOutOfVocabulary, match="the prompt names token 1000000"):
+            d.submit([5, 10**6], SamplingParams(), lambda o: None)
+        with pytest.raises(TokenOutOfVocabulary, match=f"logit_bias names token {vocab}"):
+            d.submit([5], SamplingParams(logit_bias={3: 1.0, vocab: -1.0}), lambda o: None)
         prompt = m.tokenizer.encode("still fine")
         params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
         assert [t for o in d.stream(prompt, params) for t in o.token_ids] == alone(
@@ -361,7 +364,8 @@ def test_a_sink_that_raises_cancels_only_its_own_request(model):
 
 def test_penalties_and_logprobs_match_the_request_run_alone(model):
     """Penalty counts live beside the device sampler (no host help), including across a
-    chunked prefill, a prefix-cache hit and preemption; logprobs travel with the tokens."""
+    chunked prefill, a prefix-cache hit and preemption; a logit bias is applied there too;
+    logprobs travel with the tokens."""
     m, _ = model
     prompt = m.tokenizer.encode("alpha beta alpha beta gamma delta alpha " * 3)
     variants = [
@@ -370,6 +374,10 @@ def test_penalties_and_logprobs_match_the_request_run_alone(model):
         SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True,
                        presence_penalty=0.7, frequency_penalty=0.4, logprobs=0),
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
+        # the prompt's tokens banned, one favoured a little, and a penalty on top
+        SamplingParams(temperature=0.9, seed=7, max_tokens=24, ignore_eos=True,
+                       frequency_penalty=0.5, logprobs=1,
+                       logit_bias={**dict.fromkeys(set(prompt), -100.0), 11: 2.0}),
     ]
     with make(model, round_tokens=16) as d:
         col = Collector()
@@ -389,3 +397,5 @@ def test_penalties_and_logprobs_match_the_request_run_alone(model):
             assert got.logprob == pytest.approx(ref.logprob, abs=1e-4)
             assert [t for t, _ in got.top] == [t for t, _ in ref.top]
             assert len(got.top) == params.logprobs
+    banned = {t for t, b in variants[3].logit_bias if b == -100.0}
+    assert banned and not banned & {t for o in col.outputs[3] for t in o.token_ids}

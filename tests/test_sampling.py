@@ -344,3 +344,71 @@ def test_token_logprob_is_the_log_softmax_with_top_alternatives():
     assert [t for t, _ in lp.top] == [1, 3, 2]
     assert [v for _, v in lp.top] == pytest.approx([ref[1], ref[3], ref[2]])
     assert token_logprob(logits, 0, 0).top == ()
+
+
+# --- logit bias ---------------------------------------------------------------------------
+
+
+def test_logit_bias_is_kept_as_sorted_pairs_whatever_form_it_came_in():
+    as_dict = SamplingParams(logit_bias={7: 1, 2: -100.0})
+    as_pairs = SamplingParams(logit_bias=[(2, -100), (7, 1.0)])
+    assert as_dict.logit_bias == ((2, -100.0), (7, 1.0))
+    assert as_dict == as_pairs and hash(as_dict) == hash(as_pairs)
+    assert as_dict.adjusts_logits and not as_dict.penalized
+    assert not SamplingParams().adjusts_logits
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {True: 1.0}, {1.5: 1.0}, {"3": 1.0},
+                                  {3: 100.5}, {3: -101}, {3: math.nan}, {3: math.inf},
+                                  {3: "1"}, [(3, 1.0), (3, 2.0)], [(3,)], 5, "3:1"])
+def test_invalid_logit_bias_names_the_field(bias):
+    with pytest.raises(InvalidSamplingParams, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_is_added_to_the_logits():
+    from kernels.sampling import adjust_logits
+
+    logits = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    out = adjust_logits(logits, SamplingParams(logit_bias={1: 3.0, 3: -0.25}), None)
+    np.testing.assert_array_equal(out, np.float32([0.5, 2.0, 2.0, -0.25]))
+    assert out is not logits and logits[1] == -1.0  # the raw logits stay for the logprobs
+
+
+def test_logit_bias_comes_before_the_penalties():
+    """llama.cpp's chain: bias first, so a repetition penalty of 2 acts on the biased
+    logit of a seen token: (1 + 1) / 2 = 1.0 (not 1 / 2 + 1 = 1.5), and (-1 + 5) / 2 = 2.0
+    (not -1 * 2 + 5 = 3.0); an unseen token only gets its bias."""
+    from kernels.sampling import adjust_logits
+
+    logits = np.array([1.0, -1.0, 0.0], np.float32)
+    params = SamplingParams(repetition_penalty=2.0, logit_bias={0: 1.0, 1: 5.0, 2: 0.5})
+    out = adjust_logits(logits, params, _counts(3, prompt=[0, 1]))
+    np.testing.assert_array_equal(out, np.float32([1.0, 2.0, 0.5]))
+
+
+def test_a_bias_of_100_forces_or_bans_a_token_greedy_or_not():
+    logits = np.array([[3.0, 2.0, 1.0, 0.0]], np.float32)
+    assert sample(logits, [SamplingParams(temperature=0.0, logit_bias={0: -100})], [0])[0] == 1
+    assert sample(logits, [SamplingParams(temperature=0.0, logit_bias={3: 100})], [0])[0] == 3
+    drawn = draw_many(logits[0], SamplingParams(temperature=1.5, seed=3, logit_bias={2: 100}),
+                      n=2000)
+    assert set(drawn.tolist()) == {2}
+
+
+def test_biased_draws_follow_the_biased_softmax():
+    """A bias of log(4) on token 1 of a uniform 3-token row gives probabilities 1/6, 4/6,
+    1/6 (softmax by hand)."""
+    params = SamplingParams(temperature=1.0, seed=21, logit_bias={1: math.log(4.0)})
+    drawn = draw_many([0.0, 0.0, 0.0], params)
+    assert chi_square(drawn, [1 / 6, 4 / 6, 1 / 6]) < CHI2_999[2]
+
+
+def test_dense_logit_bias_refuses_an_id_beyond_the_vocabulary():
+    from kernels.sampling import dense_logit_bias
+
+    params = SamplingParams(logit_bias={2: 1.5, 9: -2.0})
+    np.testing.assert_array_equal(dense_logit_bias(params, 10),
+                                  np.float32([0, 0, 1.5, 0, 0, 0, 0, 0, 0, -2.0]))
+    with pytest.raises(ValueError, match="token 9"):
+        dense_logit_bias(params, 9)

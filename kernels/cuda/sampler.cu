@@ -21,9 +21,9 @@
 // set or the drawn token can differ only when a cumulative sum lies within about 1e-7
 // (relative) of the top-p target or of u * total.
 //
-// Penalties (penalize_rows, with token counts kept on the device by count_tokens) run
-// before sampling, into a copy of the logits; logprobs (token_logprobs) after it, from the
-// raw logits, as kernels/sampling.py defines both.
+// The logit bias and penalties (penalize_rows, with token counts kept on the device by
+// count_tokens) run before sampling, into a copy of the logits; logprobs (token_logprobs)
+// after it, from the raw logits, as kernels/sampling.py defines both.
 //
 // A row whose logits hold NaN (or, when not greedy, have no finite maximum) gets token -1:
 // the reference raises there; the device reports it in-band for the host to fail the
@@ -374,21 +374,23 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
 
 // -- penalties ---------------------------------------------------------------------------
 
-// Mirrors PENALTY_ROW in kernels/cuda_ops.py (24 bytes): one row of logits' penalties.
+// Mirrors PENALTY_ROW in kernels/cuda_ops.py (32 bytes): one row of logits' logit bias and
+// penalties.
 struct PenaltyRow {
-  const int* counts;  // [2, vocab]: prompt counts, then output counts; null = no penalties
-  float repetition;   // 1 = off
-  float presence;     // 0 = off
-  float frequency;    // 0 = off
+  const int* counts;   // [2, vocab]: prompt counts, then output counts; null = no penalties
+  const float* bias;   // [vocab]: the request's logit bias; null = none
+  float repetition;    // 1 = off
+  float presence;      // 0 = off
+  float frequency;     // 0 = off
   int pad_;
 };
-static_assert(sizeof(PenaltyRow) == 24, "must match PENALTY_ROW in kernels/cuda_ops.py");
+static_assert(sizeof(PenaltyRow) == 32, "must match PENALTY_ROW in kernels/cuda_ops.py");
 
-// out = the logits with each row's penalties applied (sampling.apply_penalties, to the
-// bit): repetition divides a seen token's positive logit and multiplies a negative one, in
-// float32; frequency subtracts penalty * count in float64 (numpy promotes the int32 counts
-// there), presence subtracts the penalty once in float32. Rows without counts are copied.
-// Grid: (blocks over the vocabulary, rows).
+// out = the logits with each row's logit bias and penalties applied (sampling.adjust_logits,
+// to the bit): the bias is added first, in float32; then repetition divides a seen token's
+// positive logit and multiplies a negative one, in float32; frequency subtracts penalty *
+// count in float64 (numpy promotes the int32 counts there), presence subtracts the penalty
+// once in float32. Rows with neither are copied. Grid: (blocks over the vocabulary, rows).
 extern "C" __global__ void penalize_rows(float* __restrict__ out, const float* __restrict__ logits,
                                          int vocab, const PenaltyRow* __restrict__ rows) {
   const PenaltyRow p = rows[blockIdx.y];
@@ -396,6 +398,7 @@ extern "C" __global__ void penalize_rows(float* __restrict__ out, const float* _
   float* o = out + (i64)blockIdx.y * vocab;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < vocab; i += gridDim.x * blockDim.x) {
     float x = in[i];
+    if (p.bias != nullptr) x += p.bias[i];
     if (p.counts != nullptr) {
       const int seen = p.counts[i] + p.counts[vocab + i], output = p.counts[vocab + i];
       if (p.repetition != 1.0f && seen > 0) x = x > 0.0f ? x / p.repetition : x * p.repetition;

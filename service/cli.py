@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -116,6 +117,29 @@ def _open_engine(args: argparse.Namespace, **settings: object) -> SyncEngine:
                            **_engine_settings(args, **settings))
 
 
+_LOGIT_BIAS_ARG = re.compile(
+    r"(?P<id>[0-9]+)(?P<sign>[+-]|=[+-]?)(?P<bias>(?:[0-9]+\.?[0-9]*|\.[0-9]+)"
+    r"(?:[eE][+-]?[0-9]+)?)")
+
+
+def logit_bias_arg(value: str) -> tuple[int, float]:
+    """One `--logit-bias`, llama.cpp's TOKEN_ID(+|-)BIAS (`15043+1`, `2-100`) or
+    TOKEN_ID=BIAS (`15043=-1.5`), as (token id, bias); an argparse error otherwise."""
+    from kernels.sampling import MAX_LOGIT_BIAS
+
+    match = _LOGIT_BIAS_ARG.fullmatch(value.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not ID+BIAS, ID-BIAS or ID=BIAS with a token id and a number "
+            f"(e.g. 15043+1, 2-100, 15043=-1.5)")
+    sign = "-" if match["sign"].endswith("-") else ""
+    bias = float(sign + match["bias"])
+    if not abs(bias) <= MAX_LOGIT_BIAS:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: the bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+    return int(match["id"]), bias
+
+
 def _sampling(args: argparse.Namespace, **extra: object) -> SamplingParams:
     from kernels.sampling import SamplingParams
 
@@ -125,6 +149,7 @@ def _sampling(args: argparse.Namespace, **extra: object) -> SamplingParams:
                           repetition_penalty=args.repeat_penalty,
                           presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty,
+                          logit_bias=tuple(args.logit_bias or ()),
                           ignore_eos=getattr(args, "ignore_eos", False), **extra)
 
 
@@ -284,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--frequency-penalty", type=float, default=0.0,
                        help="subtract this per earlier occurrence in the reply, in [-2, 2] "
                             "(default 0)")
+        p.add_argument("--logit-bias", type=logit_bias_arg, action="append",
+                       metavar="ID+BIAS",
+                       help="add BIAS, in [-100, 100], to token ID's logit before sampling "
+                            "(repeatable), as llama.cpp: 15043+1, 2-100 (-100 all but bans "
+                            "a token, +100 all but forces it), or 15043=-1.5")
 
     g = sub.add_parser("generate", help="stream a completion of a prompt to stdout",
                        description="Stream a completion of PROMPT to stdout, then a one-line "

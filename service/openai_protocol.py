@@ -2,7 +2,7 @@
 
 Every request field is one of:
 - supported: validated strictly (a string where a number belongs is a 400, not coerced);
-- accepted only at its default (e.g. `logit_bias: {}`, `echo: false`): any other value is
+- accepted only at its default (e.g. `echo: false`, `tools: []`): any other value is
   refused, because the engine cannot honour it and silently ignoring it would return
   something the client did not ask for;
 - informational (`user`): accepted, no effect on generation;
@@ -12,8 +12,15 @@ Every request field is one of:
 Extensions many OpenAI-compatible servers accept are supported too: `top_k`, `min_p`,
 `ignore_eos`, `repetition_penalty` (vLLM's: > 0, 1 = off, over prompt and output tokens).
 
-Log-probabilities are the model's (log-softmax of the raw logits, before penalties,
-filters and temperature), one entry per generated token, in OpenAI's two formats:
+`logit_bias` (both routes) is OpenAI's: a JSON object whose keys are token ids as decimal
+strings and whose values are numbers in [-100, 100], e.g. `{"50256": -100}`; `{}` or null
+is no bias. The bias is added to the logits before the penalties and every filter, greedy
+included (+100 all but forces a token, -100 all but bans it). A key that is not a decimal
+integer or a value that is not a number in range is a 400 naming `logit_bias`; a token id
+outside the model's vocabulary is a 400 when the request is submitted.
+
+Log-probabilities are the model's (log-softmax of the raw logits, before the logit bias,
+penalties, filters and temperature), one entry per generated token, in OpenAI's two formats:
 
 - chat (`logprobs: true`, `top_logprobs: 0..20`): `choices[i].logprobs = {"content":
   [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]},
@@ -33,6 +40,7 @@ has the exact bytes. Log-probabilities below -9999.0 (-inf included) are reporte
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -42,7 +50,12 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dispatch.messages import FinishReason
-from kernels.sampling import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams
+from kernels.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    InvalidSamplingParams,
+    SamplingParams,
+)
 from service.engine import Completion, Logprob, TokenLogprobs
 
 MAX_CHOICES = 16  # n
@@ -104,6 +117,16 @@ class ChatMessage(_Strict):
         return {"role": role, "content": content or ""}
 
 
+_TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key
+_TOKEN_ID_DIGITS = 18  # more can be no vocabulary's id (and could overflow an int64)
+
+
+def _brief(value: Any, limit: int = 40) -> str:
+    """repr(value), cut short: an error message need not echo a huge input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _or(value: float | None, default: float) -> float:
     return default if value is None else value
 
@@ -124,6 +147,7 @@ class _Sampling(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, Any] | None = None  # checked in `check`: ids and biases
     user: str | None = None
 
     def check(self) -> None:
@@ -131,6 +155,34 @@ class _Sampling(_Strict):
         if self.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true.",
                               param="stream_options")
+        self.logit_bias_pairs()
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs; a 400 naming `logit_bias` for a key that
+        is not a token id in decimal, an id given twice ("7" and "07"), or a value that is
+        not a number in [-100, 100]."""
+        def invalid(message: str, code: str = "invalid_value") -> OpenAIError:
+            kind = "type" if code == "invalid_type" else "value"
+            return bad_request(f"Invalid {kind} for 'logit_bias': {message}.",
+                               param="logit_bias", code=code)
+
+        pairs: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not _TOKEN_ID.fullmatch(key):
+                raise invalid(f"keys must be token ids written in decimal digits, got "
+                              f"{_brief(key)}")
+            if len(key) > _TOKEN_ID_DIGITS:
+                raise invalid(f"token id {_brief(key)} is out of range")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise invalid(f"the bias of token {key} must be a number, got "
+                              f"{_brief(value)}", code="invalid_type")
+            if not abs(value) <= MAX_LOGIT_BIAS:  # NaN fails too
+                raise invalid(f"the bias of token {key} must be in [-{MAX_LOGIT_BIAS:g}, "
+                              f"{MAX_LOGIT_BIAS:g}], got {_brief(value)}")
+            if int(key) in pairs:
+                raise invalid(f"token {int(key)} is given twice")
+            pairs[int(key)] = float(value)
+        return tuple(pairs.items())
 
     @property
     def logprob_count(self) -> int | None:
@@ -154,7 +206,7 @@ class _Sampling(_Strict):
                 repetition_penalty=_or(self.repetition_penalty, 1.0),
                 presence_penalty=_or(self.presence_penalty, 0.0),
                 frequency_penalty=_or(self.frequency_penalty, 0.0),
-                logprobs=self.logprob_count)
+                logprobs=self.logprob_count, logit_bias=self.logit_bias_pairs())
         except InvalidSamplingParams as e:
             raise bad_request(f"Invalid value for '{e.field}': {e}", param=e.field,
                               code="invalid_value") from None
@@ -215,12 +267,12 @@ class CompletionRequest(_Sampling):
 
 # Fields of OpenAI's APIs accepted only with these values (the engine cannot do others).
 _DEFAULT_ONLY_CHAT: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},), "tools": ([],), "parallel_tool_calls": (True,),
+    "tools": ([],), "parallel_tool_calls": (True,),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,),
     "service_tier": ("auto", "default"),
 }
 _DEFAULT_ONLY_COMPLETIONS: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},), "echo": (False,), "best_of": (1,), "suffix": ("",),
+    "echo": (False,), "best_of": (1,), "suffix": ("",),
 }
 # Known OpenAI fields with no support at all.
 _KNOWN_UNSUPPORTED = {
@@ -283,6 +335,7 @@ _EXPECTED = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of ids",
     "stop": "a string or a list of strings", "stream": "a boolean",
     "ignore_eos": "a boolean", "user": "a string",
+    "logit_bias": "an object mapping token ids (decimal strings) to biases in [-100, 100]",
 }
 
 

@@ -9,8 +9,9 @@ What a client can count on:
   for an oversized body, 429 when the queue is full), and the server keeps serving;
 - a field the engine cannot honour is refused, never silently ignored
   (service/openai_protocol.py);
-- penalties (`presence_penalty`, `frequency_penalty`, and vLLM's `repetition_penalty`) and
-  log-probabilities (chat: `logprobs` + `top_logprobs`; completions: `logprobs: N`) in
+- penalties (`presence_penalty`, `frequency_penalty`, and vLLM's `repetition_penalty`),
+  `logit_bias` ({"token id": bias in [-100, 100]}; an id outside the vocabulary is a 400)
+  and log-probabilities (chat: `logprobs` + `top_logprobs`; completions: `logprobs: N`) in
   OpenAI's formats, streamed or not;
 - a client that goes away, mid-stream or while queued, cancels its requests, so their KV
   pages go back to the pool;

@@ -14,7 +14,7 @@ from kernels.cpu_backend import cpu_transformer
 from kernels.sampling import SamplingParams
 from loader.model_file import ModelFile
 from loader.synthetic import tiny_spec, write_synthetic_model
-from service.cli import main
+from service.cli import _sampling, build_parser, main
 from vmm.kv_layout import ContiguousKV, KVLayout
 
 
@@ -236,3 +236,39 @@ def test_cli_penalties_reach_the_sampler(model_path, model, capsys):
                                               frequency_penalty=-1.0))
     assert penalized == "".join(c.text for c in ref) + "\n"
     assert penalized != plain
+
+
+@pytest.mark.parametrize("command", [["generate", "-p", "hi"], ["chat"]])
+def test_cli_logit_bias_takes_llama_cpps_format_and_key_equals_bias(command):
+    """`--logit-bias` repeats; ID+BIAS and ID-BIAS as llama.cpp, or ID=BIAS (signed)."""
+    args = build_parser().parse_args([
+        *command, "--logit-bias", "15043+1", "--logit-bias", "2-100",
+        "--logit-bias", "7=-0.5", "--logit-bias", "9=+2.5", "--logit-bias", "11=1e1",
+        "--logit-bias", "3+.25"])
+    assert _sampling(args).logit_bias == ((2, -100.0), (3, 0.25), (7, -0.5), (9, 2.5),
+                                          (11, 10.0), (15043, 1.0))
+    assert _sampling(build_parser().parse_args(command)).logit_bias == ()
+
+
+@pytest.mark.parametrize("value", ["abc", "15043", "15043+", "+1", "-1+1", "15043*2",
+                                   "15043=x", "15043+-1", "1.5+1", "15043+101", "2-100.5",
+                                   "15043+inf", "15043=nan", ""])
+def test_cli_malformed_logit_bias_is_an_argparse_error(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "-p", "hi", f"--logit-bias={value}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --logit-bias: {value!r}" in err and "Traceback" not in err
+
+
+def test_cli_logit_bias_reaches_the_sampler(model_path, model, capsys):
+    """+100 on a token makes greedy output that token; the same id twice is a one-line
+    error."""
+    m, _ = model
+    forced = m.tokenizer.encode(" river")[-1]
+    args = ["generate", "-m", model_path, "-p", "the cat", "-n", "6", "-t", "0", "-q"]
+    assert main([*args, "--logit-bias", f"{forced}+100"]) == 0
+    assert capsys.readouterr().out == m.tokenizer.piece(forced).decode() * 6 + "\n"
+    assert main([*args, "--logit-bias", f"{forced}+1", "--logit-bias", f"{forced}=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eagerlm: error:") and "logit_bias" in err

@@ -1,6 +1,6 @@
 """The OpenAI-compatible server on the cpu backend and a synthetic model, over loopback:
 the official openai client, logprobs and penalties (against the sequential reference loop),
-every bad input, disconnects, load, limits and metrics."""
+logit bias, every bad input, disconnects, load, limits and metrics."""
 
 from __future__ import annotations
 
@@ -407,6 +407,116 @@ def test_penalties_change_the_output_as_in_the_reference_loop(client, engine, pe
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
 
 
+# -- logit bias ------------------------------------------------------------------------------
+
+def ids_with_text(engine: Engine, text: str) -> list[int]:
+    """The token ids whose text (as logprobs report it) is `text`."""
+    return [i for i in range(engine.tokenizer.vocab_size) if piece(engine, i)[0] == text]
+
+
+def id_of_bytes(engine: Engine, raw: list[int]) -> int:
+    """The token id whose bytes (chat logprobs' `bytes`) are `raw`."""
+    (token,) = [i for i in range(engine.tokenizer.vocab_size) if engine.tokenizer.piece(i)
+                == bytes(raw)]
+    return token
+
+
+def test_logit_bias_of_plus_100_makes_the_output_that_token(client, engine):
+    """+100 on one token forces it, greedy or sampled, on both routes; logprobs stay the
+    model's own (the forced token is not the model's favourite)."""
+    prompt_ids = engine.tokenizer.encode("once upon a time")
+    kwargs = dict(model=MODEL, prompt=prompt_ids, max_tokens=8, temperature=0, logprobs=0,
+                  extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].logprobs
+    forced = next(i for i in engine.tokenizer.encode(" the river thought") if
+                  piece(engine, i)[0] not in plain.tokens and
+                  len(ids_with_text(engine, piece(engine, i)[0])) == 1)
+    text = piece(engine, forced)[0]
+
+    r = client.completions.create(**kwargs, logit_bias={str(forced): 100})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [text] * 8
+    assert r.choices[0].text == text * 8
+    assert lp.token_logprobs[0] < plain.token_logprobs[0]  # the model's, not the biased
+
+    chat_r = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=6, temperature=1.0, seed=11, n=2,
+        logprobs=True, logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    for choice in chat_r.choices:
+        assert [bytes(e.bytes) for e in choice.logprobs.content] == \
+            [engine.tokenizer.piece(forced)] * 6
+
+
+def test_logit_bias_of_minus_100_on_the_greedy_token_gives_the_runner_up(client, engine):
+    """Banning the token greedy picks makes the first token the one the unbiased
+    distribution ranks second, with the logprob the unbiased request reported for it."""
+    kwargs = dict(model=MODEL, messages=HI, max_tokens=1, temperature=0, logprobs=True,
+                  top_logprobs=2)
+    first, second = client.chat.completions.create(**kwargs).choices[0].logprobs.content[
+        0].top_logprobs
+    assert first.logprob > second.logprob  # no tie to break
+    banned = id_of_bytes(engine, first.bytes)
+    r = client.chat.completions.create(**kwargs, logit_bias={str(banned): -100})
+    entry = r.choices[0].logprobs.content[0]
+    assert (entry.bytes, entry.logprob) == (second.bytes, pytest.approx(second.logprob,
+                                                                        abs=1e-4))
+    assert entry.top_logprobs[0].bytes == first.bytes  # still the model's favourite
+
+    # the same on /v1/completions with prompt ids; the legacy top_logprobs are keyed by
+    # text, so every token with the favourite's text is banned, and the first token is
+    # then the most likely one with another text: the dict's second key
+    prompt_ids = engine.tokenizer.encode("once upon a time")
+    kwargs = dict(model=MODEL, prompt=prompt_ids, max_tokens=1, temperature=0, logprobs=5)
+    top = client.completions.create(**kwargs).choices[0].logprobs.top_logprobs[0]
+    (best, best_lp), (runner_up, runner_up_lp) = list(top.items())[:2]
+    assert best_lp > runner_up_lp
+    bias = {str(i): -100 for i in ids_with_text(engine, best)}
+    lp = client.completions.create(**kwargs, logit_bias=bias).choices[0].logprobs
+    assert lp.tokens == [runner_up]
+    assert lp.token_logprobs[0] == pytest.approx(runner_up_lp, abs=1e-4)
+
+
+def test_empty_or_null_logit_bias_is_no_bias(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        texts = []
+        for bias in ({}, None, "absent"):
+            body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 6,
+                    "temperature": 0, "ignore_eos": True}
+            if bias != "absent":
+                body["logit_bias"] = bias
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        assert texts[0] == texts[1] == texts[2]
+
+
+def test_logit_bias_on_a_token_beyond_the_vocabulary_is_a_400(model_path):
+    """An id the model does not have is refused (both routes, streamed or not), nothing is
+    left behind, and the last id of the vocabulary is accepted. (An engine of its own: had
+    the id reached the sampler, it would fail the round, and the engine with it.)"""
+    with Engine.load(model_path, page_size=16384, kv_budget_bytes=16 << 20,
+                     model_name=MODEL) as engine, \
+            LiveServer(create_app(engine, ServerConfig())) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as http:
+        vocab = engine.tokenizer.vocab_size
+        for route, body in (("completions", {"model": MODEL, "prompt": "x"}),
+                            ("chat/completions", chat()),
+                            ("completions", {"model": MODEL, "prompt": "x", "stream": True}),
+                            ("chat/completions", chat(stream=True, n=2))):
+            r = http.post(f"/v1/{route}", json={**body, "max_tokens": 2,
+                                                "logit_bias": {"1": 5, str(vocab): 1}})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        edge = http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                  "max_tokens": 2,
+                                                  "logit_bias": {str(vocab - 1): 1}})
+        assert edge.status_code == 200, edge.text
+        good = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok",
+                                                  "max_tokens": 2})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+        assert_idle_and_nothing_leaked(engine, server)
+
+
 # -- bad input: the right status and error body, then good requests still work ---------------
 
 def chat(**fields):
@@ -459,8 +569,18 @@ BAD_REQUESTS = [
     ("chat/completions", b'{"model": "tiny-qwen3", "messages": [{"role": "user", '
      b'"content": "x"}], "repetition_penalty": Infinity}', 400, "repetition_penalty",
      "invalid_value"),
-    ("chat/completions", chat(logit_bias={"5": 1}), 400, "logit_bias",
-     "unsupported_parameter"),
+    ("chat/completions", chat(logit_bias={"abc": 1}), 400, "logit_bias", "invalid_value"),
+    ("chat/completions", chat(logit_bias={"-1": 1}), 400, "logit_bias", "invalid_value"),
+    ("chat/completions", chat(logit_bias={"5": 101}), 400, "logit_bias", "invalid_value"),
+    ("chat/completions", chat(logit_bias={"5": -100.5}), 400, "logit_bias",
+     "invalid_value"),
+    ("chat/completions", chat(logit_bias={"5": "x"}), 400, "logit_bias", "invalid_type"),
+    ("chat/completions", chat(logit_bias={"5": True}), 400, "logit_bias", "invalid_type"),
+    ("chat/completions", chat(logit_bias=[[5, 1]]), 400, "logit_bias", "invalid_type"),
+    ("chat/completions", chat(logit_bias={"7": 1, "07": 1}), 400, "logit_bias",
+     "invalid_value"),
+    ("chat/completions", b'{"model": "tiny-qwen3", "messages": [{"role": "user", '
+     b'"content": "x"}], "logit_bias": {"5": NaN}}', 400, "logit_bias", "invalid_value"),
     ("chat/completions", chat(tools=[{"type": "function"}]), 400, "tools",
      "unsupported_parameter"),
     ("chat/completions", chat(tool_choice="auto"), 400, "tool_choice",
@@ -482,6 +602,16 @@ BAD_REQUESTS = [
      "repetition_penalty", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo",
      "unsupported_parameter"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400,
+     "logit_bias", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400,
+     "logit_bias", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": "x"}}, 400,
+     "logit_bias", "invalid_type"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": [5]}, 400,
+     "logit_bias", "invalid_type"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": "5:1"}, 400,
+     "logit_bias", "invalid_type"),
     ("completions", {"model": MODEL, "prompt": [1, "a"]}, 400, "prompt", "invalid_type"),
     ("completions", {"model": MODEL, "prompt": [10 ** 6]}, 400, None, None),
     ("completions", {"model": MODEL, "prompt": list(range(3, 3 + CONTEXT))}, 400, "prompt",

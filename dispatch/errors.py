@@ -10,7 +10,10 @@ if TYPE_CHECKING:
 
 
 class RequestError(ValueError):
-    """The request itself is invalid; other requests are unaffected."""
+    """The request itself is invalid; other requests are unaffected. `param`: the field of
+    an OpenAI request at fault, where one is (the HTTP error names it)."""
+
+    param: str | None = None
 
 
 class PromptTooLong(RequestError):
@@ -34,6 +37,7 @@ class TokenOutOfVocabulary(RequestError):
                          f"tokens (ids 0 to {vocab - 1})")
         self.token = token
         self.vocab = vocab
+        self.param = "logit_bias" if where == "logit_bias" else "prompt"
 
     @classmethod
     def check(cls, prompt_ids: Sequence[int], vocab: int, params: SamplingParams,

@@ -339,7 +339,7 @@ async def _admitted_and_started(request: Request, ticket: Ticket,
         try:
             await streams.start()
         except (RequestError, ValueError) as e:
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), param=getattr(e, "param", None)) from None
     await _unless_disconnected(request, run)
 
 

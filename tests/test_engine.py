@@ -10,7 +10,7 @@ import time
 import anyio
 import pytest
 
-from dispatch.errors import EmptyPrompt, PromptTooLong
+from dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
 from dispatch.messages import FinishReason
 from dispatch.sequential import SequentialGeneration
 from kernels.sampling import SamplingParams, TokenLogprob
@@ -309,7 +309,7 @@ def test_requests_the_engine_refuses_raise_before_generating(engine, backend):
         with pytest.raises(EmptyPrompt):
             async for _ in engine.generate([], GREEDY):
                 pass
-        with pytest.raises(ValueError, match="token ids"):
+        with pytest.raises(TokenOutOfVocabulary, match="the prompt names token 1000000"):
             await engine.complete([10**6], GREEDY)
 
     anyio.run(main, backend=backend)

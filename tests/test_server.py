@@ -507,6 +507,8 @@ def test_logit_bias_on_a_token_beyond_the_vocabulary_is_a_400(model_path):
                                                 "logit_bias": {"1": 5, str(vocab): 1}})
             assert r.status_code == 400, r.text
             assert r.json()["error"]["type"] == "invalid_request_error"
+            assert r.json()["error"]["param"] == "logit_bias"
+            assert f"names token {vocab}" in r.json()["error"]["message"]
         edge = http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
                                                   "max_tokens": 2,
                                                   "logit_bias": {str(vocab - 1): 1}})
@@ -613,7 +615,7 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": "x", "logit_bias": "5:1"}, 400,
      "logit_bias", "invalid_type"),
     ("completions", {"model": MODEL, "prompt": [1, "a"]}, 400, "prompt", "invalid_type"),
-    ("completions", {"model": MODEL, "prompt": [10 ** 6]}, 400, None, None),
+    ("completions", {"model": MODEL, "prompt": [10 ** 6]}, 400, "prompt", None),
     ("completions", {"model": MODEL, "prompt": list(range(3, 3 + CONTEXT))}, 400, "prompt",
      "context_length_exceeded"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens",

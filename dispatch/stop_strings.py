@@ -2,6 +2,10 @@
 
 Text is released only once it can no longer be the beginning of a stop string, so a stop
 string split over several tokens is caught and none of it reaches the user.
+
+The server's tool-call parsing (service/tool_calls.py) uses the same matcher with the
+marker that opens a call as its one "stop string": content is released up to the marker,
+and `cut_off` hands over the text from the marker on.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ class StopMatcher:
         self.stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.cut_off = ""  # once stopped: the stop string and what came after it in its push
 
     def push(self, text: str) -> str:
         """Feed newly decoded text; return what is safe to show. After a stop string is
@@ -27,6 +32,7 @@ class StopMatcher:
         if cut >= 0:
             self.stopped = True
             self._held = ""
+            self.cut_off = buf[cut:]
             return buf[:cut]
         keep = 0  # longest suffix of buf that is a proper prefix of some stop string
         for s in self.stops:

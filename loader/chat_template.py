@@ -26,7 +26,7 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -273,6 +273,8 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message, Mapping):
             raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
         for key in ("role", "content"):
+            if key == "content" and _calls_tools(message) and message.get(key) is None:
+                continue  # an assistant turn that only called tools has no text
             if key not in message:
                 raise ValueError(f"messages[{i}] has no {key!r}")
             if not isinstance(message[key], str):
@@ -284,11 +286,22 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
     return checked
 
 
+def _calls_tools(message: Mapping[str, Any]) -> bool:
+    """An assistant message carrying tool calls, in HF's form (a non-empty list under
+    `tool_calls`): its content may be None or absent, as HF templates accept."""
+    calls = message.get("tool_calls")
+    return (message.get("role") == "assistant" and isinstance(calls, Sequence)
+            and not isinstance(calls, (str, bytes)) and len(calls) > 0)
+
+
 class ChatTemplate:
     """A compiled, sandboxed chat template.
 
     `origin` says where the template came from ("gguf:tokenizer.chat_template" or
     "builtin:<name>"); it is the `field` of every `ChatTemplateError` it raises.
+    `variables` are the names the template reads from its context (`messages`, `tools`,
+    `enable_thinking`, ...): a variable it never reads, such as `tools` for a template
+    written without tool support, has no effect on the prompt.
     """
 
     def __init__(self, source: str, *, origin: str = "template") -> None:
@@ -297,8 +310,10 @@ class ChatTemplate:
                                     f"{type(source).__name__}", field=origin)
         self.source = source
         self.origin = origin
+        env = _make_environment()
         try:
-            self._template = _make_environment().from_string(source)
+            self._template = env.from_string(source)
+            self.variables = frozenset(meta.find_undeclared_variables(env.parse(source)))
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: "
                                     f"{e.message}", field=origin) from e

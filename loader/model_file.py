@@ -53,15 +53,21 @@ class ModelFile:
         return cls(str(path), f, config, tokenizer, template)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt text for a conversation, ready for `tokenizer.encode` (which adds
-        BOS itself when the model wants one, so the template's BOS is not doubled)."""
+        BOS itself when the model wants one, so the template's BOS is not doubled).
+
+        `tools` (OpenAI's `{"type": "function", "function": {...}}` entries) reach the
+        template as its `tools` variable; without any, the variable stays undefined, as it
+        always was for conversations without tools."""
         tok = self.tokenizer
+        extra = {"tools": [dict(t) for t in tools]} if tools else {}
         return self.chat_template.render_for_tokenizer(
             messages, tokenizer_adds_bos=tok.add_bos,
             bos_text=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
             eos_text=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, **extra)
 
     def close(self) -> None:
         self.gguf.close()

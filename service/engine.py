@@ -456,10 +456,12 @@ class Engine:
             return prompt()
         return Prompt(tuple(int(t) for t in prompt))
 
-    def prepare_chat(self, messages: Sequence[ChatMessage]) -> Prompt:
+    def prepare_chat(self, messages: Sequence[ChatMessage],
+                     tools: Sequence[Mapping[str, Any]] | None = None) -> Prompt:
         """Render a conversation with the model's chat template and encode it, reusing
-        the exact ids of a remembered earlier turn (service/chat_tokens.py)."""
-        text = self.model.render_chat([dict(m) for m in messages])
+        the exact ids of a remembered earlier turn (service/chat_tokens.py). `tools` are
+        OpenAI tool definitions for templates that show them to the model."""
+        text = self.model.render_chat([dict(m) for m in messages], tools=tools)
         return Prompt(tuple(self.turns.encode(text)), chat_text=text)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams,

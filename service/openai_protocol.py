@@ -2,12 +2,25 @@
 
 Every request field is one of:
 - supported: validated strictly (a string where a number belongs is a 400, not coerced);
-- accepted only at its default (e.g. `echo: false`, `tools: []`): any other value is
+- accepted only at its default (e.g. `echo: false`, `store: false`): any other value is
   refused, because the engine cannot honour it and silently ignoring it would return
   something the client did not ask for;
 - informational (`user`): accepted, no effect on generation;
 - anything else: refused with a 400 naming the field.
-`null` counts as absent, as the OpenAI API treats it.
+`null` counts as absent, as the OpenAI API treats it, in messages too (a client sending a
+response message back whole includes `"refusal": null` and the like).
+
+Tools (chat): `tools` is a list of `{"type": "function", "function": {"name", "description"?,
+"parameters"?, "strict"?}}` with distinct names; `tool_choice` is "auto" (the default) or
+"none" (the tools are shown to the model, its text is all content); `parallel_tool_calls`
+false returns at most the first call. "required", a named function and `strict: true`
+would need constrained decoding, which the engine does not have: 400s with code
+`unsupported_parameter`, never ignored. The conversation may carry an assistant message
+with `tool_calls` (content null or text) and `{"role": "tool", "tool_call_id", "content"}`
+answers; a call's `arguments` must be a JSON object's text, and reach the template parsed,
+as Hugging Face templates expect. `ChatCompletionRequest.tool_parser` refuses tools for a
+template that cannot show them and picks the parser of the template's call format
+(service/tool_calls.py).
 
 Extensions many OpenAI-compatible servers accept are supported too: `top_k`, `min_p`,
 `ignore_eos`, `repetition_penalty` (vLLM's: > 0, 1 = off, over prompt and output tokens).
@@ -40,6 +53,7 @@ has the exact bytes. Log-probabilities below -9999.0 (-inf included) are reporte
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -47,7 +61,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dispatch.messages import FinishReason
 from kernels.sampling import (
@@ -56,7 +70,15 @@ from kernels.sampling import (
     InvalidSamplingParams,
     SamplingParams,
 )
+from loader.chat_template import ChatTemplate
 from service.engine import Completion, Logprob, TokenLogprobs
+from service.tool_calls import (
+    Reply,
+    ToolCall,
+    ToolCallFormat,
+    ToolCallParser,
+    format_of_template,
+)
 
 MAX_CHOICES = 16  # n
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
@@ -102,19 +124,76 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, shown to the model as is
+    strict: bool | None = None  # true is refused in `check`: it needs constrained decoding
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        """The entry as chat templates take it (OpenAI's form, as HF's
+        apply_chat_template passes it), without `strict`, which tells the model nothing."""
+        return {"type": "function",
+                "function": self.function.model_dump(exclude_none=True, exclude={"strict"})}
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text of an object, checked in ChatCompletionRequest.check
+
+
+class AssistantToolCall(_Strict):
+    """A call an earlier assistant turn made, as the client sends the conversation back."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """HF's form: templates write `tool_call.arguments | tojson`, so the arguments
+        are the parsed object, not OpenAI's JSON text (vLLM converts them the same way)."""
+        return {"type": "function", "id": self.id,
+                "function": {"name": self.function.name,
+                             "arguments": json.loads(self.function.arguments)}}
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages: the call this answers
 
-    def for_template(self) -> dict[str, str]:
-        """The {"role", "content"} a chat template expects ("developer" is OpenAI's
-        new name for "system")."""
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """null counts as absent here too: clients that send back a response message
+        whole include fields such as `"refusal": null` and `"audio": null`."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template expects it: {"role", "content"} ("developer"
+        is OpenAI's new name for "system", content a string even when the client sent
+        null), plus `tool_calls` on an assistant turn that made calls and `tool_call_id`
+        on a tool's answer. A template tests `'tool_calls' in message`, so the key is
+        there only when there are calls."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 _TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key
@@ -225,12 +304,85 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # checked in `check`
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs' to be true.",
                               param="top_logprobs", code="invalid_value")
+        self._check_tools()
+        self._check_tool_choice()
+        for i, message in enumerate(self.messages):
+            _check_tool_fields(message, f"messages[{i}]")
+
+    def _check_tools(self) -> None:
+        seen: set[str] = set()
+        for i, tool in enumerate(self.tools or ()):
+            name = tool.function.name
+            if name in seen:
+                raise bad_request(f"Invalid value for 'tools': the function name {name!r} "
+                                  f"is given twice.", param="tools", code="invalid_value")
+            seen.add(name)
+            if tool.function.strict:
+                raise bad_request(
+                    f"'tools[{i}].function.strict' = true is not supported by this server: "
+                    f"arguments that always follow the schema need constrained decoding. "
+                    f"Send strict false (the model is shown the schema and usually follows "
+                    f"it).", param=f"tools[{i}].function.strict",
+                    code="unsupported_parameter")
+
+    def _check_tool_choice(self) -> None:
+        choice = self.tool_choice
+        if choice is None or choice in ("auto", "none"):
+            return
+        named = (isinstance(choice, dict) and choice.get("type") == "function"
+                 and isinstance(choice.get("function"), dict)
+                 and isinstance(choice["function"].get("name"), str))
+        if choice == "required" or named:
+            raise bad_request(
+                f"'tool_choice' = {_brief(choice, 80)} is not supported by this server: "
+                f"forcing a tool call needs constrained decoding. Supported: 'auto' (the "
+                f"model decides) and 'none'.", param="tool_choice",
+                code="unsupported_parameter")
+        raise bad_request(f"Invalid value for 'tool_choice': expected 'auto', 'none', "
+                          f"'required' or {{\"type\": \"function\", \"function\": "
+                          f"{{\"name\": ...}}}}, got {_brief(choice)}.",
+                          param="tool_choice", code="invalid_value")
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template (None: no tools). With tool_choice "none" they
+        are still shown, as OpenAI does: the model knows them but is not to call them."""
+        return [tool.for_template() for tool in self.tools] if self.tools else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [message.for_template() for message in self.messages]
+
+    def tool_parser(self, template: ChatTemplate) -> ToolCallParser | None:
+        """The parser of this request's tool calls from the model's text (None: the
+        text is all content). A 400 when tools are given to a model whose chat template
+        cannot show them, or whose call format this server cannot parse."""
+        if not self.tools:
+            return None
+        fmt = format_of_template(template)
+        if fmt is None:
+            raise bad_request(
+                f"This model's chat template ({template.origin}) does not support tools: it "
+                f"never reads the 'tools' variable, so the model would not see them.",
+                param="tools", code="unsupported_parameter")
+        if self.tool_choice == "none":
+            return None
+        if fmt is ToolCallFormat.UNKNOWN:
+            raise bad_request(
+                "This model's chat template shows tools, but its tool calls are written in "
+                "a format this server does not parse (it parses Hermes/Qwen <tool_call> "
+                "blocks and Llama 3 JSON calls). Send tool_choice 'none' to show the tools "
+                "without parsing calls.", param="tools", code="unsupported_parameter")
+        return ToolCallParser(fmt, (t.function.name for t in self.tools),
+                              parallel=self.parallel_tool_calls is not False)
 
     @property
     def logprob_count(self) -> int | None:
@@ -239,6 +391,32 @@ class ChatCompletionRequest(_Sampling):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def _check_tool_fields(message: ChatMessage, path: str) -> None:
+    """The rules across a message's fields that the shape alone does not state."""
+    if message.tool_calls is not None and message.role != "assistant":
+        raise bad_request(f"Invalid value for '{path}.tool_calls': only assistant messages "
+                          f"carry tool calls.", param=f"{path}.tool_calls",
+                          code="invalid_value")
+    if message.role == "tool" and message.tool_call_id is None:
+        raise bad_request(f"Missing required parameter: '{path}.tool_call_id'.",
+                          param=f"{path}.tool_call_id")
+    if message.role != "tool" and message.tool_call_id is not None:
+        raise bad_request(f"Invalid value for '{path}.tool_call_id': only tool messages "
+                          f"answer a tool call.", param=f"{path}.tool_call_id",
+                          code="invalid_value")
+    for j, call in enumerate(message.tool_calls or ()):
+        where = f"{path}.tool_calls[{j}].function.arguments"
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError as e:
+            raise bad_request(f"Invalid value for '{where}': not valid JSON ({e}).",
+                              param=where, code="invalid_value") from None
+        if not isinstance(arguments, dict):
+            raise bad_request(f"Invalid value for '{where}': expected a JSON object, got "
+                              f"{_brief(call.function.arguments)}.", param=where,
+                              code="invalid_value")
 
 
 class CompletionRequest(_Sampling):
@@ -267,7 +445,6 @@ class CompletionRequest(_Sampling):
 
 # Fields of OpenAI's APIs accepted only with these values (the engine cannot do others).
 _DEFAULT_ONLY_CHAT: dict[str, tuple[Any, ...]] = {
-    "tools": ([],), "parallel_tool_calls": (True,),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,),
     "service_tier": ("auto", "default"),
 }
@@ -277,7 +454,7 @@ _DEFAULT_ONLY_COMPLETIONS: dict[str, tuple[Any, ...]] = {
 # Known OpenAI fields with no support at all.
 _KNOWN_UNSUPPORTED = {
     "audio", "function_call", "functions", "metadata", "prediction", "reasoning_effort",
-    "tool_choice", "web_search_options", "verbosity", "safety_identifier",
+    "web_search_options", "verbosity", "safety_identifier",
     "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "moderation",
 }
 
@@ -336,7 +513,12 @@ _EXPECTED = {
     "stop": "a string or a list of strings", "stream": "a boolean",
     "ignore_eos": "a boolean", "user": "a string",
     "logit_bias": "an object mapping token ids (decimal strings) to biases in [-100, 100]",
+    "tools": 'a list of {"type": "function", "function": {"name": ...}} objects',
+    "tool_choice": "'auto', 'none' or an object",
 }
+_NAMED_PARTS = frozenset().union(*(m.model_fields for m in (
+    ChatMessage, TextPart, StreamOptions, ToolDefinition, FunctionDefinition,
+    AssistantToolCall, FunctionCall)))
 
 
 def _validation_error(e: ValidationError) -> OpenAIError:
@@ -344,11 +526,13 @@ def _validation_error(e: ValidationError) -> OpenAIError:
     loc = [str(x) for x in first["loc"]]
     field = loc[0] if loc else None
     path = field or ""
+    named = _NAMED_PARTS  # field names; an unknown one is named when it is the error
+    if first["type"] == "extra_forbidden":
+        named = named | {loc[-1]}
     for part in loc[1:]:  # messages[0].role; skip pydantic's union branch names
         if part.isdigit():
             path += f"[{part}]"
-        elif part in ChatMessage.model_fields or part in TextPart.model_fields \
-                or part in StreamOptions.model_fields:
+        elif part in named:
             path += f".{part}"
     if first["type"] == "missing":
         return bad_request(f"Missing required parameter: '{path}'.", param=path)
@@ -479,14 +663,36 @@ def text_length(entries: Sequence[TokenLogprobs]) -> int:
     return sum(len(e.text) for e in entries)
 
 
-def chat_completion_body(ids: ResponseIds, completions: Sequence[Completion]) -> dict[str, Any]:
+def tool_call_body(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta(index: int, call: ToolCall) -> dict[str, Any]:
+    """A streamed chunk's delta carrying call `index` of a choice, all of it at once."""
+    return {"tool_calls": [{"index": index, **tool_call_body(call)}]}
+
+
+def chat_finish_reason(reply: Reply, reason: FinishReason | None) -> str | None:
+    """"tool_calls" when the reply made calls (only a reply that ended by itself is
+    parsed for them), else the engine's reason."""
+    return "tool_calls" if reply.tool_calls else finish_reason(reason)
+
+
+def chat_completion_body(ids: ResponseIds, completions: Sequence[Completion],
+                         replies: Sequence[Reply]) -> dict[str, Any]:
+    """`replies[i]` is completion i's text split into content and tool calls."""
+    choices = []
+    for i, (c, reply) in enumerate(zip(completions, replies, strict=True)):
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.tool_calls:
+            message["tool_calls"] = [tool_call_body(call) for call in reply.tool_calls]
+        choices.append({"index": i, "message": message,
+                        "logprobs": chat_logprobs_body(c.logprobs),
+                        "finish_reason": chat_finish_reason(reply, c.finish_reason)})
     return {
         "id": ids.id, "object": "chat.completion", "created": ids.created,
-        "model": ids.model, "system_fingerprint": None,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": chat_logprobs_body(c.logprobs),
-                     "finish_reason": finish_reason(c.finish_reason)}
-                    for i, c in enumerate(completions)],
+        "model": ids.model, "system_fingerprint": None, "choices": choices,
         "usage": Usage.of([completions]).body(),
     }
 

@@ -13,6 +13,14 @@ What a client can count on:
   `logit_bias` ({"token id": bias in [-100, 100]}; an id outside the vocabulary is a 400)
   and log-probabilities (chat: `logprobs` + `top_logprobs`; completions: `logprobs: N`) in
   OpenAI's formats, streamed or not;
+- tool calling (`tools`, `tool_choice` "auto" or "none", `parallel_tool_calls`) for models
+  whose chat template shows tools: calls the model writes (Hermes/Qwen `<tool_call>` blocks
+  or Llama 3 JSON, chosen by the template) come back as `message.tool_calls` with
+  finish_reason "tool_calls", streamed as one delta per call at the end; text that is not
+  a valid call of a given tool stays content, and a reply cut by max_tokens is never
+  parsed (service/tool_calls.py). Forcing a call ("required", a named function, `strict`
+  schemas) needs constrained decoding and is a 400, as are tools for a model whose template
+  cannot show them;
 - a client that goes away, mid-stream or while queued, cancels its requests, so their KV
   pages go back to the pool;
 - at most `max_concurrency` requests generate at once, `max_queue` more wait
@@ -39,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dispatch.errors import RequestError
+from dispatch.messages import FinishReason
 from loader.chat_template import ChatTemplateError
 from service.admission import AdmissionGate, QueueFull, Ticket
 from service.engine import Engine, GenerationError, MultiStream
@@ -52,6 +61,7 @@ from service.openai_protocol import (
     bad_request,
     chat_chunk_body,
     chat_completion_body,
+    chat_finish_reason,
     chat_logprobs_body,
     completion_body,
     completion_chunk_body,
@@ -61,8 +71,10 @@ from service.openai_protocol import (
     parse_completion_request,
     resolve_max_tokens,
     text_length,
+    tool_call_delta,
     usage_chunk_body,
 )
+from service.tool_calls import Reply, ToolCallParser
 
 log = logging.getLogger("eagerlm.server")
 
@@ -232,12 +244,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         req = parse_chat_request(await _read_json(request, cfg.max_body_bytes))
         check_model(req.model)
-        messages = [m.for_template() for m in req.messages]
+        messages, tools = req.template_messages(), req.template_tools
+        parser = req.tool_parser(engine.model.chat_template)
         ticket = admit()
         streams: MultiStream | None = None
         handed_over = False  # a streaming response releases the ticket when it ends
         try:
-            prompt = await _prepare(lambda: engine.prepare_chat(messages))
+            prompt = await _prepare(lambda: engine.prepare_chat(messages, tools))
             max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt.ids),
                                             engine.context_length, None, "messages")
             streams = engine.generate_many(
@@ -245,11 +258,14 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             await _admitted_and_started(request, ticket, streams)
             ids = ResponseIds.new("chatcmpl", engine.name)
             if req.stream:
-                events = _chat_events(streams, ids, req.n_choices, req.include_usage)
+                events = _chat_events(streams, ids, req.n_choices, req.include_usage,
+                                      parser)
                 handed_over = True
                 return _EventStream(events, ticket, streams)
             completions = await _unless_disconnected(request, streams.collect)
-            return JSONResponse(chat_completion_body(ids, completions))
+            replies = [parser.reply(c.text, c.finish_reason is FinishReason.STOP)
+                       if parser is not None else Reply(c.text) for c in completions]
+            return JSONResponse(chat_completion_body(ids, completions, replies))
         except _ClientGone:
             return Response(status_code=499)
         finally:
@@ -370,20 +386,37 @@ async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]
 
 
 async def _chat_events(streams: MultiStream, ids: ResponseIds, n: int,
-                       include_usage: bool) -> AsyncIterator[str]:
+                       include_usage: bool, parser: ToolCallParser | None
+                       ) -> AsyncIterator[str]:
+    """Each choice's content as it comes; with tools, text that may be a call is held
+    back (service/tool_calls.py), and the calls follow at the end, one delta each, before
+    the chunk with the finish reason."""
+    splitters = [parser.stream() if parser is not None else None for _ in range(n)]
     for i in range(n):
         yield _event(chat_chunk_body(ids, i, {"role": "assistant", "content": ""}, None,
                                      include_usage))
     try:
         async for index, chunk in streams:
-            if chunk.text or chunk.logprobs:  # tokens that show no text still have logprobs
-                yield _event(chat_chunk_body(ids, index, {"content": chunk.text}, None,
+            splitter = splitters[index]
+            text = chunk.text if splitter is None else splitter.push(chunk.text)
+            if text or chunk.logprobs:  # tokens that show no text still have logprobs
+                yield _event(chat_chunk_body(ids, index, {"content": text}, None,
                                              include_usage,
                                              chat_logprobs_body(chunk.logprobs)))
-            if chunk.finish_reason is not None:
-                yield _event(chat_chunk_body(ids, index, {},
-                                             finish_reason(chunk.finish_reason),
+            if chunk.finish_reason is None:
+                continue
+            rest = Reply(None)
+            if splitter is not None:
+                rest = splitter.finish(chunk.finish_reason is FinishReason.STOP)
+            if rest.content:
+                yield _event(chat_chunk_body(ids, index, {"content": rest.content}, None,
                                              include_usage))
+            for k, call in enumerate(rest.tool_calls):
+                yield _event(chat_chunk_body(ids, index, tool_call_delta(k, call), None,
+                                             include_usage))
+            yield _event(chat_chunk_body(ids, index, {},
+                                         chat_finish_reason(rest, chunk.finish_reason),
+                                         include_usage))
     except GenerationError as e:
         yield _event(OpenAIError(500, f"Generation failed: {e}").body())
         yield _DONE

@@ -8,6 +8,8 @@ meta-llama/Llama-2-7b-chat-hf), not produced by running our code.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from loader.chat_template import CHAT_TEMPLATE_KEY, ChatTemplate, ChatTemplateError
@@ -87,6 +89,119 @@ QWEN25_TEMPLATE = (
     "    {{- '<|im_start|>assistant\\n' }}\n"
     "{%- endif %}\n"
 )
+
+# The Llama 3.1 Instruct template (meta-llama/Llama-3.1-8B-Instruct), written out after the
+# official one, comments left out and long lines split (same output): tools go into the
+# first user message by default,
+# a call is written back as {"name": ..., "parameters": ...}, a tool's answer is an ipython
+# turn, and built-in tools use <|python_tag|>.
+LLAMA31_TEMPLATE = """\
+{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if builtin_tools is defined or tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{%- if builtin_tools is defined %}
+    {{- "Tools: " + builtin_tools | reject('equalto', 'code_interpreter') | join(", ") + "\\n\\n"}}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond "
+        + "with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument '
+        + 'name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- if tools_in_user_message and not tools is none %}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no "
+                            + "first user message!") }}
+    {%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\\n\\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument '
+        + 'name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'
+            + message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {%- if builtin_tools is defined and tool_call.name in builtin_tools %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+            {{- "<|python_tag|>" + tool_call.name + ".call(" }}
+            {%- for arg_name, arg_val in tool_call.arguments | items %}
+                {{- arg_name + '="' + arg_val + '"' }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- endif %}
+            {%- endfor %}
+            {{- ")" }}
+        {%- else  %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+            {{- '{"name": "' + tool_call.name + '", ' }}
+            {{- '"parameters": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- "}" }}
+        {%- endif %}
+        {%- if builtin_tools is defined %}
+            {{- "<|eom_id|>" }}
+        {%- else %}
+            {{- "<|eot_id|>" }}
+        {%- endif %}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
 
 LLAMA3_VOCAB = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
@@ -212,6 +327,65 @@ def test_qwen25_template_tools_use_plain_json():
     assert got.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n")
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "id": "call_1",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
+]
+
+
+def test_qwen25_template_renders_tools_calls_and_tool_results():
+    """The whole tool round trip in HF's message form: the schema in the system turn, the
+    earlier call as a <tool_call> block (its content None, as clients send it), the
+    tool's answer as a <tool_response> in a user turn."""
+    got = ChatTemplate(QWEN25_TEMPLATE).render(TOOL_CONVERSATION, tools=[WEATHER_TOOL])
+    assert got == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+        "assistant.\n\n# Tools\n\nYou may call one or more functions to assist with the "
+        "user query.\n\nYou are provided with function signatures within <tools></tools> "
+        "XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "get_weather", "description": "Current '
+        'weather", "parameters": {"type": "object", "properties": {"city": {"type": '
+        '"string"}}}}}\n'
+        "</tools>\n\nFor each function call, return a json object with function name and "
+        "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        "<|im_start|>assistant\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n22 C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_llama31_template_renders_tools_calls_and_tool_results():
+    got = ChatTemplate(LLAMA31_TEMPLATE).render(TOOL_CONVERSATION, tools=[WEATHER_TOOL],
+                                                bos_token="<|begin_of_text|>")
+    assert got.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+                          "Environment: ipython\n")
+    assert ("<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions"
+            in got)
+    assert json.dumps(WEATHER_TOOL, indent=4) + "\n\nWeather in Paris?<|eot_id|>" in got
+    assert ('<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", '
+            '"parameters": {"city": "Paris"}}<|eot_id|>') in got
+    assert got.endswith('<|start_header_id|>ipython<|end_header_id|>\n\n"22 C"<|eot_id|>'
+                        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_variables_are_what_a_template_reads_from_its_context():
+    assert "tools" in ChatTemplate(QWEN25_TEMPLATE).variables
+    assert "tools" in ChatTemplate(LLAMA31_TEMPLATE).variables  # set only if undefined
+    for arch in ("gemma3", "qwen2", "qwen3", "llama"):
+        assert "tools" not in builtin(arch, LLAMA3_VOCAB).variables, arch
+    assert ChatTemplate("{% set tools = [] %}{{ tools }}{{ messages }}").variables == {
+        "messages"}
+
+
 def test_template_helpers_strftime_now_and_loop_controls():
     source = ("{{ strftime_now('%Y') | length }}|"
               "{% for m in messages %}{% if loop.first %}{% continue %}{% endif %}"
@@ -299,6 +473,11 @@ def test_undefined_misuse_and_runtime_errors_are_wrapped():
     ([USER, {"role": "user", "content": None}], r"messages\[1\]\['content'\] must be a str"),
     ([{"role": 1, "content": "x"}], r"messages\[0\]\['role'\] must be a str"),
     ([{"role": "", "content": "x"}], "must not be empty"),
+    ([USER, {"role": "assistant", "content": None}], r"messages\[1\]\['content'\] must be"),
+    ([USER, {"role": "assistant", "content": None, "tool_calls": []}],
+     r"messages\[1\]\['content'\] must be"),
+    ([USER, {"role": "user", "content": None, "tool_calls": [{}]}],
+     r"messages\[1\]\['content'\] must be"),
 ])
 def test_invalid_messages_raise_value_error(messages, message):
     with pytest.raises(ValueError, match=message):

@@ -583,9 +583,12 @@ BAD_REQUESTS = [
      "invalid_value"),
     ("chat/completions", b'{"model": "tiny-qwen3", "messages": [{"role": "user", '
      b'"content": "x"}], "logit_bias": {"5": NaN}}', 400, "logit_bias", "invalid_value"),
-    ("chat/completions", chat(tools=[{"type": "function"}]), 400, "tools",
-     "unsupported_parameter"),
-    ("chat/completions", chat(tool_choice="auto"), 400, "tool_choice",
+    # the built-in qwen3 template has no tool support (tests/test_server_tools.py: tools)
+    ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+     "tools", "unsupported_parameter"),
+    ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                              tool_choice="none"), 400, "tools", "unsupported_parameter"),
+    ("chat/completions", chat(tool_choice="required"), 400, "tool_choice",
      "unsupported_parameter"),
     ("chat/completions", chat(temprature=0.5), 400, "temprature", "unknown_parameter"),
     ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs",
@@ -639,6 +642,19 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
         good = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok",
                                                   "max_tokens": 2})
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_no_tools_with_any_tool_choice_is_a_plain_chat(server):
+    """`tools: []`, and tool_choice or parallel_tool_calls without tools, are accepted on
+    a model without tool support and change nothing."""
+    body = chat(max_tokens=5, temperature=0, ignore_eos=True)
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        for extra in ({"tools": []}, {"tool_choice": "auto"}, {"tool_choice": "none"},
+                      {"tools": [], "parallel_tool_calls": False}):
+            r = http.post("/v1/chat/completions", json={**body, **extra})
+            assert r.status_code == 200, (extra, r.text)
+            assert r.json()["choices"][0] == plain
 
 
 def test_the_openai_client_raises_the_matching_exceptions(client):

@@ -29,6 +29,13 @@ def test_partial_match_that_fails_is_released():
     assert feed(["STOP"], ["ST", "OR", "Y"]) == ("STORY", False)
 
 
+def test_the_text_cut_off_is_kept_for_whoever_needs_it():
+    m = StopMatcher(["<tool_call>"])
+    shown = m.push("Sure.<tool") + m.push("_call>{\"na")
+    assert (shown, m.stopped, m.cut_off) == ("Sure.", True, "<tool_call>{\"na")
+    assert m.push("me\"}") == "" and m.cut_off == "<tool_call>{\"na"
+
+
 def test_earliest_of_several_stop_strings_wins():
     assert feed(["xyz", "b"], ["axyzb"]) == ("a", True)
 

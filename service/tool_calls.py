@@ -1,0 +1,278 @@
+"""Tool calls in generated text: found, parsed, and kept out of the content.
+
+The engine has no constrained decoding. With `tools` in the prompt, the model writes a call
+as text in the format its chat template taught it, and the server parses that text, as
+vLLM's and llama.cpp's servers do. Two formats cover the supported model families:
+
+- hermes (Qwen2.5, Qwen3, Hermes): one block per call, anywhere in the reply,
+  `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`; the text outside the
+  blocks is content (Qwen3's `<think>...</think>` included). A last block the generation
+  ended inside of without its `</tool_call>` still counts if its JSON is whole, as in vLLM.
+- llama3-json (Llama 3.1, 3.2): the whole reply is the call, `{"name": "f", "parameters":
+  {...}}` ("arguments" accepted too), optionally after `<|python_tag|>`, several separated
+  by `;`. All or nothing: the reply is calls only if every part of it is one.
+
+The format comes from the chat template (`format_of_template`), because the template is
+what taught the model: a template that never reads `tools` cannot show the model any
+(None); one that writes `<tool_call>` is hermes; else one that writes `<|python_tag|>` or
+the `"parameters"` key of Llama 3's convention is llama3-json; any other tool-aware
+template uses a format this module does not parse (UNKNOWN).
+
+A call is taken only when its JSON parses to an object naming one of the request's tools,
+with an object (or no) arguments. Anything else stays in the content as the model wrote
+it: a malformed call is the model's mistake, shown to the client, never a server error.
+With calls found, the content is the text outside them, the whitespace around each call
+removed, or None when nothing is left; without calls it is the text unchanged. Without
+parallel calls only the first call is returned and the others are dropped.
+
+Streaming (`ToolCallStream`, one per choice) shows content as it comes and holds back only
+text that may belong to a call: for hermes, text that may be the start of `<tool_call>`
+(held the way `StopMatcher` holds a partial stop string) and trailing whitespace, which
+is dropped if a call follows; for llama3-json, the start of the reply while it may open a
+call. From the first marker on, the text is buffered and parsed when the generation ends.
+What was shown and the last `Reply` add up to what `parse` gives for the whole text.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dispatch.stop_strings import StopMatcher
+from loader.chat_template import ChatTemplate
+
+TOOL_CALL_START = "<tool_call>"  # hermes
+PYTHON_TAG = "<|python_tag|>"  # llama3-json: Llama 3.1's marker before a call
+
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+
+def _skip_space(text: str, pos: int) -> int:
+    """The first position at or after `pos` that is not whitespace (as str.strip sees it)."""
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+class ToolCallFormat(enum.Enum):
+    HERMES = "hermes"
+    LLAMA3_JSON = "llama3-json"
+    UNKNOWN = "unknown"  # the template shows tools but the model writes calls otherwise
+
+
+def format_of_template(template: ChatTemplate) -> ToolCallFormat | None:
+    """How a model with this chat template writes tool calls; None if the template cannot
+    show it tools at all (it never reads the `tools` variable). The rule is in the module
+    docstring; hermes is checked first."""
+    if "tools" not in template.variables:
+        return None
+    source = template.source
+    if TOOL_CALL_START in source:
+        return ToolCallFormat.HERMES
+    if PYTHON_TAG in source or '"parameters"' in source:
+        return ToolCallFormat.LLAMA3_JSON
+    return ToolCallFormat.UNKNOWN
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made: the function's name and its arguments as JSON text
+    (OpenAI's `function.arguments`), with an id the tool's answer refers back to."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=new_call_id)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A reply split into content (None: no text besides the calls) and tool calls."""
+
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+class ToolCallParser:
+    """Finds the calls of one request's tools in text written in `fmt`."""
+
+    def __init__(self, fmt: ToolCallFormat, names: Iterable[str], parallel: bool = True
+                 ) -> None:
+        if fmt is ToolCallFormat.UNKNOWN:
+            raise ValueError("no parser for this model's tool-call format")
+        self.format = fmt
+        self.names = frozenset(names)
+        self.parallel = parallel
+
+    def reply(self, text: str, ended_normally: bool) -> Reply:
+        """The reply of a finished generation. Only one that ended by itself (an end token
+        or a stop string) is parsed: one cut by max_tokens may end inside a call, so its
+        text stays content as it is."""
+        return self.parse(text) if ended_normally else Reply(text)
+
+    def parse(self, text: str) -> Reply:
+        if self.format is ToolCallFormat.HERMES:
+            return self._parse_blocks(text)
+        return self._parse_leading_json(text)
+
+    def stream(self) -> ToolCallStream:
+        """A new splitter for one streamed choice."""
+        if self.format is ToolCallFormat.HERMES:
+            return _BlockStream(self)
+        return _LeadingCallStream(self)
+
+    def _parse_blocks(self, text: str) -> Reply:
+        calls: list[ToolCall] = []
+        pieces: list[str] = []
+        pos = 0
+        for block in _HERMES_BLOCK.finditer(text):
+            call = self._call(block.group(1), ("arguments",))
+            if call is None:
+                continue  # stays in the content
+            calls.append(call)
+            pieces.append(text[pos:block.start()].rstrip())
+            pos = _skip_space(text, block.end())
+        if not calls:
+            return Reply(text)
+        pieces.append(text[pos:])
+        return self._reply("".join(pieces), calls)
+
+    def _parse_leading_json(self, text: str) -> Reply:
+        decoder = json.JSONDecoder()
+        calls: list[ToolCall] = []
+        pos = _skip_space(text, 0)
+        while pos < len(text):
+            if text.startswith(PYTHON_TAG, pos):
+                pos = _skip_space(text, pos + len(PYTHON_TAG))
+            try:
+                value, pos = decoder.raw_decode(text, pos)
+            except ValueError:
+                return Reply(text)
+            call = self._call_of(value, ("parameters", "arguments"))
+            if call is None:
+                return Reply(text)
+            calls.append(call)
+            pos = _skip_space(text, pos)
+            if pos < len(text):
+                if text[pos] != ";":
+                    return Reply(text)
+                pos = _skip_space(text, pos + 1)
+        if not calls:
+            return Reply(text)
+        return self._reply("", calls)
+
+    def _call(self, body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        return self._call_of(value, argument_keys)
+
+    def _call_of(self, value: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:
+        """A call if `value` is {"name": one of the tools, <argument key>: {...}}."""
+        if not isinstance(value, dict):
+            return None
+        name = value.get("name")
+        if not isinstance(name, str) or name not in self.names:
+            return None
+        arguments = next((value[k] for k in argument_keys if k in value), {})
+        if not isinstance(arguments, dict):
+            return None
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+    def _reply(self, content: str, calls: list[ToolCall]) -> Reply:
+        kept = calls if self.parallel else calls[:1]
+        return Reply(content or None, tuple(kept))
+
+
+class ToolCallStream(ABC):
+    """One streamed choice's text on its way to the client: `push` each new piece and show
+    what it returns as content; `finish` gives the rest, content and calls."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self.parser = parser
+
+    @abstractmethod
+    def push(self, text: str) -> str:
+        """The content that can be shown now."""
+
+    @abstractmethod
+    def finish(self, ended_normally: bool) -> Reply:
+        """The content not shown yet and the calls, once the generation has ended."""
+
+
+class _BlockStream(ToolCallStream):
+    """hermes: content until the first `<tool_call>`, everything after it buffered."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        super().__init__(parser)
+        self._marker = StopMatcher([TOOL_CALL_START])
+        self._space = ""  # whitespace the shown text ended with: a call may follow it
+        self._tail: list[str] | None = None  # the text from the first marker on
+
+    def push(self, text: str) -> str:
+        if self._tail is not None:
+            self._tail.append(text)
+            return ""
+        released = self._space + self._marker.push(text)
+        if self._marker.stopped:
+            self._tail = [self._marker.cut_off]
+        shown = released.rstrip()
+        self._space = released[len(shown):]
+        return shown
+
+    def finish(self, ended_normally: bool) -> Reply:
+        rest = self._space + self._marker.flush() + "".join(self._tail or ())
+        self._space, self._tail = "", None
+        return self.parser.reply(rest, ended_normally)
+
+
+class _LeadingCallStream(ToolCallStream):
+    """llama3-json: a reply that starts like a call is buffered whole; any other is
+    content from its first non-space character on."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        super().__init__(parser)
+        self._held: list[str] = []
+        self._deciding = True  # the reply so far is whitespace or a prefix of a call's start
+        self._passing = False  # not a call: everything is content
+
+    def push(self, text: str) -> str:
+        if self._passing:
+            return text
+        self._held.append(text)
+        if self._deciding:
+            start = "".join(self._held).lstrip()
+            if start.startswith(("{", PYTHON_TAG)):
+                self._deciding = False
+            elif start and not PYTHON_TAG.startswith(start):
+                self._passing = True
+                shown, self._held = "".join(self._held), []
+                return shown
+        return ""
+
+    def finish(self, ended_normally: bool) -> Reply:
+        rest, self._held = "".join(self._held), []
+        return self.parser.reply(rest, ended_normally)
+
+
+__all__ = [
+    "PYTHON_TAG",
+    "TOOL_CALL_START",
+    "Reply",
+    "ToolCall",
+    "ToolCallFormat",
+    "ToolCallParser",
+    "ToolCallStream",
+    "format_of_template",
+    "new_call_id",
+]

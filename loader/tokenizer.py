@@ -360,6 +360,8 @@ class Tokenizer:
                 ids[name] = hits[0]
                 make_control(hits[0])
         self.eot_id, self.eom_id = ids.get("eot"), ids.get("eom")
+        self.fim_pre_id, self.fim_suf_id, self.fim_mid_id = (
+            ids.get("fim_pre"), ids.get("fim_suf"), ids.get("fim_mid"))
         for tid, text in enumerate(self._tokens):  # control tokens named "unused"
             if attrs[tid] & _CONTROL and "unused" in text:
                 attrs[tid] |= _UNUSED
@@ -469,6 +471,26 @@ class Tokenizer:
                 self._bpe_tokenize(frag, out)
         if add_special and self.add_eos:
             out.append(self._required(self.eos_id, "EOS"))
+        return out
+
+    @property
+    def has_infill(self) -> bool:
+        """Whether the vocabulary has the fill-in-the-middle tokens `encode_infill` needs."""
+        return None not in (self.fim_pre_id, self.fim_suf_id, self.fim_mid_id)
+
+    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt, as llama.cpp's server builds one (format_infill,
+        prefix-suffix-middle order, no repository context): [BOS] FIM_PRE prefix FIM_SUF
+        suffix FIM_MID, the texts encoded without special tokens and without parsing
+        control-token texts in them (code may well contain "<|fim_suffix|>"). The model
+        then writes the middle. ValueError for a vocabulary without them."""
+        if not self.has_infill:
+            raise ValueError(
+                "this model's vocabulary has no fill-in-the-middle tokens (FIM prefix, "
+                "suffix and middle), so it cannot complete between a prefix and a suffix")
+        out = [self._required(self.bos_id, "BOS")] if self.add_bos else []
+        out += [self.fim_pre_id, *self.encode(prefix, False, False),  # type: ignore[list-item]
+                self.fim_suf_id, *self.encode(suffix, False, False), self.fim_mid_id]
         return out
 
     @staticmethod

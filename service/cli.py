@@ -161,6 +161,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         if args.chat:
             stream = engine.chat([{"role": "user", "content": args.prompt}], params)
+        elif args.suffix is not None:
+            stream = engine.infill(args.prompt, args.suffix, params)
         else:
             stream = engine.generate(args.prompt, params)
         first = last = t0
@@ -321,8 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", "-p", required=True, help="the text to complete")
     engine_args(g)
     sampling_args(g, 128)
-    g.add_argument("--chat", action="store_true",
-                   help="wrap the prompt as a user turn with the model's chat template")
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--chat", action="store_true",
+                      help="wrap the prompt as a user turn with the model's chat template")
+    mode.add_argument("--suffix", metavar="TEXT",
+                      help="fill in the middle: write what goes between the prompt and "
+                           "TEXT (models with FIM tokens, e.g. Qwen2.5-Coder)")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser(

@@ -456,6 +456,11 @@ class Engine:
             return prompt()
         return Prompt(tuple(int(t) for t in prompt))
 
+    def prepare_infill(self, prefix: str, suffix: str) -> Prompt:
+        """A fill-in-the-middle prompt: the model writes what goes between `prefix` and
+        `suffix` (Tokenizer.encode_infill). ValueError for a model without FIM tokens."""
+        return Prompt(tuple(self.tokenizer.encode_infill(prefix, suffix)))
+
     def prepare_chat(self, messages: Sequence[ChatMessage],
                      tools: Sequence[Mapping[str, Any]] | None = None) -> Prompt:
         """Render a conversation with the model's chat template and encode it, reusing

@@ -25,6 +25,10 @@ template that cannot show them and picks the parser of the template's call forma
 Extensions many OpenAI-compatible servers accept are supported too: `top_k`, `min_p`,
 `ignore_eos`, `repetition_penalty` (vLLM's: > 0, 1 = off, over prompt and output tokens).
 
+`suffix` (completions) asks for the text between each text prompt and the suffix: a
+fill-in-the-middle prompt (Tokenizer.encode_infill; the server refuses it for a model
+without FIM tokens). `""` or null is no suffix.
+
 `logit_bias` (both routes) is OpenAI's: a JSON object whose keys are token ids as decimal
 strings and whose values are numbers in [-100, 100], e.g. `{"50256": -100}`; `{}` or null
 is no bias. The bias is added to the logits before the penalties and every filter, greedy
@@ -422,6 +426,13 @@ def _check_tool_fields(message: ChatMessage, path: str) -> None:
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None  # fill in the middle: the text after the completion
+
+    def check(self) -> None:
+        super().check()
+        if self.suffix and not all(isinstance(p, str) for p in self.prompts()):
+            raise bad_request("'suffix' needs text prompts (the text before the middle), "
+                              "not token ids.", param="suffix")
 
     @property
     def logprob_count(self) -> int | None:
@@ -449,7 +460,7 @@ _DEFAULT_ONLY_CHAT: dict[str, tuple[Any, ...]] = {
     "service_tier": ("auto", "default"),
 }
 _DEFAULT_ONLY_COMPLETIONS: dict[str, tuple[Any, ...]] = {
-    "echo": (False,), "best_of": (1,), "suffix": ("",),
+    "echo": (False,), "best_of": (1,),
 }
 # Known OpenAI fields with no support at all.
 _KNOWN_UNSUPPORTED = {

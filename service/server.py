@@ -13,6 +13,9 @@ What a client can count on:
   `logit_bias` ({"token id": bias in [-100, 100]}; an id outside the vocabulary is a 400)
   and log-probabilities (chat: `logprobs` + `top_logprobs`; completions: `logprobs: N`) in
   OpenAI's formats, streamed or not;
+- fill in the middle (completions' `suffix`, for models with FIM tokens such as
+  Qwen2.5-Coder): the prompt built as llama.cpp's server builds it
+  (Tokenizer.encode_infill); a model without them, or id prompts, are a 400;
 - tool calling (`tools`, `tool_choice` "auto" or "none", `parallel_tool_calls`) for models
   whose chat template shows tools: calls the model writes (Hermes/Qwen `<tool_call>` blocks
   or Llama 3 JSON, chosen by the template) come back as `message.tool_calls` with
@@ -285,7 +288,16 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         streams: MultiStream | None = None
         handed_over = False  # a streaming response releases the ticket when it ends
         try:
-            prompts = await _prepare(lambda: [engine.prepare(p) for p in texts])
+            if req.suffix:
+                if not engine.tokenizer.has_infill:
+                    raise bad_request("This model has no fill-in-the-middle tokens, so it "
+                                      "cannot complete between a prompt and a 'suffix'.",
+                                      param="suffix", code="unsupported_parameter")
+                suffix = req.suffix
+                prompts = await _prepare(lambda: [engine.prepare_infill(p, suffix)
+                                                  for p in texts])  # type: ignore[arg-type]
+            else:
+                prompts = await _prepare(lambda: [engine.prepare(p) for p in texts])
             n = req.n_choices
             requests = []
             for p in prompts:

@@ -57,6 +57,13 @@ class SyncEngine:
         refuses raises here (PromptTooLong, EmptyPrompt, ValueError)."""
         return SyncStream(self.engine, self.engine.prepare(prompt), params or SamplingParams())
 
+    def infill(self, prefix: str, suffix: str,
+               params: SamplingParams | None = None) -> SyncStream:
+        """Chunks of what goes between `prefix` and `suffix` (fill-in-the-middle, for
+        models with FIM tokens; ValueError for others)."""
+        return SyncStream(self.engine, self.engine.prepare_infill(prefix, suffix),
+                          params or SamplingParams())
+
     def chat(self, messages: Sequence[ChatMessage],
              params: SamplingParams | None = None) -> SyncStream:
         """Chunks of the assistant's reply to `messages`, reusing earlier turns' KV."""

@@ -160,6 +160,7 @@ def test_cli_perplexity_last_line(model_path, model, tmp_path, capsys):
     (["-p", "hi", "--temperature", "-1"], "temperature"),
     (["-p", "hi", "--top-p", "0"], "top_p"),
     (["-p", "hi " * 60], "context"),
+    (["-p", "hi", "--suffix", "there"], "fill-in-the-middle"),  # a model without FIM tokens
 ])
 def test_cli_bad_input_is_one_line_with_status_2(model_path, capsys, argv, message):
     assert main(["generate", "-m", model_path, "-q", *argv]) == 2
@@ -272,3 +273,24 @@ def test_cli_logit_bias_reaches_the_sampler(model_path, model, capsys):
     assert main([*args, "--logit-bias", f"{forced}+1", "--logit-bias", f"{forced}=2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("eagerlm: error:") and "logit_bias" in err
+
+
+def test_cli_generate_with_a_suffix_fills_in_the_middle(tmp_path, capsys):
+    """`--suffix`: the text between the prompt and the suffix, as the sequential
+    generator writes it from the tokenizer's FIM prompt (tests/test_tokenizer.py checks
+    that prompt against llama.cpp's rule)."""
+    path = write_synthetic_model(tmp_path / "coder.gguf", tiny_spec(
+        "qwen2", context_length=64,
+        extra_specials=("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")))
+    m = ModelFile.open(path)
+    ids = m.tokenizer.encode_infill("def f(x):\n    ", "\n    return y\n")
+    want = "".join(c.text for c in SequentialGeneration(
+        cpu_transformer(m), m.tokenizer, ids,
+        SamplingParams(temperature=0.0, max_tokens=6)))
+    assert main(["generate", "-m", str(path), "-p", "def f(x):\n    ", "--suffix",
+                 "\n    return y\n", "-n", "6", "--temperature", "0", "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert out == want + "\n" and f"prompt {len(ids)} tokens" in err
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "-m", str(path), "-p", "a", "--suffix", "b", "--chat"])
+    assert exit_.value.code == 2

@@ -896,3 +896,58 @@ def test_eagerlm_serve_binds_loopback_and_answers_until_interrupted(model_path):
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+# -- fill in the middle ----------------------------------------------------------------------
+
+FIM_SPECIALS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def test_completion_with_a_suffix_fills_in_the_middle(tmp_path):
+    """`suffix` on /v1/completions: the model writes what goes between the prompt and the
+    suffix, from the FIM prompt the tokenizer builds (checked against llama.cpp's rule in
+    tests/test_tokenizer.py). The reference is the sequential generator run on those ids;
+    the prompt's and suffix's texts are data, so a control-token text in them stays text."""
+    path = write_synthetic_model(tmp_path / "coder.gguf", tiny_spec(
+        "qwen2", context_length=CONTEXT, extra_specials=FIM_SPECIALS))
+    prefix, suffix = "def add(a, b):\n    <|fim_suffix|>", "\n    return c\n"
+    with Engine.load(path, page_size=16384, kv_budget_bytes=16 << 20,
+                     model_name=MODEL) as engine, \
+            LiveServer(create_app(engine, ServerConfig())) as server, \
+            openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                          timeout=30) as client:
+        ids = engine.tokenizer.encode_infill(prefix, suffix)
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        want = "".join(c.text for c in SequentialGeneration(
+            engine.loaded.transformer, engine.tokenizer, ids, params))
+        for stream in (False, True):
+            r = client.completions.create(model=MODEL, prompt=[prefix, prefix],
+                                          suffix=suffix, max_tokens=12, temperature=0,
+                                          stream=stream, extra_body={"ignore_eos": True})
+            if stream:
+                texts = ["", ""]
+                for chunk in r:
+                    for c in chunk.choices:
+                        texts[c.index] += c.text
+            else:
+                texts = [c.text for c in r.choices]
+                assert r.usage.prompt_tokens == 2 * len(ids)
+            assert texts == [want, want]
+        plain = client.completions.create(model=MODEL, prompt=prefix, max_tokens=12,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert plain.usage.prompt_tokens != len(ids)  # without a suffix: a plain prompt
+        assert_idle_and_nothing_leaked(engine, server)
+
+
+def test_a_suffix_needs_a_model_with_fim_tokens_and_a_text_prompt(server, engine):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for body, message in (({"prompt": "x", "suffix": "y"}, "no fill-in-the-middle"),
+                              ({"prompt": [1, 2], "suffix": "y"}, "text prompts")):
+            r = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 2, **body})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "suffix"
+            assert message in r.json()["error"]["message"]
+        empty = http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                   "suffix": "", "max_tokens": 2})
+        assert empty.status_code == 200  # an empty suffix is no suffix
+    assert_idle_and_nothing_leaked(engine, server)

@@ -345,3 +345,64 @@ def test_missing_tokenizer_key_is_named(key: str) -> None:
     with pytest.raises(MissingKey) as e:
         Tokenizer.from_metadata(md)
     assert e.value.field == key
+
+
+# -- fill in the middle ---------------------------------------------------------------------
+
+FIM_SPECIALS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+INFILL_CASES = [("def add(a, b):\n    ", "\n    return c\n"),
+                ("", "only a suffix"), ("x = '<|fim_suffix|>'  # text, not a token", ""),
+                ("Hello", " world")]
+
+
+@functools.cache
+def fim_model(architecture: str, tmp: Path) -> Path:
+    """A synthetic model whose vocabulary has Qwen2.5-Coder's FIM tokens (gemma3: SPM
+    with BOS added, qwen2: byte-level BPE without)."""
+    from loader.synthetic import tiny_spec, write_synthetic_model
+
+    return write_synthetic_model(tmp / f"fim-{architecture}.gguf",
+                                 tiny_spec(architecture, extra_specials=FIM_SPECIALS))
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "gemma3"])
+def test_infill_prompt_is_prefix_suffix_middle_as_llama_cpp_server_builds_it(
+        architecture: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """format_infill of llama.cpp's server: [BOS] FIM_PRE prefix FIM_SUF suffix FIM_MID,
+    the texts tokenized without special tokens and without parsing control-token text."""
+    path = fim_model(architecture, tmp_path_factory.getbasetemp())
+    tok = Tokenizer.from_metadata(GGUFFile.open(path).metadata)
+    pre, suf, mid = (tok.encode(t, add_special=False)[0] for t in FIM_SPECIALS)
+    assert tok.has_infill and (tok.fim_pre_id, tok.fim_suf_id, tok.fim_mid_id) == (pre, suf, mid)
+    for prefix, suffix in INFILL_CASES:
+        want = ([tok.bos_id] if tok.add_bos else []) + [pre] + tok.encode(prefix, False, False) \
+            + [suf] + tok.encode(suffix, False, False) + [mid]
+        assert tok.encode_infill(prefix, suffix) == want
+    assert tok.encode_infill(INFILL_CASES[2][0], "").count(suf) == 1  # the code's text stays text
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "gemma3"])
+def test_infill_prompt_matches_one_built_from_llama_cpp(
+        architecture: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same rule applied with llama.cpp's own FIM ids, BOS flag and tokenizer
+    (llama-cpp-python, vocab only; skipped without it)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = fim_model(architecture, tmp_path_factory.getbasetemp())
+    tok = Tokenizer.from_metadata(GGUFFile.open(path).metadata)
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    ids = [llama_cpp.llama_vocab_fim_pre(vocab), llama_cpp.llama_vocab_fim_suf(vocab),
+           llama_cpp.llama_vocab_fim_mid(vocab)]
+    bos = [llama_cpp.llama_vocab_bos(vocab)] if llama_cpp.llama_vocab_get_add_bos(vocab) else []
+    for prefix, suffix in INFILL_CASES:
+        def piece(text: str) -> list[int]:
+            return llm.tokenize(text.encode(), add_bos=False, special=False) if text else []
+        want = bos + [ids[0]] + piece(prefix) + [ids[1]] + piece(suffix) + [ids[2]]
+        assert tok.encode_infill(prefix, suffix) == want, (prefix, suffix)
+
+
+def test_a_vocabulary_without_fim_tokens_cannot_infill() -> None:
+    tok = tokenizer_for("qwen2")  # llama.cpp's qwen2 vocab file predates FIM tokens
+    assert not tok.has_infill
+    with pytest.raises(ValueError, match="fill-in-the-middle"):
+        tok.encode_infill("a", "b")

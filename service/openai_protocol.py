@@ -214,7 +214,14 @@ def _or(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
-class _Sampling(_Strict):
+class _Request(_Strict):
+    """A request body: its fields checked one by one by pydantic, then `check`."""
+
+    def check(self) -> None:
+        """Rules across fields, once the fields are valid (raises OpenAIError)."""
+
+
+class _Sampling(_Request):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -470,7 +477,7 @@ _KNOWN_UNSUPPORTED = {
 }
 
 
-_M = TypeVar("_M", bound=_Sampling)
+_M = TypeVar("_M", bound=_Request)
 
 
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
@@ -479,6 +486,44 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     return _parse(body, CompletionRequest, _DEFAULT_ONLY_COMPLETIONS)
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize, as vLLM's: a text `prompt` (`add_special_tokens`, default true: BOS
+    where the model adds one), or chat `messages` rendered with the model's template
+    (`add_generation_prompt`, default true), exactly as the completion routes encode them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("Give exactly one of 'prompt' and 'messages'.", param="prompt")
+        for name, applies_to in (("add_special_tokens", self.prompt),
+                                 ("add_generation_prompt", self.messages)):
+            if getattr(self, name) is not None and applies_to is None:
+                other = "prompt" if name == "add_special_tokens" else "messages"
+                raise bad_request(f"'{name}' applies to '{other}' only.", param=name)
+        for i, message in enumerate(self.messages or ()):
+            _check_tool_fields(message, f"messages[{i}]")
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize, as vLLM's: token ids back to their text (special tokens shown)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_tokenize_request(body: Any) -> TokenizeRequest:
+    return _parse(body, TokenizeRequest, {})
+
+
+def parse_detokenize_request(body: Any) -> DetokenizeRequest:
+    return _parse(body, DetokenizeRequest, {})
 
 
 def _parse(body: Any, model: type[_M],

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server (`eagerlm serve`): FastAPI on uvicorn over one Engine.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as
-server-sent events or not), GET /health, GET /metrics (Prometheus text).
+server-sent events or not), POST /tokenize and /detokenize (vLLM's: a prompt or chat
+messages to the ids the completion routes would use, and ids back to text; what a client
+needs to build a `logit_bias`), GET /health, GET /metrics (Prometheus text).
 
 What a client can count on:
 - every error is OpenAI's JSON error body with the status OpenAI would use (400 for a bad
@@ -72,6 +74,8 @@ from service.openai_protocol import (
     finish_reason,
     parse_chat_request,
     parse_completion_request,
+    parse_detokenize_request,
+    parse_tokenize_request,
     resolve_max_tokens,
     text_length,
     tool_call_delta,
@@ -242,6 +246,35 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def model(model: str) -> dict[str, Any]:
         check_model(model)
         return _model_card(engine, started)
+
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = parse_tokenize_request(await _read_json(request, cfg.max_body_bytes))
+        if req.model is not None:
+            check_model(req.model)
+        tok = engine.tokenizer
+        if req.messages is not None:
+            messages = [m.for_template() for m in req.messages]
+            text = await _prepare(lambda: engine.model.render_chat(
+                messages, add_generation_prompt=req.add_generation_prompt is not False))
+            ids = await _prepare(lambda: tok.encode(text))
+        else:
+            prompt = req.prompt or ""
+            ids = await _prepare(lambda: tok.encode(
+                prompt, add_special=req.add_special_tokens is not False))
+        return {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = parse_detokenize_request(await _read_json(request, cfg.max_body_bytes))
+        if req.model is not None:
+            check_model(req.model)
+        vocab = engine.tokenizer.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"Token {bad} is not in the vocabulary (ids 0 to {vocab - 1}).",
+                              param="tokens", code="invalid_value")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Response:

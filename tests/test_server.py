@@ -686,6 +686,10 @@ def test_api_key_is_required_when_configured(engine):
         wrong = http.get("/v1/models", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
         assert http.get("/health").status_code == 200
+        for route, body in (("tokenize", {"prompt": "a"}), ("detokenize", {"tokens": [1]})):
+            assert http.post(f"/{route}", json=body).status_code == 401
+            assert http.post(f"/{route}", json=body,
+                             headers={"Authorization": "Bearer sesame"}).status_code == 200
         with openai.OpenAI(base_url=s.url + "/v1", api_key="sesame", max_retries=0) as c:
             assert c.completions.create(model=MODEL, prompt="a", max_tokens=2).choices
         with openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0) as c, \
@@ -951,3 +955,52 @@ def test_a_suffix_needs_a_model_with_fim_tokens_and_a_text_prompt(server, engine
                                                    "suffix": "", "max_tokens": 2})
         assert empty.status_code == 200  # an empty suffix is no suffix
     assert_idle_and_nothing_leaked(engine, server)
+
+
+# -- tokenize / detokenize -------------------------------------------------------------------
+
+def test_tokenize_gives_the_ids_the_completion_routes_use(server, engine, client):
+    """vLLM's /tokenize: the count equals the completion's prompt_tokens, for a text prompt
+    and for chat messages; the ids are the tokenizer's; /detokenize gives the text back."""
+    text = "Tokenize me, <|im_start|> and all."
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r = http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()
+        assert r["tokens"] == engine.tokenizer.encode(text)
+        assert r["max_model_len"] == engine.context_length
+        done = client.completions.create(model=MODEL, prompt=text, max_tokens=1)
+        assert r["count"] == len(r["tokens"]) == done.usage.prompt_tokens
+        bare = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+        assert bare.json()["tokens"] == engine.tokenizer.encode(text, add_special=False)
+        chat = http.post("/tokenize", json={"messages": HI}).json()
+        done = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1)
+        assert chat["count"] == done.usage.prompt_tokens
+        no_prompt = http.post("/tokenize", json={"messages": HI,
+                                                 "add_generation_prompt": False}).json()
+        assert no_prompt["count"] < chat["count"]
+        assert chat["tokens"][:no_prompt["count"]] == no_prompt["tokens"]
+        back = http.post("/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json()
+        assert back == {"prompt": text}
+    assert_idle_and_nothing_leaked(engine, server)
+
+
+@pytest.mark.parametrize("route, body, status, param", [
+    ("tokenize", {"prompt": "x", "messages": HI}, 400, "prompt"),
+    ("tokenize", {}, 400, "prompt"),
+    ("tokenize", {"prompt": 5}, 400, "prompt"),
+    ("tokenize", {"prompt": "x", "add_generation_prompt": True}, 400,
+     "add_generation_prompt"),
+    ("tokenize", {"messages": HI, "add_special_tokens": True}, 400, "add_special_tokens"),
+    ("tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+    ("tokenize", {"prompt": "x", "stream": True}, 400, "stream"),
+    ("detokenize", {"tokens": [1, 10 ** 6]}, 400, "tokens"),
+    ("detokenize", {"tokens": [1, -1]}, 400, "tokens"),
+    ("detokenize", {"tokens": "1 2"}, 400, "tokens"),
+    ("detokenize", {}, 400, "tokens"),
+])
+def test_bad_tokenize_requests_get_openai_errors(server, route, body, status, param):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r = http.post(f"/{route}", json=body)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["param"] == param
+        assert http.post("/tokenize", json={"prompt": "fine"}).status_code == 200

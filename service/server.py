@@ -255,9 +255,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         tok = engine.tokenizer
         if req.messages is not None:
             messages = [m.for_template() for m in req.messages]
-            text = await _prepare(lambda: engine.model.render_chat(
-                messages, add_generation_prompt=req.add_generation_prompt is not False))
-            ids = await _prepare(lambda: tok.encode(text))
+            ids = await _prepare(lambda: tok.encode(engine.model.render_chat(
+                messages, add_generation_prompt=req.add_generation_prompt is not False)))
         else:
             prompt = req.prompt or ""
             ids = await _prepare(lambda: tok.encode(

@@ -519,16 +519,21 @@ class Engine:
                        params: SamplingParams | None = None) -> Completion:
         return await self.generate(prompt, params).collect()
 
-    def chat(self, messages: Sequence[ChatMessage],
-             params: SamplingParams | None = None) -> GenerationStream:
-        """Stream the assistant's reply to `messages` ({"role", "content"} dicts)."""
+    def chat(self, messages: Sequence[ChatMessage], params: SamplingParams | None = None,
+             *, tools: Sequence[Mapping[str, Any]] | None = None) -> GenerationStream:
+        """Stream the assistant's reply to `messages` ({"role", "content"} dicts, and
+        assistant `tool_calls` / `tool` results in Hugging Face's form). `tools`: OpenAI
+        tool definitions, shown to the model by its chat template; the calls it writes
+        are text, which service.tool_calls parses (`ToolCallParser(format_of_template(
+        engine.model.chat_template), names).reply(...)`, as the server does)."""
         conversation = [dict(m) for m in messages]
-        return GenerationStream(self, lambda: self.prepare_chat(conversation),
+        return GenerationStream(self, lambda: self.prepare_chat(conversation, tools),
                                 params or SamplingParams())
 
     async def chat_complete(self, messages: Sequence[ChatMessage],
-                            params: SamplingParams | None = None) -> Completion:
-        return await self.chat(messages, params).collect()
+                            params: SamplingParams | None = None, *,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> Completion:
+        return await self.chat(messages, params, tools=tools).collect()
 
     def generate_many(self, requests: Sequence[tuple[PromptInput, SamplingParams]]
                       ) -> MultiStream:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,18 +64,20 @@ class SyncEngine:
         return SyncStream(self.engine, self.engine.prepare_infill(prefix, suffix),
                           params or SamplingParams())
 
-    def chat(self, messages: Sequence[ChatMessage],
-             params: SamplingParams | None = None) -> SyncStream:
-        """Chunks of the assistant's reply to `messages`, reusing earlier turns' KV."""
-        return SyncStream(self.engine, self.engine.prepare_chat(messages),
+    def chat(self, messages: Sequence[ChatMessage], params: SamplingParams | None = None,
+             *, tools: Sequence[Mapping[str, Any]] | None = None) -> SyncStream:
+        """Chunks of the assistant's reply to `messages`, reusing earlier turns' KV
+        (`tools`: as Engine.chat's)."""
+        return SyncStream(self.engine, self.engine.prepare_chat(messages, tools),
                           params or SamplingParams())
 
     def complete(self, prompt: PromptInput, params: SamplingParams | None = None) -> Completion:
         return self.generate(prompt, params).collect()
 
     def chat_complete(self, messages: Sequence[ChatMessage],
-                      params: SamplingParams | None = None) -> Completion:
-        return self.chat(messages, params).collect()
+                      params: SamplingParams | None = None, *,
+                      tools: Sequence[Mapping[str, Any]] | None = None) -> Completion:
+        return self.chat(messages, params, tools=tools).collect()
 
     def flush(self) -> None:
         self.engine.flush()

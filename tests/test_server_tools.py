@@ -379,3 +379,31 @@ def test_bad_tool_fields_get_a_400_naming_them_and_the_server_keeps_serving(
                                **forcing(engine, ONE_CALL)})
         assert good.status_code == 200
         assert good.json()["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# -- the Python API ------------------------------------------------------------------------------
+
+def test_the_python_api_shows_tools_and_its_text_parses_as_the_server_does(engine):
+    """Engine.chat_complete(tools=...) renders the tools into the prompt (the same ids as
+    prepare_chat with them); the reply is text, and ToolCallParser makes it the call."""
+    import anyio
+
+    from dispatch.messages import FinishReason
+    from kernels.sampling import SamplingParams
+    from service.tool_calls import ToolCallParser, format_of_template
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, stop=(END,),
+                            logit_bias={engine.tokenizer.token_id(ONE_CALL): 100})
+    with_tools = anyio.run(lambda: engine.chat_complete(ASK, params, tools=TOOLS))
+    without = anyio.run(lambda: engine.chat_complete(ASK, params))
+    assert with_tools.prompt_tokens == len(engine.prepare_chat(ASK, TOOLS).ids)
+    assert with_tools.prompt_tokens > without.prompt_tokens
+    from service.sync_engine import SyncEngine
+
+    again = SyncEngine(engine).chat_complete(ASK, params, tools=TOOLS)  # a prefix-cache hit
+    assert (again.text, again.prompt_tokens) == (with_tools.text, with_tools.prompt_tokens)
+    parser = ToolCallParser(format_of_template(engine.model.chat_template),
+                            [t["function"]["name"] for t in TOOLS])
+    reply = parser.reply(with_tools.text, with_tools.finish_reason is FinishReason.STOP)
+    (call,) = reply.tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})

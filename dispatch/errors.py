@@ -32,12 +32,12 @@ class EmptyPrompt(RequestError):
 class TokenOutOfVocabulary(RequestError):
     """A token id (in the prompt, or named by the logit bias) the model does not have."""
 
-    def __init__(self, where: str, token: int, vocab: int) -> None:
+    def __init__(self, where: str, token: int, vocab: int, param: str) -> None:
         super().__init__(f"{where} names token {token}, but the vocabulary has {vocab} "
                          f"tokens (ids 0 to {vocab - 1})")
         self.token = token
         self.vocab = vocab
-        self.param = "logit_bias" if where == "logit_bias" else "prompt"
+        self.param = param
 
     @classmethod
     def check(cls, prompt_ids: Sequence[int], vocab: int, params: SamplingParams,
@@ -46,6 +46,7 @@ class TokenOutOfVocabulary(RequestError):
         a token past the model's logits."""
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise cls("the prompt", bad, vocab)
+            raise cls("the prompt", bad, vocab, param="prompt")
         if params.logit_bias and params.logit_bias[-1][0] >= logits_width:
-            raise cls("logit_bias", params.logit_bias[-1][0], logits_width)
+            raise cls("logit_bias", params.logit_bias[-1][0], logits_width,
+                      param="logit_bias")

@@ -57,7 +57,6 @@ has the exact bytes. Log-probabilities below -9999.0 (-inf included) are reporte
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -75,6 +74,7 @@ from kernels.sampling import (
     SamplingParams,
 )
 from loader.chat_template import ChatTemplate
+from service import bounded_json
 from service.engine import Completion, Logprob, TokenLogprobs
 from service.tool_calls import (
     Reply,
@@ -163,7 +163,7 @@ class AssistantToolCall(_Strict):
         are the parsed object, not OpenAI's JSON text (vLLM converts them the same way)."""
         return {"type": "function", "id": self.id,
                 "function": {"name": self.function.name,
-                             "arguments": json.loads(self.function.arguments)}}
+                             "arguments": bounded_json.loads(self.function.arguments)}}
 
 
 class ChatMessage(_Strict):
@@ -204,8 +204,10 @@ _TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key
 _TOKEN_ID_DIGITS = 18  # more can be no vocabulary's id (and could overflow an int64)
 
 
-def _brief(value: Any, limit: int = 40) -> str:
-    """repr(value), cut short: an error message need not echo a huge input."""
+def brief(value: Any, limit: int = 40) -> str:
+    """repr(value), cut short: how an error message quotes what the client sent. An
+    error need not echo a huge input, and repr escapes what could not be encoded (a lone
+    surrogate) or would confuse a reader (control characters)."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -260,15 +262,15 @@ class _Sampling(_Request):
         for key, value in (self.logit_bias or {}).items():
             if not _TOKEN_ID.fullmatch(key):
                 raise invalid(f"keys must be token ids written in decimal digits, got "
-                              f"{_brief(key)}")
+                              f"{brief(key)}")
             if len(key) > _TOKEN_ID_DIGITS:
-                raise invalid(f"token id {_brief(key)} is out of range")
+                raise invalid(f"token id {brief(key)} is out of range")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise invalid(f"the bias of token {key} must be a number, got "
-                              f"{_brief(value)}", code="invalid_type")
+                              f"{brief(value)}", code="invalid_type")
             if not abs(value) <= MAX_LOGIT_BIAS:  # NaN fails too
                 raise invalid(f"the bias of token {key} must be in [-{MAX_LOGIT_BIAS:g}, "
-                              f"{MAX_LOGIT_BIAS:g}], got {_brief(value)}")
+                              f"{MAX_LOGIT_BIAS:g}], got {brief(value)}")
             if int(key) in pairs:
                 raise invalid(f"token {int(key)} is given twice")
             pairs[int(key)] = float(value)
@@ -354,13 +356,13 @@ class ChatCompletionRequest(_Sampling):
                  and isinstance(choice["function"].get("name"), str))
         if choice == "required" or named:
             raise bad_request(
-                f"'tool_choice' = {_brief(choice, 80)} is not supported by this server: "
+                f"'tool_choice' = {brief(choice, 80)} is not supported by this server: "
                 f"forcing a tool call needs constrained decoding. Supported: 'auto' (the "
                 f"model decides) and 'none'.", param="tool_choice",
                 code="unsupported_parameter")
         raise bad_request(f"Invalid value for 'tool_choice': expected 'auto', 'none', "
                           f"'required' or {{\"type\": \"function\", \"function\": "
-                          f"{{\"name\": ...}}}}, got {_brief(choice)}.",
+                          f"{{\"name\": ...}}}}, got {brief(choice)}.",
                           param="tool_choice", code="invalid_value")
 
     @property
@@ -420,13 +422,13 @@ def _check_tool_fields(message: ChatMessage, path: str) -> None:
     for j, call in enumerate(message.tool_calls or ()):
         where = f"{path}.tool_calls[{j}].function.arguments"
         try:
-            arguments = json.loads(call.function.arguments)
+            arguments = bounded_json.loads(call.function.arguments)
         except ValueError as e:
             raise bad_request(f"Invalid value for '{where}': not valid JSON ({e}).",
                               param=where, code="invalid_value") from None
         if not isinstance(arguments, dict):
             raise bad_request(f"Invalid value for '{where}': expected a JSON object, got "
-                              f"{_brief(call.function.arguments)}.", param=where,
+                              f"{brief(call.function.arguments)}.", param=where,
                               code="invalid_value")
 
 
@@ -539,14 +541,15 @@ def _parse(body: Any, model: type[_M],
             kept[key] = value
         elif key in default_only:
             if not any(_same(value, ok) for ok in default_only[key]):
-                raise bad_request(f"'{key}' = {value!r} is not supported by this server; "
+                raise bad_request(f"'{key}' = {brief(value)} is not supported by this server; "
                                   f"only its default is.", param=key,
                                   code="unsupported_parameter")
         elif key in _KNOWN_UNSUPPORTED:
             raise bad_request(f"'{key}' is not supported by this server.", param=key,
                               code="unsupported_parameter")
         else:
-            raise bad_request(f"Unrecognized request argument supplied: '{key}'.", param=key,
+            raise bad_request(f"Unrecognized request argument supplied: {brief(key, 80)}.",
+                              param=key,
                               code="unknown_parameter")
     try:
         request = model.model_validate(kept)
@@ -593,7 +596,7 @@ def _validation_error(e: ValidationError) -> OpenAIError:
     if first["type"] == "missing":
         return bad_request(f"Missing required parameter: '{path}'.", param=path)
     if first["type"] == "extra_forbidden":
-        return bad_request(f"Unrecognized argument: '{path}'.", param=path,
+        return bad_request(f"Unrecognized argument: {brief(path, 80)}.", param=path,
                            code="unknown_parameter")
     if field in _EXPECTED and len(loc) <= 2:
         return bad_request(f"Invalid type for '{path}': expected {_EXPECTED[field]}.",

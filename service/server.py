@@ -8,7 +8,10 @@ needs to build a `logit_bias`), GET /health, GET /metrics (Prometheus text).
 What a client can count on:
 - every error is OpenAI's JSON error body with the status OpenAI would use (400 for a bad
   field or a prompt too long, 401 for a wrong key, 404 for an unknown model or route, 413
-  for an oversized body, 429 when the queue is full), and the server keeps serving;
+  for an oversized body, 415 for a body not sent as `application/json`, 429 when the
+  queue is full), and the server keeps serving; no input makes it a 500 (JSON nested
+  too deep or holding a lone surrogate is a 400: service/request_body.py), and a 500 of
+  a bug is counted in /metrics like any response;
 - a field the engine cannot honour is refused, never silently ignored
   (service/openai_protocol.py);
 - penalties (`presence_penalty`, `frequency_penalty`, and vLLM's `repetition_penalty`),
@@ -64,6 +67,7 @@ from service.openai_protocol import (
     ResponseIds,
     Usage,
     bad_request,
+    brief,
     chat_chunk_body,
     chat_completion_body,
     chat_finish_reason,
@@ -81,6 +85,7 @@ from service.openai_protocol import (
     tool_call_delta,
     usage_chunk_body,
 )
+from service.request_body import read_json
 from service.tool_calls import Reply, ToolCallParser
 
 log = logging.getLogger("eagerlm.server")
@@ -103,9 +108,9 @@ class _ClientGone(Exception):
 
 
 class _ResponseCounter:
-    """Pure ASGI middleware counting responses by route and status. (Starlette's
-    BaseHTTPMiddleware would sit between a streaming response and the client's disconnect,
-    so it is avoided.)"""
+    """Pure ASGI middleware counting responses by route and status, the 500s of
+    unexpected exceptions included. (Starlette's BaseHTTPMiddleware would sit between a
+    streaming response and the client's disconnect, so it is avoided.)"""
 
     def __init__(self, app: ASGIApp, counts: dict[tuple[str, int], int]) -> None:
         self.app = app
@@ -118,13 +123,26 @@ class _ResponseCounter:
         path = scope.get("path", "")
         route = path if path in _ROUTES else "other"
 
+        started = False
+
+        def count(status: int) -> None:
+            self.counts[route, status] = self.counts.get((route, status), 0) + 1
+
         async def counting_send(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
-                key = (route, int(message["status"]))
-                self.counts[key] = self.counts.get(key, 0) + 1
+                started = True
+                count(int(message["status"]))
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            # Starlette's ServerErrorMiddleware, outside every user middleware, answers
+            # the 500 once the exception has passed here: counted here for it.
+            if not started:
+                count(500)
+            raise
 
 
 _ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
@@ -153,7 +171,23 @@ def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+def _error_event(error: OpenAIError) -> str:
+    """An in-band error, ASCII whatever its message holds, so it always encodes."""
+    return f"data: {json.dumps(error.body())}\n\n"
+
+
 _DONE = "data: [DONE]\n\n"
+
+
+class _ErrorResponse(JSONResponse):
+    """An OpenAI error body, rendered as ASCII: a message that quotes what the client
+    sent, or an exception's text, always encodes."""
+
+    def __init__(self, error: OpenAIError, headers: dict[str, str] | None = None) -> None:
+        super().__init__(error.body(), status_code=error.status, headers=headers)
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -163,7 +197,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     response_counts: dict[tuple[str, int], int] = {}
     started = int(time.time())
     app = FastAPI(title="eagerlm", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_ResponseCounter, counts=response_counts)
+    app.add_middleware(_ResponseCounter, counts=response_counts)  # outermost: counts all
     app.state.engine = engine
     app.state.gate = gate
 
@@ -172,24 +206,23 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return _ErrorResponse(exc, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = {404: f"Unknown route {request.method} {request.url.path}.",
                    405: f"Method {request.method} is not allowed on {request.url.path}."}
-        err = OpenAIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
-        return JSONResponse(err.body(), status_code=exc.status_code)
+        return _ErrorResponse(OpenAIError(exc.status_code,
+                                          message.get(exc.status_code, str(exc.detail))))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(bad_request(str(exc)).body(), status_code=400)
+        return _ErrorResponse(bad_request(str(exc)))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed")
-        err = OpenAIError(500, f"Internal server error: {exc!r}")
-        return JSONResponse(err.body(), status_code=500)
+        return _ErrorResponse(OpenAIError(500, f"Internal server error: {exc!r}"))
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -204,8 +237,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     def check_model(name: str) -> None:
         if name != engine.name:
-            raise OpenAIError(404, f"The model '{name}' does not exist; this server "
-                                   f"serves '{engine.name}'.", param="model",
+            raise OpenAIError(404, f"The model {brief(name, 80)} does not exist; this "
+                                   f"server serves '{engine.name}'.", param="model",
                               code="model_not_found")
 
     def admit() -> Ticket:
@@ -249,7 +282,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/tokenize", dependencies=[Depends(authorize)])
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = parse_tokenize_request(await _read_json(request, cfg.max_body_bytes))
+        req = parse_tokenize_request(await read_json(request, cfg.max_body_bytes))
         if req.model is not None:
             check_model(req.model)
         tok = engine.tokenizer
@@ -265,7 +298,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/detokenize", dependencies=[Depends(authorize)])
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = parse_detokenize_request(await _read_json(request, cfg.max_body_bytes))
+        req = parse_detokenize_request(await read_json(request, cfg.max_body_bytes))
         if req.model is not None:
             check_model(req.model)
         vocab = engine.tokenizer.vocab_size
@@ -277,7 +310,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Response:
-        req = parse_chat_request(await _read_json(request, cfg.max_body_bytes))
+        req = parse_chat_request(await read_json(request, cfg.max_body_bytes))
         check_model(req.model)
         messages, tools = req.template_messages(), req.template_tools
         parser = req.tool_parser(engine.model.chat_template)
@@ -311,7 +344,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
-        req = parse_completion_request(await _read_json(request, cfg.max_body_bytes))
+        req = parse_completion_request(await read_json(request, cfg.max_body_bytes))
         check_model(req.model)
         texts = req.prompts()
         if len(texts) > MAX_PROMPTS:
@@ -361,25 +394,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 def _model_card(engine: Engine, created: int) -> dict[str, Any]:
     return {"id": engine.name, "object": "model", "created": created, "owned_by": "eagerlm",
             "max_model_len": engine.context_length}
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, refusing more than `limit` bytes before reading them all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise OpenAIError(413, f"The request body is larger than {limit} bytes.",
-                          code="request_too_large")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise OpenAIError(413, f"The request body is larger than {limit} bytes.",
-                              code="request_too_large")
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"The request body is not valid JSON: {e}.",
-                          code="invalid_json") from None
 
 
 async def _prepare(fn: Callable[[], T]) -> T:
@@ -462,7 +476,7 @@ async def _chat_events(streams: MultiStream, ids: ResponseIds, n: int,
                                          chat_finish_reason(rest, chunk.finish_reason),
                                          include_usage))
     except GenerationError as e:
-        yield _event(OpenAIError(500, f"Generation failed: {e}").body())
+        yield _error_event(OpenAIError(500, f"Generation failed: {e}"))
         yield _DONE
         return
     if include_usage:
@@ -485,7 +499,7 @@ async def _completion_events(streams: MultiStream, ids: ResponseIds, n_prompts: 
                 yield _event(completion_chunk_body(ids, index, chunk.text, reason,
                                                    include_usage, logprobs))
     except GenerationError as e:
-        yield _event(OpenAIError(500, f"Generation failed: {e}").body())
+        yield _error_event(OpenAIError(500, f"Generation failed: {e}"))
         yield _DONE
         return
     if include_usage:

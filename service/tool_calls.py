@@ -46,6 +46,7 @@ from typing import Any
 
 from dispatch.stop_strings import StopMatcher
 from loader.chat_template import ChatTemplate
+from service import bounded_json
 
 TOOL_CALL_START = "<tool_call>"  # hermes
 PYTHON_TAG = "<|python_tag|>"  # llama3-json: Llama 3.1's marker before a call
@@ -147,14 +148,15 @@ class ToolCallParser:
         return self._reply("".join(pieces), calls)
 
     def _parse_leading_json(self, text: str) -> Reply:
-        decoder = json.JSONDecoder()
+        if bounded_json.nesting_depth(text) > bounded_json.MAX_JSON_DEPTH:
+            return Reply(text)  # too deep for calls the parser reads without recursing
         calls: list[ToolCall] = []
         pos = _skip_space(text, 0)
         while pos < len(text):
             if text.startswith(PYTHON_TAG, pos):
                 pos = _skip_space(text, pos + len(PYTHON_TAG))
             try:
-                value, pos = decoder.raw_decode(text, pos)
+                value, pos = bounded_json.raw_decode(text, pos, depth_checked=True)
             except ValueError:
                 return Reply(text)
             call = self._call_of(value, ("parameters", "arguments"))
@@ -172,7 +174,7 @@ class ToolCallParser:
 
     def _call(self, body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
         try:
-            value = json.loads(body)
+            value = bounded_json.loads(body)
         except ValueError:
             return None
         return self._call_of(value, argument_keys)

@@ -212,7 +212,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("EAGERLM_API_KEY") or None
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
                           max_body_bytes=args.max_body_bytes,
-                          max_concurrency=args.max_concurrency, max_queue=args.max_queue)
+                          max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                          **({} if args.shutdown_grace is None
+                             else {"shutdown_grace_s": args.shutdown_grace}))
     settings: dict[str, object] = {"max_batch": args.max_batch}
     if args.served_model_name:
         settings["model_name"] = args.served_model_name
@@ -372,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions decoded together in one round (default 32)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="BYTES",
                    help="largest request body accepted; larger gets 413 (default 1 MiB)")
+    s.add_argument("--shutdown-grace", type=float, default=None, metavar="SECONDS",
+                   help="on SIGTERM/Ctrl-C, how long requests in flight may take to "
+                        "finish before streams are ended with an error event and others "
+                        "get 503 (default 10; a second signal ends it at once)")
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("tokenize", help="print the token ids of a text file as JSON",

@@ -9,9 +9,9 @@ What a client can count on:
 - every error is OpenAI's JSON error body with the status OpenAI would use (400 for a bad
   field or a prompt too long, 401 for a wrong key, 404 for an unknown model or route, 413
   for an oversized body, 415 for a body not sent as `application/json`, 429 when the
-  queue is full), and the server keeps serving; no input makes it a 500 (JSON nested
-  too deep or holding a lone surrogate is a 400: service/request_body.py), and a 500 of
-  a bug is counted in /metrics like any response;
+  queue is full, 503 while shutting down), and the server keeps serving; no input
+  makes it a 500 (JSON nested too deep or holding a lone surrogate is a 400:
+  service/request_body.py), and a 500 of a bug is counted in /metrics like any response;
 - a field the engine cannot honour is refused, never silently ignored
   (service/openai_protocol.py);
 - penalties (`presence_penalty`, `frequency_penalty`, and vLLM's `repetition_penalty`),
@@ -33,6 +33,9 @@ What a client can count on:
   pages go back to the pool;
 - at most `max_concurrency` requests generate at once, `max_queue` more wait
   (service/admission.py);
+- on SIGTERM or SIGINT it stops admitting, gives the requests in flight
+  `shutdown_grace_s` to finish, ends the rest cleanly (a stream with an error event and
+  [DONE], others with a 503) and returns, so the process exits 0 (service/shutdown.py);
 - it binds 127.0.0.1 unless told otherwise; with an API key, /v1 routes need
   `Authorization: Bearer KEY` (/health and /metrics stay open, for probes and scrapers).
 """
@@ -86,6 +89,14 @@ from service.openai_protocol import (
     usage_chunk_body,
 )
 from service.request_body import read_json
+from service.shutdown import (
+    AFTER_GRACE_S,
+    Drain,
+    GracefulServer,
+    RefuseWhileDraining,
+    send_error,
+    shutting_down,
+)
 from service.tool_calls import Reply, ToolCallParser
 
 log = logging.getLogger("eagerlm.server")
@@ -101,6 +112,14 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_concurrency: int = 64  # requests generating at once
     max_queue: int = 256  # requests waiting for a slot before 429
+    # on SIGTERM/SIGINT, how long requests in flight may take to finish before they are
+    # ended (service/shutdown.py); under Kubernetes' default 30 s termination grace
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"the shutdown grace period must be 0 seconds or more, not "
+                             f"{self.shutdown_grace_s}")
 
 
 class _ClientGone(Exception):
@@ -150,18 +169,37 @@ _ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "
 
 class _EventStream(StreamingResponse):
     """Server-sent events whose admission ticket is released however the response ends
-    (finished, client gone, server shutting down)."""
+    (finished, client gone, server shutting down). When the server's shutdown grace
+    period ends first, the stream is cut between two events and closed with an error
+    event and [DONE], as a generation error closes it."""
 
     def __init__(self, events: AsyncIterator[str], ticket: Ticket,
-                 streams: MultiStream) -> None:
+                 streams: MultiStream, drain: Drain) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._ticket = ticket
         self._streams = streams
+        self._drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = ended = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started, ended
+            await send(message)  # uvicorn writes a message whole or, cancelled, not at all
+            started = True
+            ended = message["type"] == "http.response.body" and not message.get("more_body")
+
         try:
-            await super().__call__(scope, receive, send)
+            with self._drain.cancelled_on_expiry() as expiry:
+                await super().__call__(scope, receive, tracking_send)
+            if expiry.cancelled_caught and not ended:
+                if not started:
+                    await send_error(send, shutting_down())
+                else:
+                    tail = _error_event(shutting_down()) + _DONE
+                    await send({"type": "http.response.body", "body": tail.encode(),
+                                "more_body": False})
         finally:
             self._streams.close()
             self._ticket.release()
@@ -194,12 +232,15 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     """The ASGI app serving `engine`. The engine's lifetime is the caller's."""
     cfg = config or ServerConfig()
     gate = AdmissionGate(cfg.max_concurrency, cfg.max_queue)
+    drain = Drain()
     response_counts: dict[tuple[str, int], int] = {}
     started = int(time.time())
     app = FastAPI(title="eagerlm", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RefuseWhileDraining, drain=drain)
     app.add_middleware(_ResponseCounter, counts=response_counts)  # outermost: counts all
     app.state.engine = engine
     app.state.gate = gate
+    app.state.drain = drain  # what GracefulServer's shutdown drives
 
     # -- errors, all in OpenAI's format ----------------------------------------------------
 
@@ -329,7 +370,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 events = _chat_events(streams, ids, req.n_choices, req.include_usage,
                                       parser)
                 handed_over = True
-                return _EventStream(events, ticket, streams)
+                return _EventStream(events, ticket, streams, drain)
             completions = await _unless_disconnected(request, streams.collect)
             replies = [parser.reply(c.text, c.finish_reason is FinishReason.STOP)
                        if parser is not None else Reply(c.text) for c in completions]
@@ -376,7 +417,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             if req.stream:
                 events = _completion_events(streams, ids, len(prompts), n, req.include_usage)
                 handed_over = True
-                return _EventStream(events, ticket, streams)
+                return _EventStream(events, ticket, streams, drain)
             results = await _unless_disconnected(request, streams.collect)
             groups = [results[i * n:(i + 1) * n] for i in range(len(prompts))]
             return JSONResponse(completion_body(ids, groups))
@@ -418,10 +459,12 @@ async def _admitted_and_started(request: Request, ticket: Ticket,
 
 
 async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
-    """Run `work`, cancelling it if the client disconnects first (raises _ClientGone).
+    """Run `work`, cancelling it if the client disconnects first (raises _ClientGone) or
+    the server's shutdown grace period ends first (a 503).
 
     Once the body has been read, the next ASGI message can only be the disconnect.
     """
+    drain: Drain = request.app.state.drain
     results: list[T] = []
     errors: list[Exception] = []
     async with anyio.create_task_group() as tg:
@@ -431,13 +474,16 @@ async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]
             tg.cancel_scope.cancel()
 
         tg.start_soon(watch)
-        try:
-            results.append(await work())
-        except Exception as e:  # raised as itself below, not in an ExceptionGroup
-            errors.append(e)
+        with drain.cancelled_on_expiry() as expiry:
+            try:
+                results.append(await work())
+            except Exception as e:  # raised as itself below, not in an ExceptionGroup
+                errors.append(e)
         tg.cancel_scope.cancel()
     if errors:
         raise errors[0]
+    if expiry.cancelled_caught:
+        raise shutting_down()
     if not results:
         raise _ClientGone()
     return results[0]
@@ -510,11 +556,16 @@ async def _completion_events(streams: MultiStream, ids: ResponseIds, n_prompts: 
 
 
 def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None:
-    """Run the server until interrupted (blocking). The caller shuts the engine down."""
+    """Run the server until SIGTERM or SIGINT (blocking), then stop as service/shutdown.py
+    describes and return. The caller shuts the engine down."""
     import uvicorn
 
-    uvicorn.run(create_app(engine, config), host=config.host, port=config.port,
-                log_level=log_level, timeout_graceful_shutdown=5)
+    app = create_app(engine, config)
+    server = GracefulServer(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                       timeout_graceful_shutdown=AFTER_GRACE_S),
+        app.state.drain, config.shutdown_grace_s)
+    server.run()
 
 
 __all__ = ["ServerConfig", "create_app", "serve"]

@@ -1,11 +1,16 @@
 """Hostile and careless input to the server: never a 500 for the client's own input, never
 a traceback or an unencodable reply, bodies only as application/json, every answer
-counted."""
+counted, and a SIGTERM that ends every response cleanly and exits 0."""
 
 from __future__ import annotations
 
 import json
 import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -16,7 +21,7 @@ from service.bounded_json import MAX_JSON_DEPTH, JSONRefused, loads, nesting_dep
 from service.engine import Engine
 from service.server import ServerConfig, create_app
 from service.tool_calls import ToolCallFormat, ToolCallParser
-from tests.test_server import LiveServer, assert_idle_and_nothing_leaked
+from tests.test_server import LiveServer, assert_idle_and_nothing_leaked, sse_payloads
 
 MODEL = "tiny-hostile"
 JSON = {"content-type": "application/json"}
@@ -208,3 +213,95 @@ def test_bodies_not_sent_as_application_json_are_refused_with_415(server, conten
             r = http.post("/v1/completions", content=body,
                           headers={"content-type": accepted})
             assert r.status_code == 200, r.text
+
+
+# -- SIGTERM ---------------------------------------------------------------------------------
+
+def test_sigterm_ends_every_response_cleanly_refuses_new_ones_and_exits_0(model_path):
+    """Two long streams and a long whole reply run, one more request waits for a slot;
+    SIGTERM. New requests are refused at once; after the grace period the streams end
+    with an in-band error event and [DONE], the others get a 503, and the process exits 0
+    (uvicorn alone cut the streams mid-body and died of the signal, status -15)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--model", model_path, "--port",
+         str(port), "--device", "cpu", "--served-model-name", MODEL, "-q",
+         "--max-concurrency", "3", "--shutdown-grace", "0.5"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    long = {"model": MODEL, "prompt": "go on", "max_tokens": 4000, "ignore_eos": True}
+    streams: dict[int, list] = {}
+    replies: dict[str, httpx.Response] = {}
+    first_chunks = threading.Semaphore(0)
+
+    def stream(i: int) -> None:
+        with httpx.Client(base_url=url, timeout=30) as http, \
+                http.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = []
+            for line in r.iter_lines():
+                if not lines:
+                    first_chunks.release()
+                lines.append(line)
+            streams[i] = sse_payloads(lines)
+
+    def whole(name: str) -> None:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            replies[name] = http.post("/v1/completions", json=long)
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(2)]
+    threads += [threading.Thread(target=whole, args=(name,), daemon=True)
+                for name in ("running", "queued")]
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "eagerlm serve did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        for t in threads[:3]:
+            t.start()
+        for _ in range(2):
+            assert first_chunks.acquire(timeout=10)
+        threads[3].start()  # waits: the three slots are taken
+        with httpx.Client(base_url=url, timeout=5) as http:
+            deadline = time.monotonic() + 10
+            while "eagerlm_queue_length 1" not in http.get("/metrics").text:
+                assert time.monotonic() < deadline, "the fourth request never queued"
+                time.sleep(0.02)
+
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 3
+        while True:  # the server notices the signal within its 0.1 s tick
+            try:
+                r = httpx.get(url + "/health", timeout=2)
+            except httpx.TransportError:
+                break  # the listening socket is closed
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "server_shutting_down"
+                break
+            assert r.status_code == 200 and time.monotonic() < deadline
+            time.sleep(0.02)
+
+        assert proc.wait(timeout=20) == 0
+        for t in threads:
+            t.join(10)
+            assert not t.is_alive()
+        for events in streams.values():
+            assert events[-1] == "[DONE]"
+            assert events[-2]["error"]["code"] == "server_shutting_down"
+            assert all("choices" in e for e in events[:-2])  # whole events up to there
+        assert len(streams) == 2
+        for name in ("running", "queued"):
+            assert_openai_error(replies[name], 503, "server_shutting_down")
+        assert b"Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()

@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from loader.errors import ModelFileError, UnknownArchitecture
+from loader.errors import ModelFileError, UnknownArchitecture, quoted
 from loader.gguf_file import GGUFFile
+from loader.metadata_schema import check_metadata
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -369,12 +370,16 @@ def swa_pattern(n_layers: int, period: int) -> tuple[bool, ...]:
 
 
 def config_from_gguf(f: GGUFFile) -> ModelConfig:
-    """Build the config of the model in `f`, raising a typed error for what is unsupported."""
+    """Build the config of the model in `f`, raising a typed error for what is unsupported.
+
+    Every value read here has been checked for its type and range (metadata_schema), so
+    what is left to check is how the values fit together."""
+    check_metadata(f)
     arch = f.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnknownArchitecture(
-            f"unknown architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
-            path=f.path, field="general.architecture")
+            f"unknown architecture {quoted(arch)}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}", path=f.path, field="general.architecture")
 
     def key(name: str) -> Any:
         return f.require(f"{arch}.{name}")
@@ -387,6 +392,16 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     n_heads = _per_layer_constant(f, arch, "attention.head_count", key("attention.head_count"))
     n_kv_heads = _per_layer_constant(f, arch, "attention.head_count_kv",
                                      opt("attention.head_count_kv", n_heads))
+    if n_heads % n_kv_heads:
+        raise UnsupportedModel(f"{n_heads} query heads are not a multiple of {n_kv_heads} "
+                               "KV heads", path=f.path, field=f"{arch}.attention.head_count_kv")
+    if f"{arch}.attention.key_length" not in f.metadata and d_model % n_heads:
+        raise ModelFileError(f"embedding length {d_model} is not a multiple of {n_heads} "
+                             "heads, and no key_length gives the head dimension", path=f.path,
+                             field=f"{arch}.embedding_length")
+    if int(opt("expert_count", 0)):
+        raise UnsupportedModel("mixture-of-experts models are not supported", path=f.path,
+                               field=f"{arch}.expert_count")
     head_dim = int(opt("attention.key_length", d_model // n_heads))
     if int(opt("attention.value_length", head_dim)) != head_dim:
         raise UnsupportedModel("key and value head dimensions differ", path=f.path,
@@ -472,7 +487,7 @@ def _rope_scaling_from_gguf(f: GGUFFile, arch: str, context_length: int) -> Rope
         kind = RopeScalingType(name)
     except ValueError:
         if factor != 1.0:
-            raise UnsupportedModel(f"rope scaling {name!r} is not supported (supported: "
+            raise UnsupportedModel(f"rope scaling {quoted(name)} is not supported (supported: "
                                    f"{', '.join(t.value for t in RopeScalingType)})",
                                    path=f.path, field=field) from None
         kind = RopeScalingType.NONE  # a type with factor 1 scales nothing

@@ -7,6 +7,19 @@ from deep inside numpy.
 
 from __future__ import annotations
 
+QUOTE_CHARS = 80
+
+
+def quoted(text: str | bytes, limit: int = QUOTE_CHARS) -> str:
+    """`text` as an error message quotes it: its repr, cut to `limit` characters with its
+    full length said. Keys, names and strings come from the file, which may hold a
+    200 MB one; the message must stay one short line whatever the file holds (and
+    formatting the whole once cost gigabytes)."""
+    if len(text) <= limit:
+        return repr(text)
+    unit = "bytes" if isinstance(text, bytes) else "characters"
+    return f"{text[:limit]!r}... ({len(text)} {unit})"
+
 
 class ModelFileError(Exception):
     """Base of every error about the contents of a model file."""
@@ -20,7 +33,7 @@ class ModelFileError(Exception):
         if path:
             where.append(str(path))
         if field:
-            where.append(f"field {field!r}")
+            where.append(f"field {quoted(field)}")
         if offset is not None:
             where.append(f"offset {offset}")
         super().__init__(f"{message} ({', '.join(where)})" if where else message)
@@ -40,3 +53,8 @@ class UnknownArchitecture(ModelFileError):
 
 class MissingKey(ModelFileError):
     """A metadata key or tensor the architecture requires is absent."""
+
+
+class InvalidMetadata(ModelFileError):
+    """A metadata value has the wrong type for its key, or a value no real model has
+    (zero heads, four billion layers, a NaN rope base)."""

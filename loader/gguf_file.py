@@ -9,6 +9,7 @@ header parses in well under a second and tensor data stays in the page cache unt
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import struct
@@ -20,15 +21,23 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from loader.errors import GGUFFormatError, MissingKey, UnsupportedTensorType
+from loader.errors import GGUFFormatError, MissingKey, UnsupportedTensorType, quoted
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 # No real tensor comes near these; past them a header is corrupt, not ambitious.
 MAX_DIM_SIZE = 1 << 40
+MAX_ELEMENTS = (1 << 63) - 1  # llama.cpp: a tensor's element count must fit an int64
 MAX_STRING_BYTES = 1 << 30
+MAX_KEY_BYTES = (1 << 16) - 1  # the GGUF spec: a key is at most 65535 bytes
+MAX_TENSOR_NAME_BYTES = 63  # llama.cpp: GGML_MAX_NAME (64) with the terminating NUL
 MAX_COUNT = 1 << 40
+# The fewest bytes a key/value pair (empty key, type, a one-byte value) and a tensor info
+# (empty name, n_dims, one dimension, type, offset) take: counts are checked against the
+# bytes left before anything is read or allocated for them.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
 _U64 = struct.Struct("<Q")
 
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
@@ -47,6 +56,9 @@ _SCALAR_FORMATS: dict[GGUFValueType, str] = {
 _NUMPY_DTYPES: dict[GGUFValueType, np.dtype] = {
     t: np.dtype(fmt) for t, fmt in _SCALAR_FORMATS.items()
 }
+_UNSIGNED_TYPES = frozenset({GGUFValueType.UINT8, GGUFValueType.UINT16, GGUFValueType.UINT32,
+                             GGUFValueType.UINT64})
+MAX_ALIGNMENT = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -96,12 +108,14 @@ class _Cursor:
     def u64(self, what: str) -> int:
         return self.scalar("<Q", what)
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, limit: int = MAX_STRING_BYTES) -> str:
+        """A length-prefixed string of at most `limit` bytes: a longer one is refused
+        before a byte of it is copied."""
         start = self.pos
         n = self.u64(what)
-        if n > MAX_STRING_BYTES:
-            raise GGUFFormatError(f"absurd string length {n} in {what}", path=self.path,
-                                  offset=start)
+        if n > limit:
+            raise GGUFFormatError(f"{what} is {n} bytes long, more than the {limit} a GGUF "
+                                  f"file may hold", path=self.path, offset=start)
         raw = bytes(self.take(n, what))
         try:
             return raw.decode("utf-8")
@@ -136,42 +150,53 @@ class _Cursor:
         self.pos = pos
         return out
 
-    def value(self, vtype: int, key: str) -> Any:
+    def value(self, vtype: int, key: str) -> tuple[Any, GGUFValueType, GGUFValueType | None]:
+        """The value of `key` (its type `vtype` just read), its type, and the element
+        type when it is an array. Nested arrays are refused, as llama.cpp refuses them:
+        no model key holds one, and each level would recurse."""
+        what = quoted(key)
         try:
             t = GGUFValueType(vtype)
         except ValueError:
             raise GGUFFormatError(f"unknown metadata value type {vtype}", path=self.path,
                                   field=key, offset=self.pos - 4) from None
         if t == GGUFValueType.STRING:
-            return self.string(key)
-        if t == GGUFValueType.ARRAY:
-            start = self.pos
-            etype = self.u32(key)
-            count = self.u64(key)
-            if count > MAX_COUNT:
-                raise GGUFFormatError(f"absurd array length {count}", path=self.path,
-                                      field=key, offset=start)
-            try:
-                et = GGUFValueType(etype)
-            except ValueError:
-                raise GGUFFormatError(f"unknown array element type {etype}", path=self.path,
-                                      field=key, offset=start) from None
-            if et in _NUMPY_DTYPES:
-                dt = _NUMPY_DTYPES[et]
-                raw = self.take(count * dt.itemsize, key)
-                return np.frombuffer(raw, dtype=dt).copy()
-            if et == GGUFValueType.STRING:
-                return self.strings(count, key)
-            return [self.value(etype, key) for _ in range(count)]
-        return self.scalar(_SCALAR_FORMATS[t], key)
+            return self.string(f"the value of {what}"), t, None
+        if t != GGUFValueType.ARRAY:
+            return self.scalar(_SCALAR_FORMATS[t], what), t, None
+        start = self.pos
+        etype = self.u32(what)
+        count = self.u64(what)
+        try:
+            et = GGUFValueType(etype)
+        except ValueError:
+            raise GGUFFormatError(f"unknown array element type {etype}", path=self.path,
+                                  field=key, offset=start) from None
+        if et == GGUFValueType.ARRAY:
+            raise GGUFFormatError("nested arrays are not supported", path=self.path,
+                                  field=key, offset=start)
+        # each element takes at least its size (a string its u64 length): a count the
+        # rest of the file cannot hold is refused before anything is allocated for it
+        least = 8 if et == GGUFValueType.STRING else _NUMPY_DTYPES[et].itemsize
+        left = len(self.buf) - self.pos
+        if count > MAX_COUNT or count * least > left:
+            raise GGUFFormatError(f"{count} {et.name} elements do not fit in the {left} "
+                                  f"bytes left: file truncated or absurd array length",
+                                  path=self.path, field=key, offset=start)
+        if et == GGUFValueType.STRING:
+            return self.strings(count, what), t, et
+        raw = self.take(count * _NUMPY_DTYPES[et].itemsize, what)
+        return np.frombuffer(raw, dtype=_NUMPY_DTYPES[et]).copy(), t, et
 
 
 class GGUFFile:
     """A GGUF file opened read-only: its metadata as Python values and its tensor table.
 
-    Numeric arrays in the metadata become numpy arrays, string arrays lists of str.
-    Tensor bytes are read through a shared memory map; `tensor_bytes` returns a read-only
-    view that must not be kept after `close()`.
+    Numeric arrays in the metadata become numpy arrays, string arrays lists of str;
+    `value_types` keeps each key's type as stored (and its arrays' element type), so a
+    count stored as a float is told from one stored as an integer. Tensor bytes are read
+    through a shared memory map; `tensor_bytes` returns a read-only view that must not be
+    kept after `close()`.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -207,45 +232,57 @@ class GGUFFile:
                                   offset=4)
         n_tensors = cur.u64("tensor count")
         n_kv = cur.u64("metadata count")
-        if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
-            raise GGUFFormatError(f"absurd counts: {n_tensors} tensors, {n_kv} keys",
-                                  path=self.path, offset=8)
+        left = len(buf) - cur.pos
+        if n_tensors * _MIN_TENSOR_INFO_BYTES + n_kv * _MIN_KV_BYTES > left:
+            raise GGUFFormatError(f"{n_tensors} tensors and {n_kv} metadata keys do not fit "
+                                  f"in the file's {len(buf)} bytes", path=self.path, offset=8)
         metadata: dict[str, Any] = {}
+        types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
         for _ in range(n_kv):
-            key = cur.string("metadata key")
-            vtype = cur.u32(f"type of {key}")
-            metadata[key] = cur.value(vtype, key)
+            start = cur.pos
+            key = cur.string("metadata key", limit=MAX_KEY_BYTES)
+            if key in metadata:
+                raise GGUFFormatError("duplicate metadata key", path=self.path, field=key,
+                                      offset=start)
+            vtype = cur.u32(f"type of {quoted(key)}")
+            metadata[key], *vtypes = cur.value(vtype, key)
+            types[key] = (vtypes[0], vtypes[1])
         self.metadata: Mapping[str, Any] = metadata
+        self.value_types: Mapping[str, tuple[GGUFValueType, GGUFValueType | None]] = types
 
         infos: list[tuple[str, GGMLQuantizationType, tuple[int, ...], int, int]] = []
         for _ in range(n_tensors):
             start = cur.pos
-            name = cur.string("tensor name")
-            n_dims = cur.u32(f"dimensions of {name}")
+            name = cur.string("tensor name", limit=MAX_TENSOR_NAME_BYTES)
+            n_dims = cur.u32(f"dimensions of {name!r}")
             if not 1 <= n_dims <= MAX_DIMS:
                 raise GGUFFormatError(f"tensor {name!r} has {n_dims} dimensions",
                                       path=self.path, offset=start)
-            ne = [cur.u64(f"shape of {name}") for _ in range(n_dims)]
-            if any(d == 0 or d > MAX_DIM_SIZE for d in ne):
+            ne = [cur.u64(f"shape of {name!r}") for _ in range(n_dims)]
+            if any(d == 0 or d > MAX_DIM_SIZE for d in ne) or math.prod(ne) > MAX_ELEMENTS:
                 raise GGUFFormatError(f"tensor {name!r} has absurd shape {ne}",
                                       path=self.path, offset=start)
-            raw_type = cur.u32(f"type of {name}")
+            raw_type = cur.u32(f"type of {name!r}")
             try:
                 qtype = GGMLQuantizationType(raw_type)
             except ValueError:
                 raise UnsupportedTensorType(f"tensor {name!r} has unknown ggml type {raw_type}",
                                             path=self.path, offset=start) from None
-            offset = cur.u64(f"offset of {name}")
+            offset = cur.u64(f"offset of {name!r}")
             infos.append((name, qtype, tuple(ne), offset, start))
 
-        alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise GGUFFormatError(f"alignment {alignment} is not a power of two",
-                                  path=self.path, field="general.alignment")
+        alignment = self._alignment(metadata, types)
         data_start = (cur.pos + alignment - 1) // alignment * alignment
+        if any(bytes(buf[cur.pos:data_start])):
+            # Writers pad with zeros: anything else here is header the count did not
+            # cover (a tensor count one short would shift every tensor's data).
+            raise GGUFFormatError("the padding before the tensor data is not zeros: the "
+                                  "header holds more than its counts say", path=self.path,
+                                  offset=cur.pos)
         self.data_offset = data_start
 
         tensors: dict[str, TensorInfo] = {}
+        expected = 0  # the data of each tensor follows the one before, padded
         for name, qtype, ne, rel, header_at in infos:
             if qtype not in GGML_QUANT_SIZES:
                 raise UnsupportedTensorType(f"tensor {name!r} has ggml type {qtype.name} "
@@ -256,19 +293,41 @@ class GGUFFile:
                 raise GGUFFormatError(
                     f"tensor {name!r}: row length {ne[0]} is not a multiple of the "
                     f"{qtype.name} block size {block}", path=self.path, offset=header_at)
-            n_rows = int(np.prod(ne[1:], dtype=np.int64)) if len(ne) > 1 else 1
-            n_bytes = n_rows * (ne[0] // block) * type_size
+            n_bytes = math.prod(ne[1:]) * (ne[0] // block) * type_size
             begin = data_start + rel
             if begin + n_bytes > self.file_size:
                 raise GGUFFormatError(
                     f"tensor {name!r} data [{begin}, {begin + n_bytes}) lies past the end of "
                     f"the file ({self.file_size} bytes): truncated download?",
                     path=self.path, offset=header_at)
+            if rel != expected:
+                # llama.cpp's rule too: tensors lie in header order, each padded to the
+                # alignment, so a changed offset, type or shape cannot go unnoticed
+                raise GGUFFormatError(
+                    f"tensor {name!r} has data offset {rel}, expected {expected} (the "
+                    f"tensors before it end there)", path=self.path, offset=header_at)
+            expected += (n_bytes + alignment - 1) // alignment * alignment
             if name in tensors:
                 raise GGUFFormatError(f"duplicate tensor name {name!r}", path=self.path,
                                       offset=header_at)
             tensors[name] = TensorInfo(name, qtype, tuple(reversed(ne)), begin, n_bytes)
         self.tensors: Mapping[str, TensorInfo] = tensors
+
+    def _alignment(self, metadata: Mapping[str, Any],
+                   types: Mapping[str, tuple[GGUFValueType, GGUFValueType | None]]) -> int:
+        """`general.alignment`: an integer power of two (llama.cpp reads a uint32)."""
+        key = "general.alignment"
+        if key not in metadata:
+            return DEFAULT_ALIGNMENT
+        vtype, _ = types[key]
+        if vtype not in _UNSIGNED_TYPES:
+            raise GGUFFormatError(f"alignment is stored as {vtype.name}, expected an "
+                                  "unsigned integer", path=self.path, field=key)
+        alignment = int(metadata[key])
+        if alignment <= 0 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
+            raise GGUFFormatError(f"alignment {alignment} is not a power of two up to "
+                                  f"{MAX_ALIGNMENT}", path=self.path, field=key)
+        return alignment
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -279,8 +338,8 @@ class GGUFFile:
     def require(self, key: str) -> Any:
         """The value of a metadata key that must be present."""
         if key not in self.metadata:
-            raise MissingKey(f"required metadata key {key!r} is missing", path=self.path,
-                             field=key)
+            raise MissingKey(f"required metadata key {quoted(key)} is missing",
+                             path=self.path, field=key)
         return self.metadata[key]
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -290,7 +349,8 @@ class GGUFFile:
 
     def tensor_info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
-            raise MissingKey(f"required tensor {name!r} is missing", path=self.path, field=name)
+            raise MissingKey(f"required tensor {quoted(name)} is missing", path=self.path,
+                             field=name)
         return self.tensors[name]
 
     def tensor_bytes(self, name: str) -> np.ndarray:

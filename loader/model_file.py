@@ -9,6 +9,7 @@ from typing import Any
 
 from loader.chat_template import ChatTemplate
 from loader.config import ModelConfig, RopeOverride, config_from_gguf
+from loader.errors import GGUFFormatError
 from loader.gguf_file import GGUFFile
 from loader.tokenizer import Tokenizer
 
@@ -21,6 +22,23 @@ class _Vocabulary:
 
     def __contains__(self, text: object) -> bool:
         return isinstance(text, str) and self.tokenizer.token_id(text) is not None
+
+
+def _check_vocabulary(f: GGUFFile, config: ModelConfig, tokenizer: Tokenizer) -> None:
+    """One embedding row and one output row per token, as llama.cpp requires (its loader
+    wants token_embd and output of exactly {n_embd, n_vocab}, n_vocab being
+    `{arch}.vocab_size` or else the token count). Fewer rows and a prompt holding a high
+    id failed deep in the forward; more, and sampling could pick an id with no token."""
+    n_tokens = tokenizer.vocab_size
+    key = f"{config.architecture}.vocab_size"
+    if key in f.metadata and int(f.metadata[key]) != n_tokens:
+        raise GGUFFormatError(f"{key} is {int(f.metadata[key])} but the tokenizer has "
+                              f"{n_tokens} tokens", path=f.path, field=key)
+    for name in ("token_embd.weight", "output.weight"):
+        if name in f.tensors and (rows := f.tensors[name].shape[0]) != n_tokens:
+            raise GGUFFormatError(f"{name} has {rows} rows for a vocabulary of {n_tokens} "
+                                  f"tokens: one row per token is required", path=f.path,
+                                  field=name)
 
 
 @dataclass
@@ -45,6 +63,7 @@ class ModelFile:
             if rope is not None:
                 config = rope.apply(config)
             tokenizer = Tokenizer.from_metadata(f.metadata)
+            _check_vocabulary(f, config, tokenizer)
             template = ChatTemplate.from_metadata(f.metadata, config.architecture,
                                                   token_texts=_Vocabulary(tokenizer))
         except BaseException:

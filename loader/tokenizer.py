@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import regex
 
-from loader.errors import MissingKey, ModelFileError
+from loader.errors import MissingKey, ModelFileError, quoted
 
 SPACE_MARK = "\u2581"  # SentencePiece's visible space, "▁"
 _C_SPACES = " \t\n\v\f\r"  # what C's isspace() accepts in the "C" locale
@@ -277,7 +277,7 @@ class Tokenizer:
                              field=_key("model"))
         if model not in MODELS:
             raise ModelFileError(
-                f"tokenizer model {model!r} is not supported: eagerlm implements 'llama' "
+                f"tokenizer model {quoted(model)} is not supported: eagerlm implements 'llama' "
                 "(SentencePiece-style) and 'gpt2' (byte-level BPE)", field=_key("model"))
         tokens = md.get(_key("tokens"))
         if tokens is None:
@@ -292,7 +292,7 @@ class Tokenizer:
             if pre not in PRE_TOKENIZERS:
                 known = ", ".join(sorted(p for p in PRE_TOKENIZERS if p))
                 raise ModelFileError(
-                    f"pre-tokenizer {pre!r} is not supported (supported: {known})",
+                    f"pre-tokenizer {quoted(pre)} is not supported (supported: {known})",
                     field=_key("pre"))
             merges = md.get(_key("merges"))
             if merges is None:

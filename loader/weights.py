@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from loader.config import ModelConfig
-from loader.errors import GGUFFormatError, UnsupportedTensorType
+from loader.errors import GGUFFormatError, UnsupportedTensorType, quoted
 from loader.gguf_file import GGUFFile, TensorInfo
 
 T = TypeVar("T")
@@ -75,9 +75,23 @@ def build_weights(f: GGUFFile, cfg: ModelConfig, fetch: Fetch[T]) -> ModelWeight
     """Check every tensor the config implies against the file and fetch it.
 
     `fetch` turns one tensor of the file into the backend's handle (dequantized array,
-    uploaded buffer...). Shapes are checked before anything is fetched, so a wrong file
-    fails fast with the tensor's name.
+    uploaded buffer...). Every shape and type is checked before anything is fetched, so a
+    wrong file fails fast with the tensor's name; so is a tensor the model does not use,
+    which llama.cpp refuses too ("wrong number of tensors"): a renamed output.weight would
+    otherwise silently tie the lm head to the embedding.
     """
+    used: set[str] = set()
+    _assemble(f, cfg, lambda info: used.add(info.name))
+    unused = [name for name in f.tensors if name not in used]
+    if unused:
+        raise GGUFFormatError(f"tensor {quoted(unused[0])} is not part of a "
+                              f"{cfg.architecture} model ({len(unused)} unused tensors)",
+                              path=f.path, field=unused[0])
+    return _assemble(f, cfg, fetch)
+
+
+def _assemble(f: GGUFFile, cfg: ModelConfig, fetch: Fetch[T]) -> ModelWeights[T]:
+    """The weights the config implies, each shape and type checked, then fetched."""
     d, qd, kvd = cfg.d_model, cfg.q_dim, cfg.kv_dim
 
     def get(name: str, shape: tuple[int, ...]) -> T:

@@ -33,6 +33,7 @@ from loader.config import (
     RopeStyle,
     UnsupportedModel,
 )
+from loader.errors import InvalidMetadata
 from loader.model_file import ModelFile
 from loader.synthetic import tiny_spec, write_synthetic_model
 from service.cli import main
@@ -235,13 +236,13 @@ def test_gemma3_sliding_window_layers_keep_their_own_rope_under_yarn(tmp_path):
     assert glob.mscale == pytest.approx(1 + 0.1 * math.log(8))
 
 
-@pytest.mark.parametrize("scaling, factor, message", [
-    ("longrope", 4.0, "rope scaling 'longrope' is not supported"),
-    ("yarn", -2.0, "factor -2.0 is not positive"),
+@pytest.mark.parametrize("scaling, factor, error, message", [
+    ("longrope", 4.0, UnsupportedModel, "rope scaling 'longrope' is not supported"),
+    ("yarn", -2.0, InvalidMetadata, "-2 is out of range.*rope.scaling.factor"),
 ])
 def test_unsupported_or_bad_scaling_in_the_file_is_refused(tmp_path, scaling, factor,
-                                                           message):
-    with pytest.raises(UnsupportedModel, match=message):
+                                                           error, message):
+    with pytest.raises(error, match=message):
         _config(tmp_path, rope_scaling=scaling, rope_scaling_factor=factor)
 
 

@@ -210,7 +210,7 @@ class ControlThread:
 
     def _add(self, msg: AddSession) -> None:
         s = Session(msg.session_id, list(msg.prompt_ids), msg.params, msg.max_new_tokens)
-        if not self.scheduler.can_ever_fit(s):
+        if not self.scheduler.can_ever_fit(s):  # a guard: the context fits the pool
             self.to_service.put(SessionFailed(s.id, (
                 f"the request needs {self.scheduler.pages_for(s.prompt_len + s.max_new)} KV "
                 f"pages but the pool has {self.pool.n_pages}")))

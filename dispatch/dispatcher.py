@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from dispatch.control_thread import ControlConfig, ControlThread
 from dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+from dispatch.kv_capacity import KVCapacity, plan_capacity
 from dispatch.messages import (
     Cancel,
     Flush,
@@ -31,15 +33,22 @@ from kernels.model import Transformer
 from kernels.sampling import SamplingParams
 from loader.tokenizer import Tokenizer
 from vmm.device import Device
+from vmm.kv_layout import KVLayout
 from vmm.page_pool import PagePool
+
+log = logging.getLogger("eagerlm")
 
 
 @dataclass(frozen=True)
 class DispatcherConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
-    kv_budget_bytes: int = 1 << 30  # the KV page pool on a host device
-    memory_fraction: float = 0.9  # of device memory left after weights (cuda)
-    # context length in tokens; None: the model's (see ModelConfig.context_for)
+    # the KV page pool on a host device; None: one full-context session, at least 1 GiB,
+    # within memory_fraction of the memory available (dispatch/kv_capacity.py)
+    kv_budget_bytes: int | None = None
+    # of the memory left after weights: the pool on cuda, the default pool's cap on cpu
+    memory_fraction: float = 0.9
+    # context length in tokens; None: the model's (see ModelConfig.context_for), or less
+    # where the pool holds less; a requested one the pool cannot hold is refused
     max_context: int | None = None
 
 
@@ -50,11 +59,18 @@ class Dispatcher:
         self.device = device
         self.tokenizer = tokenizer
         cfg = transformer.config
-        self.context_length = cfg.context_for(self.config.max_context)
-        if device.host_accessible:
-            self.pool = PagePool.with_budget(device, self.config.kv_budget_bytes)
-        else:
-            self.pool = PagePool.from_free_memory(device, self.config.memory_fraction)
+        layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
+                          transformer.ops.kv_dtype)
+        # the pool and the context, sized together: one session alone can always reach
+        # the context (KVPoolTooSmall for a --ctx it cannot)
+        self.capacity: KVCapacity = plan_capacity(
+            device, layout, cfg.context_for(self.config.max_context),
+            context_requested=bool(self.config.max_context),
+            kv_budget_bytes=self.config.kv_budget_bytes,
+            memory_fraction=self.config.memory_fraction)
+        self.context_length = self.capacity.context_length
+        log.info("%s", self.capacity.describe())  # the CLI prints it (service/cli.py)
+        self.pool = PagePool(device, self.capacity.n_pages)
         ctl = self.config.control
         self.lookahead = threading.Semaphore(1 if ctl.sync else ctl.lookahead)
         to_control: queue.Queue = queue.Queue()

@@ -24,7 +24,7 @@ from loader.demo_model import DemoModelMissing, demo_model_path
 from loader.errors import ModelFileError
 from loader.model_file import ModelFile
 from service.bench import add_bench_parser
-from service.device_args import add_device_args
+from service.device_args import add_device_args, kv_budget_bytes
 from service.model_loading import LoadProgress, ProgressCallback
 from service.profiler import add_profile_parser
 from vmm.cuda_driver import CudaError, NoCudaDevice
@@ -99,7 +99,7 @@ def _engine_settings(args: argparse.Namespace, **settings: object) -> dict[str, 
     settings["rope_scaling"] = args.rope_scaling
     settings["rope_scale"] = args.rope_scale
     settings["yarn_orig_ctx"] = args.yarn_orig_ctx
-    settings["kv_budget_bytes"] = args.kv_budget_mib << 20
+    settings["kv_budget_bytes"] = kv_budget_bytes(args.kv_budget_mib)
     settings["memory_fraction"] = args.memory_fraction
     settings["cuda_graphs"] = args.cuda_graphs
     return settings
@@ -113,8 +113,14 @@ def _open_engine(args: argparse.Namespace, **settings: object) -> SyncEngine:
     _rope_override(args)
     if not args.quiet:
         print(f"loading {Path(path).name} on {args.device}...", file=sys.stderr, flush=True)
-    return SyncEngine.open(path, args.device, on_progress=_progress(args.quiet),
-                           **_engine_settings(args, **settings))
+    engine = SyncEngine.open(path, args.device, on_progress=_progress(args.quiet),
+                             **_engine_settings(args, **settings))
+    capacity = engine.engine.dispatcher.capacity
+    if capacity.limited_by_pool:  # a shorter context than the model's: said even if quiet
+        print(f"eagerlm: warning: {capacity.describe()}", file=sys.stderr, flush=True)
+    elif not args.quiet:
+        print(capacity.describe(), file=sys.stderr, flush=True)
+    return engine
 
 
 _LOGIT_BIAS_ARG = re.compile(

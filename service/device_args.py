@@ -25,11 +25,20 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                         "backend is new and not yet verified on a GPU; without a GPU it "
                         "says so and exits)")
     p.add_argument("--memory-fraction", type=memory_fraction, default=0.9, metavar="F",
-                   help="share of the GPU memory still free after loading the weights "
-                        "that the KV cache may use (cuda; default 0.9)")
+                   help="share of the memory still free after loading the weights that "
+                        "the KV cache may use (cuda: the pool's size; cpu: the cap on the "
+                        "default pool; default 0.9)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="launch decode rounds kernel by kernel instead of replaying CUDA "
                         "graphs (cuda; same output, more host time per round)")
     p.add_argument("--kv-budget-mib", "--kv-budget-mb", dest="kv_budget_mib", type=int,
-                   default=1024, metavar="MIB",
-                   help="memory for the KV cache page pool on cpu (default 1024)")
+                   default=None, metavar="MIB",
+                   help="memory for the KV cache page pool on cpu (default: enough for one "
+                        "session at the full context, at least 1024, within "
+                        "--memory-fraction of the memory available); the context is cut "
+                        "to what one session can hold in it")
+
+
+def kv_budget_bytes(mib: int | None) -> int | None:
+    """--kv-budget-mib in bytes; None (the flag not given) leaves the default pool."""
+    return None if mib is None else mib << 20

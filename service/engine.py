@@ -68,8 +68,8 @@ class EngineSettings:
     rope_scaling: str | None = None
     rope_scale: float | None = None
     yarn_orig_ctx: int | None = None
-    kv_budget_bytes: int = 1 << 30  # KV page pool on the cpu backend
-    memory_fraction: float = 0.9  # of device memory left after weights (cuda)
+    kv_budget_bytes: int | None = None  # cpu KV pool; None: fits the context (kv_capacity)
+    memory_fraction: float = 0.9  # of memory left after weights: cuda pool, cpu cap
     page_size: int | None = None  # KV page bytes (cpu; default 2 MiB)
     max_batch: int = 32  # sessions per round
     max_round_tokens: int = 256  # prefill + decode tokens per round

@@ -26,7 +26,7 @@ from dispatch.scheduler import SchedulerConfig
 from kernels.model import Transformer
 from kernels.sampling import SamplingParams
 from loader.model_file import ModelFile
-from service.device_args import add_device_args
+from service.device_args import add_device_args, kv_budget_bytes
 from service.request_metrics import RequestRecord
 from service.workload import LengthRange, PlannedRequest
 from vmm.device import Device
@@ -38,8 +38,8 @@ class DispatchSettings:
     max_batch: int = 32
     max_round_tokens: int = 512
     lookahead: int = 2
-    kv_budget_mb: int = 1024
-    memory_fraction: float = 0.9  # of device memory left after weights (cuda)
+    kv_budget_mb: int | None = None  # None: the default pool (dispatch/kv_capacity.py)
+    memory_fraction: float = 0.9  # of memory left after weights: cuda pool, cpu cap
     prefix_cache: bool = True
     cuda_graphs: bool = True
 
@@ -50,7 +50,8 @@ class DispatchSettings:
                                   lookahead=self.lookahead, sync=sync,
                                   prefix_cache=self.prefix_cache,
                                   cuda_graphs=self.cuda_graphs),
-            kv_budget_bytes=self.kv_budget_mb << 20, memory_fraction=self.memory_fraction)
+            kv_budget_bytes=kv_budget_bytes(self.kv_budget_mb),
+            memory_fraction=self.memory_fraction)
 
 
 @dataclass

@@ -39,7 +39,8 @@ def test_defaults_replay_graphs_and_keep_a_tenth_of_the_gpu_free():
     args = _parse(["generate", "-p", "hi"])
     config = EngineSettings(**_engine_settings(args)).dispatcher_config()
     assert config.control.cuda_graphs is True and config.memory_fraction == 0.9
-    assert config.kv_budget_bytes == 1 << 30
+    # no budget: the dispatcher sizes the pool for the context (dispatch/kv_capacity.py)
+    assert config.kv_budget_bytes is None
 
 
 def test_the_old_spelling_of_the_kv_budget_flag_still_works():

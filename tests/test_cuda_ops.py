@@ -56,7 +56,7 @@ Q = GGMLQuantizationType
 
 
 def test_embed_from_host_and_device_ids(ops) -> None:
-    from kernels.cuda_ops import DeviceIds
+    from kernels.device_tensor import DeviceIds
 
     table = rand(100, 48)
     t = ops.upload(table, "bf16")
@@ -449,7 +449,7 @@ def test_logit_bias_and_penalties_equal_the_reference_to_the_bit(ops) -> None:
 
 
 def test_biased_rows_need_a_bias_of_the_vocabulary(ops) -> None:
-    from kernels.cuda_ops import penalty_table
+    from kernels.cuda_sampling import penalty_table
 
     with pytest.raises(ValueError, match="no bias"):
         penalty_table(BIASED[:1], None, [None], 3000)
@@ -467,7 +467,7 @@ def test_token_counts_follow_the_round_inputs_on_the_device(ops) -> None:
     """count_inputs reads each row's id where the embedding does (the host id, or the token
     buffer's entry for decode rows) and splits prompt from output rows; the numpy backend's
     count_inputs over the same ids is the reference."""
-    from kernels.cuda_ops import DeviceIds
+    from kernels.device_tensor import DeviceIds
     from kernels.numpy_ops import NumpyOps
 
     vocab = 50
@@ -553,7 +553,7 @@ def test_dequantization_equals_gguf(ops, qtype) -> None:
     to the bit, the bf16 output that value rounded (within one bf16 ulp). 256 blocks: an IQ
     type's grid lookups then reach nearly every entry of its table (IQ1's 2048 included)."""
     from kernels.cuda_backend import DEQUANT_KERNEL
-    from kernels.cuda_ops import to_bf16_bits
+    from kernels.device_tensor import to_bf16_bits
 
     raw = _blocks(qtype, 256)
     want = quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
@@ -577,7 +577,7 @@ def test_a_model_of_iq_weights_loads_as_the_cpu_backend_dequantizes_it(ops, tmp_
     DEQUANT_KERNEL names): each matrix is the cpu backend's float32 weight (gguf-py's
     dequantization) rounded to bf16, within one ulp; each vector equal."""
     from kernels.cuda_backend import free_weights, load_cuda_weights
-    from kernels.cuda_ops import to_bf16_bits
+    from kernels.device_tensor import to_bf16_bits
     from loader.model_file import ModelFile
     from loader.synthetic import SyntheticSpec, write_synthetic_model
     from loader.weights import load_numpy_weights
@@ -625,7 +625,8 @@ def _model(tmp_path, arch, **kw):
 def test_model_logits_cuda_vs_cpu(gemm_ops, device, tmp_path, arch) -> None:
     from kernels.cpu_backend import cpu_transformer
     from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import KV_DTYPE, ContiguousDeviceKV, CudaOps
+    from kernels.cuda_ops import CudaOps
+    from kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV
 
     model = _model(tmp_path, "gemma3", **YARN_GEMMA3) if arch == "gemma3-yarn" else \
         _model(tmp_path, arch)
@@ -684,7 +685,8 @@ def _diverges_only_at_a_near_tie(got, want, margins) -> bool:
 def test_greedy_generation_cuda_vs_cpu(gemm_ops, device, tmp_path, arch) -> None:
     from kernels.cpu_backend import cpu_transformer
     from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import KV_DTYPE, ContiguousDeviceKV, CudaOps
+    from kernels.cuda_ops import CudaOps
+    from kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV
 
     model = _model(tmp_path, arch)
     cfg = model.config

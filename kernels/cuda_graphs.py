@@ -298,7 +298,7 @@ class DecodeGraphs:
 
         want = tensor("logprob_n", (b,), "i32")
 
-        def launch() -> None:  # as _RoundWork's eager round, with every input in the blob
+        def launch() -> None:  # as RoundWork's eager round, with every input in the blob
             if kind.adjusted:
                 ops.count_inputs_device(ids, spans, b, vocab)
             logits = self.transformer.forward(batch)

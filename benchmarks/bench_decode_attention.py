@@ -49,13 +49,9 @@ def main() -> int:
         return 0
 
     from kernels.batch import ForwardBatch, SeqSlice
-    from kernels.cuda_ops import (
-        KV_DTYPE,
-        ContiguousDeviceKV,
-        CudaOps,
-        DeviceTensor,
-        decode_attention_splits,
-    )
+    from kernels.cuda_attention import decode_attention_splits
+    from kernels.cuda_ops import CudaOps
+    from kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV, DeviceTensor
     from vmm.kv_layout import KVLayout
 
     ops = CudaOps(device)
@@ -98,13 +94,13 @@ def main() -> int:
     add("attention_decode (host's split plan)", timed(attention(True)), plan[0])
     add("attention.cu general kernel", timed(attention(False)), "own")
     ops.use_decode_attention = True
-    meta = ops._batch_meta(batch)
+    meta = ops.attn.batch_meta(batch)
     for n_splits in sorted({1, 2, 4, 8, 16, plan[0]}):
         split_len = -(-keys // n_splits)
 
         def run(n_splits=n_splits, split_len=split_len):
-            return ops._attention_decode(meta, layer, q, scale=scale, window=args.window,
-                                         n_splits=n_splits, split_len=split_len)
+            return ops.attn.decode(meta, layer, q, scale=scale, window=args.window,
+                                  n_splits=n_splits, split_len=split_len)
 
         add("attention_decode", timed(run), n_splits)
 

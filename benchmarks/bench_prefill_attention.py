@@ -110,7 +110,7 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
 def bench(ops: Any, n_tok: int, n_heads: int, n_kv: int, hd: int, window: int,
           reps: int, with_torch: bool, rng: np.random.Generator) -> dict[str, Any]:
     from kernels.batch import ForwardBatch, SeqSlice
-    from kernels.cuda_ops import KV_DTYPE, ContiguousDeviceKV
+    from kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV
     from vmm.kv_layout import KVLayout
 
     kv = ContiguousDeviceKV(ops, KVLayout(1, n_kv, hd, KV_DTYPE), n_tok)
@@ -185,7 +185,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     rows = [bench(ops, n, args.heads, args.kv_heads, args.head_dim, args.window, args.reps,
                   not args.no_torch, rng) for n in args.tokens]
-    agrees = ops._prefill_kernel_agrees(args.head_dim)
+    agrees = ops.attn.prefill_kernel_agrees(args.head_dim)
     print(f"device: {device.name}; the engine's start-up check of the kernel against "
           f"attention.cu: {'agrees, so the engine uses it' if agrees else 'DISAGREES'}\n")
     print("| tokens | heads / kv | hd | eagerlm ms | eagerlm TFLOP/s | torch flash TFLOP/s | "

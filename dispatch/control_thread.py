@@ -7,9 +7,9 @@ Per round (shared/DESIGN.md, "One round, eagerly"):
    compute stream;
 4. decode inputs are not known here: the round reads them on the device from the token
    buffer where the previous round's sampler wrote them;
-5. launch forward + sampler, record an event, enqueue the device-to-host copy of the
-   sampled tokens on the copy stream after that event, hand the round to the service
-   thread and go straight on;
+5. launch forward + sampler (`RoundWork`, dispatch/round_work.py), record an event,
+   enqueue the device-to-host copy of the sampled tokens on the copy stream after that
+   event, hand the round to the service thread and go straight on;
 6. the only wait is the bounded lookahead: at most `k` rounds not yet consumed by the
    service thread. In `sync` mode the thread instead waits for each round to be consumed
    (tokens seen, stop decisions made) before planning the next.
@@ -23,7 +23,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -38,10 +37,10 @@ from dispatch.messages import (
     StopSession,
 )
 from dispatch.prefix_cache import PrefixCache
+from dispatch.round_work import RoundWork, SamplerState, SeqWork
 from dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
-from kernels.batch import ForwardBatch, SeqSlice
 from kernels.model import Transformer
-from kernels.sampling import MAX_LOGPROBS, SamplingParams
+from kernels.sampling import MAX_LOGPROBS
 from vmm.device import Device, Event, HostBuffer, StreamError
 from vmm.kv_layout import KVLayout
 from vmm.page_pool import OutOfPages, PagePool
@@ -122,7 +121,7 @@ class ControlThread:
                              for _ in range(n_slots)]
         # penalty token counts live with the sampler, touched only by work on the compute
         # stream; the control thread only says when to rebuild or forget a session's
-        self._sampler_state = _SamplerState(transformer.config.vocab_size)
+        self._sampler_state = SamplerState(transformer.config.vocab_size)
         self._forget: list[int] = []
         make_graphs = getattr(transformer.ops, "decode_graphs", None)
         self._graphs = make_graphs(
@@ -295,8 +294,8 @@ class ControlThread:
             if s.params.penalized and not s.counts_valid:
                 rebuild = s.tokens[:r.n_past]
                 s.counts_valid = True
-            seq_work.append(_SeqWork(s.id, s.prompt_len, s.params, r.samples, s.slot,
-                                     rebuild))
+            seq_work.append(SeqWork(s.id, s.prompt_len, s.params, r.samples, s.slot,
+                                    rebuild))
             if r.samples:
                 sampled_rows.append((s, s.n_sampled))
             start += r.n_new
@@ -306,7 +305,7 @@ class ControlThread:
 
         self.compute.copy_h2d(self._meta_dev, self._meta_host[slot], n_meta)
         trace.device_start = self.compute.record(self.device.event())
-        run = _RoundWork(self.transformer, self._meta_dev, self._token_buf,
+        run = RoundWork(self.transformer, self._meta_dev, self._token_buf,
                          self._sampled_dev[slot], n_rows, seq_rows, kvs, seq_work,
                          self._sampler_state, self._forget,
                          (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
@@ -395,146 +394,6 @@ class ControlThread:
         for buf in buffers:
             with contextlib.suppress(Exception):  # a view still held keeps a host buffer
                 buf.free()
-
-
-@dataclass
-class _SeqWork:
-    """What the device side needs to know of one session in a round, beyond the metadata
-    rows: its sampling parameters, and for penalties where its prompt ends and, when its
-    token counts must be (re)built, the tokens before this round's rows."""
-
-    session_id: int
-    prompt_len: int
-    params: SamplingParams
-    samples: bool
-    slot: int  # the token-buffer row its sample goes to
-    rebuild: list[int] | None
-
-
-class _SamplerState:
-    """Per-session token counts for the penalties and logit biases, in the backend's form
-    (`token_counts`: TokenCounts on cpu, a device tensor on cuda; `logit_bias`: a dense
-    array or tensor). Owned by the compute stream: only `_RoundWork` (which runs there, in
-    order) reads or changes it."""
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-        self.counts: dict[int, Any] = {}
-        self.biases: dict[int, Any] = {}
-
-
-class _RoundWork:
-    """The device side of one round, launched on the compute stream: the inputs (host ids
-    for prefill rows, the token buffer for decode rows), the forward, the sampler writing
-    this round's samples to the token buffer and to the round's output buffer (and
-    logprobs, if asked). Backend-specific steps are ops (`round_inputs`, `sample_round`);
-    on cuda this runs at launch and enqueues kernels, on cpu it runs on the stream."""
-
-    def __init__(self, transformer: Transformer, meta: Any, token_buf: Any, sampled: Any,
-                 n_rows: int, seq_rows: list[tuple[int, int, int]], kvs: list[Any],
-                 seq_work: list[_SeqWork], state: _SamplerState, forget: list[int],
-                 logprob_out: tuple[Any, Any] | None) -> None:
-        self.transformer = transformer
-        self.meta, self.token_buf, self.sampled = meta, token_buf, sampled
-        self.n_rows, self.seq_rows = n_rows, seq_rows
-        self.kvs, self.seq_work = kvs, seq_work
-        self.state, self.forget = state, forget
-        self.logprob_out = logprob_out
-        self.graph: tuple[Any, np.ndarray] | None = None  # (DecodeGraphs, host rows)
-
-    def __call__(self) -> None:
-        ops = self.transformer.ops
-        if self.graph is not None and self._replay(*self.graph):
-            self.kvs = []
-            return
-        tokens = ops.round_inputs(self.meta, self.n_rows, self.token_buf)
-        slices = [SeqSlice(st, n, past, kv)
-                  for (st, n, past), kv in zip(self.seq_rows, self.kvs, strict=True)]
-        counts = self._count_inputs(tokens)
-        biases = dict(zip([w.session_id for w in self.seq_work], self._session_biases(),
-                          strict=True))
-        work = [(w, (st, n, past)) for w, (st, n, past) in zip(self.seq_work, self.seq_rows,
-                                                               strict=True) if w.samples]
-        logit_rows = np.array([st + n - 1 for _, (st, n, _) in work], dtype=np.int64)
-        batch = ForwardBatch(tokens, slices, logit_rows)
-        logits = self.transformer.forward(batch)
-        ops.sample_round(
-            logits, [w.params for w, _ in work], [past + n for _, (_, n, past) in work],
-            [counts.get(w.session_id) for w, _ in work],
-            [biases[w.session_id] for w, _ in work], out=self.sampled,
-            token_buf=self.token_buf, out_slots=[w.slot for w, _ in work],
-            logprobs_out=self.logprob_out)
-        self.kvs = []  # drop the views of the KV pages as soon as the work is done
-
-    def _replay(self, graphs: Any, rows: np.ndarray) -> bool:
-        """A decode round in which every session samples, through the decode graphs' fixed
-        buffers (a replay, or their launches one by one), which also count penalized
-        sessions' inputs and write logprobs where asked; False when it must take the
-        general path."""
-        if not all(w.samples for w in self.seq_work):
-            return False
-        counts = [None if c is None else (c, split)
-                  for c, split in zip(self._session_counts(), self._prompt_rows(),
-                                      strict=True)]
-        return graphs.run(rows, [past for _, _, past in self.seq_rows], self.kvs,
-                          [w.params for w in self.seq_work], self.sampled,
-                          [w.slot for w in self.seq_work], counts, self.logprob_out,
-                          self._session_biases())
-
-    def _count_inputs(self, tokens: Any) -> dict[int, Any]:
-        """Bring penalized sessions' token counts up to date with this round's inputs
-        (`tokens`: what `round_inputs` returned), on the backend's side: on cuda the
-        decode inputs are only on the device."""
-        spans = [(c, start, n, split) for c, (start, n, _), split
-                 in zip(self._session_counts(), self.seq_rows, self._prompt_rows(), strict=True)
-                 if c is not None]
-        if spans:
-            self.transformer.ops.count_inputs(tokens, spans)
-        return self.state.counts
-
-    def _forget_ended(self) -> None:
-        """Drop the sampler state of the sessions that ended since the last round."""
-        for sid in self.forget:
-            self.state.counts.pop(sid, None)
-            self.state.biases.pop(sid, None)
-        self.forget = []
-
-    def _session_biases(self) -> list[Any]:
-        """Per session of the round, its logit bias (None: it has none), made the first
-        time the session is in a round and kept until it ends."""
-        self._forget_ended()
-        st, out = self.state, []
-        for w in self.seq_work:
-            bias = None
-            if w.params.logit_bias:
-                bias = st.biases.get(w.session_id)
-                if bias is None:
-                    bias = st.biases[w.session_id] = self.transformer.ops.logit_bias(
-                        w.params, st.vocab)
-            out.append(bias)
-        return out
-
-    def _session_counts(self) -> list[Any]:
-        """Per session of the round, its token counts (None: not penalized), after ended
-        sessions' counts are dropped and those that must be are (re)built from tokens."""
-        self._forget_ended()
-        st = self.state
-        out = []
-        for w in self.seq_work:
-            if not w.params.penalized:
-                out.append(None)
-                continue
-            if w.rebuild is not None:  # once: a graph that cannot replay falls back here
-                st.counts[w.session_id] = self.transformer.ops.token_counts(
-                    st.vocab, w.rebuild[:w.prompt_len], w.rebuild[w.prompt_len:])
-                w.rebuild = None
-            out.append(st.counts[w.session_id])
-        return out
-
-    def _prompt_rows(self) -> list[int]:
-        """Per session, how many of its rows in this round are still prompt tokens."""
-        return [max(0, min(n, w.prompt_len - past))
-                for w, (_, n, past) in zip(self.seq_work, self.seq_rows, strict=True)]
 
 
 def _sync(event: Event | None) -> None:

@@ -14,7 +14,8 @@ from typing import Any
 
 from gguf import GGMLQuantizationType
 
-from kernels.cuda_ops import CudaOps, DeviceTensor
+from kernels.cuda_ops import CudaOps
+from kernels.device_tensor import DeviceTensor
 from kernels.model import Transformer
 from kernels.weight_memory import check_fits
 from loader.errors import UnsupportedTensorType

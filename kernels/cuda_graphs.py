@@ -52,24 +52,20 @@ from typing import Any
 import numpy as np
 
 from kernels.batch import ForwardBatch, SeqSlice
-from kernels.cuda_ops import (
+from kernels.cuda_attention import SEQ_DESC, BatchMeta
+from kernels.cuda_ops import CudaOps
+from kernels.cuda_sampling import (
     COUNT_SPAN,
-    MAX_LOGPROBS,
     PENALTY_ROW,
     SAMPLE_PARAMS,
-    SEQ_DESC,
-    ContiguousDeviceKV,
-    CudaOps,
-    DeviceIds,
-    DeviceTensor,
-    _BatchMeta,
     count_table,
     logprob_table,
     penalty_table,
     sample_table,
 )
+from kernels.device_tensor import ContiguousDeviceKV, DeviceIds, DeviceTensor
 from kernels.model import Transformer
-from kernels.sampling import SamplingParams
+from kernels.sampling import MAX_LOGPROBS, SamplingParams
 from vmm.cuda_driver import check, cu, driver
 from vmm.kv_layout import KVLayout
 
@@ -282,10 +278,10 @@ class DecodeGraphs:
             return DeviceTensor(inputs.ptr + lay.offset(name), shape, dtype, inputs)
 
         k0 = self.scratch.k_view(0)
-        meta = _BatchMeta(batch=None, n_seqs=b, seqs=tensor("seqs", (b * SEQ_DESC.itemsize,), "u8"),
-                          row_seq=tensor("row_seq", (b,), "i32"), first_kv=self.scratch,
-                          kv_base0=k0.ptr, token_bytes=k0.strides[0], max_new=1,
-                          max_total=ctx, offsets={})
+        meta = BatchMeta(batch=None, n_seqs=b, seqs=tensor("seqs", (b * SEQ_DESC.itemsize,), "u8"),
+                         row_seq=tensor("row_seq", (b,), "i32"), first_kv=self.scratch,
+                         kv_base0=k0.ptr, token_bytes=k0.strides[0], max_new=1,
+                         max_total=ctx, offsets={})
         ids = DeviceIds(inputs.ptr + lay.offset("rows"), b, self.token_buf.ptr)
         batch = ForwardBatch(
             ids, [SeqSlice(i, 1, 0, self.scratch) for i in range(b)],  # type: ignore[arg-type]
@@ -302,7 +298,7 @@ class DecodeGraphs:
 
         want = tensor("logprob_n", (b,), "i32")
 
-        def launch() -> None:  # as _RoundWork's eager round, with every input in the blob
+        def launch() -> None:  # as RoundWork's eager round, with every input in the blob
             if kind.adjusted:
                 ops.count_inputs_device(ids, spans, b, vocab)
             logits = self.transformer.forward(batch)

@@ -73,7 +73,7 @@ def gemm_ops(ops, device):
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
-    from kernels.cuda_ops import from_bf16_bits, to_bf16_bits
+    from kernels.device_tensor import from_bf16_bits, to_bf16_bits
 
     return from_bf16_bits(to_bf16_bits(np.asarray(x, np.float32)))
 
@@ -110,7 +110,7 @@ def close(got: np.ndarray, want: np.ndarray, *, rel: float = 1e-2, ulps: float =
 
 def sessions(ops, layout_dev, layout_host, specs):
     """Sessions (n_past, n_new, capacity) with random cached KV, on host and device."""
-    from kernels.cuda_ops import ContiguousDeviceKV, to_bf16_bits
+    from kernels.device_tensor import ContiguousDeviceKV, to_bf16_bits
 
     host, dev, start = [], [], 0
     for n_past, n_new, cap in specs:
@@ -136,7 +136,7 @@ def appended_batches(ops, specs, n_kv: int, hd: int, *, n_layers: int = 2, layer
     device, with random new K/V for `layer` appended to both (the reference's kv_append
     and the device's): what every attention test starts from. Returns (host batch, device
     batch, number of rows)."""
-    from kernels.cuda_ops import KV_DTYPE
+    from kernels.device_tensor import KV_DTYPE
 
     host, dev, n_tok = sessions(ops, KVLayout(n_layers, n_kv, hd, KV_DTYPE),
                                 KVLayout(n_layers, n_kv, hd), specs)
@@ -151,7 +151,7 @@ def appended_batches(ops, specs, n_kv: int, hd: int, *, n_layers: int = 2, layer
 
 
 def region_tensor(kv, shape):
-    from kernels.cuda_ops import DeviceTensor
+    from kernels.device_tensor import DeviceTensor
 
     return DeviceTensor(kv.buffer.ptr, shape, "bf16")
 

@@ -290,7 +290,7 @@ class FakeCublasLt:
 
     def _matrix(self, ptr: int, lay: _Layout) -> np.ndarray:
         """The column-major matrix at `ptr` as a (rows, cols) float view or copy."""
-        from kernels.cuda_ops import from_bf16_bits
+        from kernels.device_tensor import from_bf16_bits
 
         n = (lay.cols - 1) * lay.ld + lay.rows
         raw = host_array(ptr, n, np.uint16 if lay.dtype == R_16BF else np.float32)
@@ -300,7 +300,7 @@ class FakeCublasLt:
 
     def _run(self, p: _Problem, alpha: float, a: int, b: int, beta: float, c: int, d: int,
              workspace: int, workspace_bytes: int) -> None:
-        from kernels.cuda_ops import to_bf16_bits
+        from kernels.device_tensor import to_bf16_bits
 
         for name, ptr, lay in (("A", a, p.a), ("B", b, p.b), ("C", c, p.c), ("D", d, p.d)):
             nbytes = ((lay.cols - 1) * lay.ld + lay.rows) * ITEMSIZE[lay.dtype]

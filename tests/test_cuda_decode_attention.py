@@ -30,13 +30,13 @@ def _decode_batch(ops, hd: int, n_heads: int, n_kv: int, n_pasts: list[int], *,
 
 def _count_decode_calls(ops, monkeypatch) -> list[tuple[int, int]]:
     calls: list[tuple[int, int]] = []
-    real = ops._attention_decode
+    real = ops.attn.decode
 
     def spy(*args, **kw):
         calls.append((kw["n_splits"], kw["split_len"]))
         return real(*args, **kw)
 
-    monkeypatch.setattr(ops, "_attention_decode", spy)
+    monkeypatch.setattr(ops.attn, "decode", spy)
     return calls
 
 
@@ -83,22 +83,22 @@ def test_a_launch_sized_for_a_bound_is_right_for_shorter_sessions(ops, window) -
     """As a CUDA graph launches it: splits fixed by a bound (4096 keys) far above the
     sessions, so most blocks find no key and write empty partials; and the converse, too
     few splits for a session, where the last split takes the rest."""
-    from kernels.cuda_ops import decode_attention_splits
+    from kernels.cuda_attention import decode_attention_splits
 
     hd, n_heads, n_kv = 64, 4, 2
     bh, bd, q, qd = _decode_batch(ops, hd, n_heads, n_kv, [0, 130, 700], layer=1)
     want = REF.attention(bh, 1, q, scale=0.125, window=window)
-    meta = ops._batch_meta(bd)
+    meta = ops.attn.batch_meta(bd)
     bound = decode_attention_splits(4096, 3, n_kv, n_heads, ops.sm_count)
     assert bound[0] * bound[1] >= 4096 and bound[0] > 3
     for n_splits, split_len in [bound, (3, 64), (1, 64)]:
-        got = ops._attention_decode(meta, 1, qd, scale=0.125, window=window,
-                                    n_splits=n_splits, split_len=split_len)
+        got = ops.attn.decode(meta, 1, qd, scale=0.125, window=window,
+                              n_splits=n_splits, split_len=split_len)
         close(ops.to_numpy(got), want)
 
 
 def test_split_plan() -> None:
-    from kernels.cuda_ops import DECODE_MAX_SPLITS, decode_attention_splits
+    from kernels.cuda_attention import DECODE_MAX_SPLITS, decode_attention_splits
 
     # a big batch fills the GPU without splitting; one session is split
     assert decode_attention_splits(4096, 256, 8, 16, 132) == (1, 4096)

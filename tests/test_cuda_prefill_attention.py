@@ -118,7 +118,7 @@ def test_by_default_the_kernel_is_used_once_it_agrees_with_the_general_one(
     fresh = type(ops)(ops.device)
     assert fresh.tensor_core_prefill is None  # the default
     fresh.close()
-    monkeypatch.setattr(ops, "_prefill_checked", {})  # the shared fixture's: as new
+    monkeypatch.setattr(ops.attn, "prefill_checked", {})  # the shared fixture's: as new
     _, bd, q = _prefill_batch(ops, 64)
     launches = []
     kernel = ops.kernels["attention_prefill_hd64"]
@@ -129,25 +129,25 @@ def test_by_default_the_kernel_is_used_once_it_agrees_with_the_general_one(
         ops.attention(bd, 1, q, scale=0.125, window=0)
     finally:
         del kernel.launch
-    assert ops._prefill_checked == {64: True}
+    assert ops.attn.prefill_checked == {64: True}
     assert len(launches) == 3  # the check's, then one per call
 
 
 def test_a_kernel_that_disagrees_is_not_used(ops, monkeypatch) -> None:
     """If the kernel's answer on this device differs from attention.cu's (as a wrong mma
     fragment layout would make it), the check says so and the general kernel serves."""
-    monkeypatch.setattr(ops, "_prefill_checked", {})
+    monkeypatch.setattr(ops.attn, "prefill_checked", {})
     bh, bd, q = _prefill_batch(ops, 128)
-    real = type(ops)._attention_prefill
+    real = type(ops.attn).prefill
 
     def wrong(self, meta, layer, q, **kw):  # off by a permutation of the head dim
         out = real(self, meta, layer, q, **kw)
-        flipped = self.to_numpy(out).reshape(out.shape[0], -1, 128)[..., ::-1]
-        return self.upload(np.ascontiguousarray(flipped).reshape(out.shape), "bf16")
+        flipped = self.ops.to_numpy(out).reshape(out.shape[0], -1, 128)[..., ::-1]
+        return self.ops.upload(np.ascontiguousarray(flipped).reshape(out.shape), "bf16")
 
-    monkeypatch.setattr(type(ops), "_attention_prefill", wrong)
+    monkeypatch.setattr(type(ops.attn), "prefill", wrong)
     with pytest.warns(RuntimeWarning, match="disagrees"):
         got = ops.attention(bd, 1, q, scale=0.1, window=0)
-    assert ops._prefill_checked == {128: False}
+    assert ops.attn.prefill_checked == {128: False}
     want = REF.attention(bh, 1, ops.to_numpy(q), scale=0.1, window=0)
     close(ops.to_numpy(got), want, row=128)

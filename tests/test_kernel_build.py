@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from kernels import nvrtc_build as nb
+from kernels.cuda_attention import SEQ_DESC
 from kernels.cuda_kernels import SIGNATURES, expected_params
-from kernels.cuda_ops import SAMPLE_PARAMS, SEQ_DESC
+from kernels.cuda_sampling import SAMPLE_PARAMS
 
 ARCHES = ("sm_80", "sm_90")
 
@@ -217,7 +218,7 @@ def test_cubin_reader_finds_kernels_and_parameters(tmp_path, monkeypatch) -> Non
 
 
 def test_bf16_bit_conversion_rounds_to_nearest_even() -> None:
-    from kernels.cuda_ops import from_bf16_bits, to_bf16_bits
+    from kernels.device_tensor import from_bf16_bits, to_bf16_bits
 
     x = np.array([1.0, -2.5, 1.00390625, 1.01171875, np.inf, np.nan, 3e38], np.float32)
     back = from_bf16_bits(to_bf16_bits(x))
@@ -260,9 +261,10 @@ def test_launch_packs_each_argument_into_its_own_slot() -> None:
 
 
 def test_staging_ring_waits_for_every_copy_it_overwrites() -> None:
-    """The pinned upload ring (kernels/cuda_ops.py) never rewrites bytes that a queued copy
+    """The pinned upload ring (kernels/cuda_memory.py) never rewrites bytes that a queued copy
     has yet to read, also when it wraps past a tail the previous lap left in flight."""
-    from kernels.cuda_ops import DeviceTensor, _StagingRing
+    from kernels.cuda_memory import StagingRing
+    from kernels.device_tensor import DeviceTensor
 
     class Ev:
         def __init__(self, stream) -> None:
@@ -301,7 +303,7 @@ def test_staging_ring_waits_for_every_copy_it_overwrites() -> None:
     for trial in range(200):
         ops = FakeOps()
         ops.stream = FakeStream()
-        ring = _StagingRing(ops, nbytes=4096)  # type: ignore[arg-type]
+        ring = StagingRing(ops, nbytes=4096)  # type: ignore[arg-type]
         sizes = [1024, 1024, 1024, 1024, 3000, 1500] if trial == 0 else \
             rng.integers(1, 4097, 40) // rng.choice([1, 16], 40)
         for n in sizes:

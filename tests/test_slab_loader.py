@@ -201,7 +201,8 @@ def test_cuda_loading_equals_the_numpy_loader_in_bf16(model_path) -> None:
     """On a GPU: the slab loader with the dequantization kernels gives the numpy loader's
     weights, rounded to bf16 (matrices) or exact (float32 vectors)."""
     from kernels.cuda_backend import free_weights, load_cuda_weights
-    from kernels.cuda_ops import CudaOps, from_bf16_bits, to_bf16_bits
+    from kernels.cuda_ops import CudaOps
+    from kernels.device_tensor import from_bf16_bits, to_bf16_bits
     from vmm.cuda_driver import NoCudaDevice
     from vmm.device import open_device
 

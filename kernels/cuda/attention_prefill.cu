@@ -56,8 +56,8 @@
 
 constexpr int PF_WARPS = 8;
 constexpr int PF_THREADS = PF_WARPS * 32;
-constexpr int PF_BM = PF_WARPS * 16;  // query vectors per block (PF_BM in kernels/cuda_ops.py)
-constexpr int PF_BN = 64;             // keys per K/V tile (PF_BN in kernels/cuda_ops.py)
+constexpr int PF_BM = PF_WARPS * 16;  // query vectors per block (PF_BM in cuda_attention.py)
+constexpr int PF_BN = 64;             // keys per K/V tile (PF_BN in cuda_attention.py)
 static_assert(PF_BM == 2 * PF_BN, "Q is staged in the K and V buffers together");
 
 // Element offset of 16-byte chunk `c` of row `r` in a tile of CPR chunks per row.

@@ -2,7 +2,7 @@
 // the per-session descriptor that kv_append and attention read.
 //
 // Activations are bf16 in memory and float32 in registers; every reduction accumulates in
-// float32 (or wider). Kernels take plain pointers and sizes; Python (kernels/cuda_ops.py)
+// float32 (or wider). Kernels take plain pointers and sizes; Python (kernels/cuda_*.py)
 // packs the arguments in the order declared here, and tests/test_kernel_build.py checks
 // that order against the parameter table of each compiled cubin.
 #pragma once
@@ -58,7 +58,7 @@ __device__ __forceinline__ float row_sum(float v, float* scratch) {
 // A session's part of a batch as the device sees it. Rows [start, start + n_new) of the
 // flat batch are positions n_past .. n_past + n_new - 1 of the session; its KV cache is
 // token-major at `kv_base` (see vmm/kv_layout.py): token p, layer l, K or V at
-// kv_base + p * token_bytes + layer offset. Mirrors SEQ_DESC in kernels/cuda_ops.py.
+// kv_base + p * token_bytes + layer offset. Mirrors SEQ_DESC in kernels/cuda_attention.py.
 struct SeqDesc {
   int start;
   int n_new;
@@ -66,4 +66,4 @@ struct SeqDesc {
   int pad_;
   u64 kv_base;
 };
-static_assert(sizeof(SeqDesc) == 24, "SeqDesc must match SEQ_DESC in kernels/cuda_ops.py");
+static_assert(sizeof(SeqDesc) == 24, "SeqDesc must match SEQ_DESC in kernels/cuda_attention.py");

@@ -35,7 +35,7 @@ constexpr int SMP_WARPS = SMP_THREADS / 32;
 constexpr double FX_ONE = 1099511627776.0;  // 2^40
 constexpr int NO_ID = 0x7fffffff;
 
-// Mirrors SAMPLE_PARAMS in kernels/cuda_ops.py (32 bytes).
+// Mirrors SAMPLE_PARAMS in kernels/cuda_sampling.py (32 bytes).
 struct SampleParams {
   float temperature;  // 0 = greedy
   int top_k;          // 0 = off
@@ -44,7 +44,7 @@ struct SampleParams {
   u64 seed;
   i64 position;       // the counter of this draw
 };
-static_assert(sizeof(SampleParams) == 32, "must match SAMPLE_PARAMS in kernels/cuda_ops.py");
+static_assert(sizeof(SampleParams) == 32, "must match SAMPLE_PARAMS in kernels/cuda_sampling.py");
 
 struct SamplerShared {
   u64 hist[256];
@@ -374,7 +374,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
 
 // -- penalties ---------------------------------------------------------------------------
 
-// Mirrors PENALTY_ROW in kernels/cuda_ops.py (32 bytes): one row of logits' logit bias and
+// Mirrors PENALTY_ROW in kernels/cuda_sampling.py (32 bytes): one row of logits' logit bias and
 // penalties.
 struct PenaltyRow {
   const int* counts;   // [2, vocab]: prompt counts, then output counts; null = no penalties
@@ -384,7 +384,7 @@ struct PenaltyRow {
   float frequency;     // 0 = off
   int pad_;
 };
-static_assert(sizeof(PenaltyRow) == 32, "must match PENALTY_ROW in kernels/cuda_ops.py");
+static_assert(sizeof(PenaltyRow) == 32, "must match PENALTY_ROW in kernels/cuda_sampling.py");
 
 // out = the logits with each row's logit bias and penalties applied (sampling.adjust_logits,
 // to the bit): the bias is added first, in float32; then repetition divides a seen token's
@@ -409,7 +409,7 @@ extern "C" __global__ void penalize_rows(float* __restrict__ out, const float* _
   }
 }
 
-// Mirrors COUNT_SPAN in kernels/cuda_ops.py (24 bytes): rows [start, start + n) of a
+// Mirrors COUNT_SPAN in kernels/cuda_sampling.py (24 bytes): rows [start, start + n) of a
 // round's inputs belong to one penalized session; those before `split` are still its prompt.
 struct CountSpan {
   int* counts;  // [2, vocab], as PenaltyRow's; null = nothing to count
@@ -418,7 +418,7 @@ struct CountSpan {
   int split;
   int pad_;
 };
-static_assert(sizeof(CountSpan) == 24, "must match COUNT_SPAN in kernels/cuda_ops.py");
+static_assert(sizeof(CountSpan) == 24, "must match COUNT_SPAN in kernels/cuda_sampling.py");
 
 // Adds a round's input tokens to their sessions' counts: one block per span. A row's id is
 // its metadata's host id or, when its slot is >= 0, the token buffer's entry there (what

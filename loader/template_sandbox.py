@@ -553,10 +553,13 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return checked(result, (owner, *args, *kwargs.values()))
 
     def getitem(self, obj: Any, argument: Any) -> Any:
+        if type(argument) is not slice:  # hot: message['role']; Jinja's own first try
+            try:
+                return obj[argument]
+            except (TypeError, LookupError):
+                return super().getitem(obj, argument)
         value = super().getitem(obj, argument)
-        if isinstance(argument, slice):
-            cost = _cost(value)
-            admit(0, cost)
+        admit(0, _cost(value))  # a slice is a copy
         return value
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:

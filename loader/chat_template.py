@@ -6,7 +6,10 @@ used. Either way the template is rendered in an immutable Jinja sandbox, because
 template is code that arrived inside a downloaded file: it must not reach Python
 internals, mutate the caller's messages, or turn a user's conversation into a traceback.
 Every failure of the template itself becomes a `ChatTemplateError`; a malformed list of
-messages is the caller's mistake and raises `ValueError`.
+messages is the caller's mistake and raises `ValueError`. The sandbox is also bounded
+(loader/template_sandbox.py): a render that runs longer than RENDER_TIME_LIMIT_S, builds a
+value longer than the longest prompt, or builds too much in all stops with a
+`ChatTemplateError` naming the limit, on whichever thread it runs, leaving nothing behind.
 
 BOS convention (one rule, the one llama.cpp applies): templates are rendered with the real
 BOS text, so a template that writes `{{ bos_token }}` in the middle of a conversation (Llama
@@ -19,8 +22,6 @@ underneath: it substitutes whatever `bos_token` it is given (default "", which m
 
 from __future__ import annotations
 
-import json
-import operator
 from collections.abc import Container, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -28,18 +29,18 @@ from typing import Any
 import jinja2
 from jinja2 import meta, nodes
 from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from loader.errors import ModelFileError
+from loader.template_sandbox import (
+    MAX_RENDERED_CHARS,
+    RENDER_TIME_LIMIT_S,
+    BoundedSandbox,
+    TemplateLimitError,
+    dumps_bounded,
+    run_bounded,
+)
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
-
-# A prompt longer than this is a runaway template, not a conversation: the largest
-# contexts (~1M tokens) stay under it at a few characters a token.
-MAX_RENDERED_CHARS = 16 * 1024 * 1024
-# Bounds on the two operators that can allocate without a loop ('x' * 10**9, 9**9**9).
-_MAX_REPEAT_LEN = 1024 * 1024
-_MAX_POWER_BITS = 4096
 
 
 class ChatTemplateError(ModelFileError):
@@ -63,9 +64,10 @@ def _strftime_now(fmt: str) -> str:
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     """`json.dumps` as HF defines the filter; Jinja's own `tojson` HTML-escapes `<`, `>`, `&`
-    and `'`, which would corrupt tool schemas in a prompt."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
+    and `'`, which would corrupt tool schemas in a prompt. Bounded: an indent multiplies
+    with the nesting depth, so `dumps_bounded` measures before it builds."""
+    return dumps_bounded(value, ensure_ascii=ensure_ascii, indent=indent,
+                         separators=separators, sort_keys=sort_keys)
 
 
 class _GenerationTag(Extension):
@@ -79,42 +81,11 @@ class _GenerationTag(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, made loud and bounded.
-
-    Loud: Jinja's sandbox answers an unsafe attribute with a silent undefined that only
-    fails if used further; here the access itself raises, so probing a template is an error
-    rather than an empty string. Bounded: string/list repetition and integer powers are
-    capped (`range` is already capped by Jinja at 100,000 items).
-    """
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        raise jinja2.sandbox.SecurityError(
-            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
-
-    def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
-        if op == "*":
-            for seq, count in ((left, right), (right, left)):
-                if (isinstance(seq, (str, list, tuple)) and isinstance(count, int)
-                        and len(seq) * max(count, 0) > _MAX_REPEAT_LEN):
-                    raise jinja2.sandbox.SecurityError(
-                        f"repetition longer than {_MAX_REPEAT_LEN} is not allowed")
-            return operator.mul(left, right)
-        if isinstance(left, int) and isinstance(right, int) and right > 0:
-            bits = max(abs(left), 1).bit_length() * right
-            if bits > _MAX_POWER_BITS and abs(left) > 1:
-                raise jinja2.sandbox.SecurityError(
-                    f"integer power above {_MAX_POWER_BITS} bits is not allowed")
-        return operator.pow(left, right)
-
-
-def _make_environment() -> jinja2.Environment:
-    """The environment HF's `apply_chat_template` uses, plus the sandbox bounds above."""
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
-                   extensions=[jinja2.ext.loopcontrols, _GenerationTag])
-    env.filters["tojson"] = _tojson
+def _make_environment() -> BoundedSandbox:
+    """The environment HF's `apply_chat_template` uses, in the bounded sandbox."""
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                         extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -302,7 +273,12 @@ class ChatTemplate:
     `variables` are the names the template reads from its context (`messages`, `tools`,
     `enable_thinking`, ...): a variable it never reads, such as `tools` for a template
     written without tool support, has no effect on the prompt.
+
+    `time_limit_s` bounds compiling and each render; tests lower it on the class or on an
+    instance to see a runaway template stop quickly.
     """
+
+    time_limit_s: float = RENDER_TIME_LIMIT_S
 
     def __init__(self, source: str, *, origin: str = "template") -> None:
         if not isinstance(source, str):
@@ -312,8 +288,10 @@ class ChatTemplate:
         self.origin = origin
         env = _make_environment()
         try:
-            self._template = env.from_string(source)
+            self._template = run_bounded(lambda: env.from_string(source), self.time_limit_s)
             self.variables = frozenset(meta.find_undeclared_variables(env.parse(source)))
+        except TemplateLimitError as e:
+            raise ChatTemplateError(str(e), field=origin) from e
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: "
                                     f"{e.message}", field=origin) from e
@@ -360,7 +338,10 @@ class ChatTemplate:
                        add_generation_prompt=bool(add_generation_prompt),
                        bos_token=bos_token, eos_token=eos_token)
         try:
-            return self._collect(self._template.generate(context))
+            return run_bounded(lambda: self._collect(self._template.generate(context)),
+                               self.time_limit_s)
+        except TemplateLimitError as e:
+            raise ChatTemplateError(str(e), field=self.origin) from e
         except _TemplateRaised as e:
             raise ChatTemplateError(f"chat template rejected the conversation: {e}",
                                     field=self.origin) from e
@@ -408,4 +389,5 @@ class ChatTemplate:
         return f"ChatTemplate(origin={self.origin!r}, {len(self.source)} chars)"
 
 
-__all__ = ["CHAT_TEMPLATE_KEY", "ChatTemplate", "ChatTemplateError"]
+__all__ = ["CHAT_TEMPLATE_KEY", "MAX_RENDERED_CHARS", "RENDER_TIME_LIMIT_S", "ChatTemplate",
+           "ChatTemplateError"]

@@ -430,7 +430,6 @@ def test_gemma_prompt_for_a_bos_adding_tokenizer_has_no_bos_text():
     "{{ messages.append(messages[0]) }}",
     "{{ messages[0].update({'role': 'system'}) }}",
     "{{ '{0.__class__}'.format(1) }}",
-    "{{ 'x' * 100000000 }}",
 ])
 def test_sandbox_violations_raise(source):
     with pytest.raises(ChatTemplateError, match="unsafe"):

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Run ON THE GPU MACHINE (through the device tool, with `carry: [".whl"]`): installs the
 # carried wheels, then runs the GPU tests and the GPU benchmarks, writing logs under $OUT.
-# Usage: bash .ci/gpu_check.sh [tests|micro|decode|peer|bench|all] [SHAPES]   (default all)
+# Usage: bash .ci/gpu_check.sh [tests|micro|decode|peer|bench|all|dry] [SHAPES]   (default all)
 #   micro: vmm, load, GEMM and attention benchmarks; decode: bench_gpu_decode, peer: HF
 #   transformers, each on SHAPES (comma-separated; default qwen3-0.6b,llama-3.2-1b, plus
-#   llama-3.1-8b for decode); bench = micro + decode + peer.
+#   llama-3.1-8b for decode); bench = micro + decode + peer; dry: every benchmark's command
+#   line with --help (imports and flags checked, nothing measured).
+# It works from a bare copy of the checkout: nothing of ours is installed; .ci/link_checkout.py
+# lays the checkout out as the `eagerlm` package. GPU_CHECK_TESTS selects the tests by
+# pytest -k (default "not emulated"). CI runs this script on the emulated GPU
+# (tests/test_gpu_check_script.py), so a broken script never costs device time.
 # One device call may run 10 minutes: run `tests`, `micro`, `decode qwen3-0.6b,llama-3.2-1b`,
 # `decode llama-3.1-8b` and `peer` as separate calls. Each benchmark is also stopped after
 # its own time limit, so one that hangs leaves the others their time, and its log says so.
@@ -21,7 +26,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 else
   echo "no wheels in .whl/ (run .ci/gpu_wheels.sh first, and carry .whl): using what is installed"
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+package=$(python3 .ci/link_checkout.py "${TMPDIR:-/tmp}/eagerlm-checkout") || exit 1
+export PYTHONPATH=/tmp/site:$package:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$out/device.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -30,7 +36,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # the build and the mma fragment self-test first: everything else rests on them; a
   # test that hangs on the device is stopped after 5 minutes (pytest-timeout is there)
   timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=300")
-  python3 -m pytest -q -rs -p no:cacheprovider $timeout_opt -k "not emulated" \
+  python3 -m pytest -q -rs -p no:cacheprovider $timeout_opt -k "${GPU_CHECK_TESTS:-not emulated}" \
     tests/test_kernel_build.py tests/test_cuda_prefill_attention.py tests/test_cuda_*.py \
     tests/test_vmm.py tests/test_device.py tests/test_slab_loader.py \
     2>&1 | tee "$out/gpu_tests.log"
@@ -40,13 +46,14 @@ fi
 run() {
   local name=$1 limit=$2 log=$3
   shift 3
+  [ "$what" = dry ] && set -- "$@" --help
   echo "== $name (limit ${limit}s)" | tee -a "$out/$log"
   timeout "$limit" "$@" 2>&1 | tee -a "$out/$log"
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 124 ] && echo "== $name: stopped after ${limit}s" | tee -a "$out/$log"
   [ "$rc" = 0 ] || status=$rc
 }
-part() { [ "$what" = "$1" ] || [ "$what" = bench ] || [ "$what" = all ]; }
+part() { [ "$what" = "$1" ] || [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = dry ]; }
 if part micro; then
   run vmm 120 bench_vmm.log python3 benchmarks/bench_vmm.py --backend cuda
   run load 150 bench_load.log python3 benchmarks/bench_load.py

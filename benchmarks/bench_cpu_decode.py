@@ -30,11 +30,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.batch import ForwardBatch
-from kernels.cpu_backend import cpu_transformer
-from loader.demo_model import demo_model_path
-from loader.model_file import ModelFile
-from vmm.kv_layout import ContiguousKV, KVLayout
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.loader.demo_model import demo_model_path
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
 
 REFERENCE_TEXT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "reference_text.txt"
 

@@ -48,11 +48,11 @@ def main() -> int:
     if device is None:
         return 0
 
-    from kernels.batch import ForwardBatch, SeqSlice
-    from kernels.cuda_attention import decode_attention_splits
-    from kernels.cuda_ops import CudaOps
-    from kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV, DeviceTensor
-    from vmm.kv_layout import KVLayout
+    from eagerlm.kernels.batch import ForwardBatch, SeqSlice
+    from eagerlm.kernels.cuda_attention import decode_attention_splits
+    from eagerlm.kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV, DeviceTensor
+    from eagerlm.vmm.kv_layout import KVLayout
 
     ops = CudaOps(device)
     n, ctx, nh, nkv, hd = args.sessions, args.context, args.heads, args.kv_heads, args.head_dim

@@ -24,14 +24,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dispatch.control_thread import ControlConfig
-from dispatch.dispatcher import Dispatcher, DispatcherConfig
-from dispatch.scheduler import SchedulerConfig
-from kernels.cpu_backend import cpu_transformer
-from kernels.sampling import SamplingParams
-from loader.demo_model import demo_model_path
-from loader.model_file import ModelFile
-from vmm.device import open_device
+from eagerlm.dispatch.control_thread import ControlConfig
+from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.loader.demo_model import demo_model_path
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.vmm.device import open_device
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "reference_text.txt"
 

@@ -29,10 +29,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagerlm.service.measure.harness import (
+    DispatchSettings,
+    load_model,
+    run_requests,
+    start_engine,
+    warm_up,
+)
+from eagerlm.service.measure.round_timeline import DeviceClock, spans_from_traces, timeline_stats
+from eagerlm.service.measure.workload import PlannedRequest
+
 from benchmarks.gpu_timing import copy_bandwidth
-from service.harness import DispatchSettings, load_model, run_requests, start_engine, warm_up
-from service.round_timeline import DeviceClock, spans_from_traces, timeline_stats
-from service.workload import PlannedRequest
 
 
 def bytes_per_token(loaded, context: int) -> int:
@@ -79,7 +86,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     try:
-        from vmm.cuda_driver import NoCudaDevice, device_count
+        from eagerlm.vmm.cuda_driver import NoCudaDevice, device_count
 
         device_count()
     except NoCudaDevice as exc:

@@ -29,13 +29,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagerlm.kernels.cuda_backend import CudaWeights, free_weights, load_cuda_weights
+from eagerlm.kernels.cuda_ops import CudaOps
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.synthetic import SHAPES, write_synthetic_model
+from eagerlm.loader.weights import build_weights
+from eagerlm.vmm.cuda_driver import cu, driver
+
 from benchmarks.gpu_timing import open_gpu
-from kernels.cuda_backend import CudaWeights, free_weights, load_cuda_weights
-from kernels.cuda_ops import CudaOps
-from loader.model_file import ModelFile
-from loader.synthetic import SHAPES, write_synthetic_model
-from loader.weights import build_weights
-from vmm.cuda_driver import cu, driver
 
 
 def pinned_bandwidth(ops: CudaOps, nbytes: int = 256 << 20, reps: int = 10) -> float:

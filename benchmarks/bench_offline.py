@@ -33,10 +33,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loader.config import ModelConfig
-from service.bench import bench_offline
-from service.harness import DispatchSettings, load_model
-from service.workload import LengthRange, WorkloadSpec, make_workload
+from eagerlm.loader.config import ModelConfig
+from eagerlm.service.measure.bench import bench_offline
+from eagerlm.service.measure.harness import DispatchSettings, load_model
+from eagerlm.service.measure.workload import LengthRange, WorkloadSpec, make_workload
 
 
 def gemm_gflops(n: int = 2048, repeats: int = 3) -> float:

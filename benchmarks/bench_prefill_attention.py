@@ -109,9 +109,9 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
 
 def bench(ops: Any, n_tok: int, n_heads: int, n_kv: int, hd: int, window: int,
           reps: int, with_torch: bool, rng: np.random.Generator) -> dict[str, Any]:
-    from kernels.batch import ForwardBatch, SeqSlice
-    from kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV
-    from vmm.kv_layout import KVLayout
+    from eagerlm.kernels.batch import ForwardBatch, SeqSlice
+    from eagerlm.kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV
+    from eagerlm.vmm.kv_layout import KVLayout
 
     kv = ContiguousDeviceKV(ops, KVLayout(1, n_kv, hd, KV_DTYPE), n_tok)
     batch = ForwardBatch(np.zeros(n_tok, np.int32), [SeqSlice(0, n_tok, 0, kv)],
@@ -179,7 +179,7 @@ def main() -> int:
     device = open_gpu("bench_prefill_attention")
     if device is None:
         return 0
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_ops import CudaOps
 
     ops = CudaOps(device)
     rng = np.random.default_rng(0)

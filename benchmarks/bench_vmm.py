@@ -32,10 +32,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vmm.cuda_driver import NoCudaDevice
-from vmm.device import Device, open_device
-from vmm.kv_layout import KVLayout
-from vmm.page_pool import OutOfPages, PagePool
+from eagerlm.vmm.cuda_driver import NoCudaDevice
+from eagerlm.vmm.device import Device, open_device
+from eagerlm.vmm.kv_layout import KVLayout
+from eagerlm.vmm.page_pool import OutOfPages, PagePool
 
 # Qwen3-0.6B: 28 layers, 8 KV heads of 128; bf16 has no numpy dtype, float16 has its size.
 QWEN3_06B = KVLayout(n_layers=28, n_kv_heads=8, head_dim=128, dtype=np.dtype(np.float16))

@@ -12,8 +12,8 @@ def open_gpu(bench: str) -> Any | None:
     """The cuda device, or None after printing that `bench` measured nothing because this
     machine has no GPU (so a benchmark run without one exits 0 and says why)."""
     try:
-        from vmm.cuda_driver import NoCudaDevice
-        from vmm.device import open_device
+        from eagerlm.vmm.cuda_driver import NoCudaDevice
+        from eagerlm.vmm.device import open_device
     except ImportError as exc:
         print(f"{bench}: cuda bindings not importable ({exc}); nothing measured.")
         return None

@@ -29,8 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loader.synthetic import SHAPES, SyntheticSpec, tiny_spec
-from service.workload import (
+from eagerlm.loader.synthetic import SHAPES, SyntheticSpec, tiny_spec
+from eagerlm.service.measure.workload import (
     LengthRange,
     PlannedRequest,
     WorkloadSpec,

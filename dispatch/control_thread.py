@@ -25,8 +25,7 @@ import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from dispatch.messages import (
+from eagerlm.dispatch.messages import (
     AddSession,
     ControlStopped,
     Flush,
@@ -36,14 +35,14 @@ from dispatch.messages import (
     Shutdown,
     StopSession,
 )
-from dispatch.prefix_cache import PrefixCache
-from dispatch.round_work import RoundWork, SamplerState, SeqWork
-from dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
-from kernels.model import Transformer
-from kernels.sampling import MAX_LOGPROBS
-from vmm.device import Device, Event, HostBuffer, StreamError
-from vmm.kv_layout import KVLayout
-from vmm.page_pool import OutOfPages, PagePool
+from eagerlm.dispatch.prefix_cache import PrefixCache
+from eagerlm.dispatch.round_work import RoundWork, SamplerState, SeqWork
+from eagerlm.dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
+from eagerlm.kernels.model import Transformer
+from eagerlm.kernels.sampling import MAX_LOGPROBS
+from eagerlm.vmm.device import Device, Event, HostBuffer, StreamError
+from eagerlm.vmm.kv_layout import KVLayout
+from eagerlm.vmm.page_pool import OutOfPages, PagePool
 
 # ring slot metadata: per row [host token id, source slot or -1]; per session
 # [start, n_new, n_past, output slot or -1]

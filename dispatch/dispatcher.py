@@ -15,10 +15,10 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from dispatch.control_thread import ControlConfig, ControlThread
-from dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
-from dispatch.kv_capacity import KVCapacity, plan_capacity
-from dispatch.messages import (
+from eagerlm.dispatch.control_thread import ControlConfig, ControlThread
+from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+from eagerlm.dispatch.kv_capacity import KVCapacity, plan_capacity
+from eagerlm.dispatch.messages import (
     Cancel,
     Flush,
     Output,
@@ -28,13 +28,13 @@ from dispatch.messages import (
     Shutdown,
     Submit,
 )
-from dispatch.service_thread import ServiceThread
-from kernels.model import Transformer
-from kernels.sampling import SamplingParams
-from loader.tokenizer import Tokenizer
-from vmm.device import Device
-from vmm.kv_layout import KVLayout
-from vmm.page_pool import PagePool
+from eagerlm.dispatch.service_thread import ServiceThread
+from eagerlm.kernels.model import Transformer
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.loader.tokenizer import Tokenizer
+from eagerlm.vmm.device import Device
+from eagerlm.vmm.kv_layout import KVLayout
+from eagerlm.vmm.page_pool import PagePool
 
 log = logging.getLogger("eagerlm")
 

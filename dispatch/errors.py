@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kernels.sampling import SamplingParams
+    from eagerlm.kernels.sampling import SamplingParams
 
 
 class RequestError(ValueError):

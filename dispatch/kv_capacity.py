@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.weight_memory import available_memory
-from vmm.device import Device
-from vmm.kv_layout import KVLayout
+from eagerlm.kernels.weight_memory import available_memory
+from eagerlm.vmm.device import Device
+from eagerlm.vmm.kv_layout import KVLayout
 
 DEFAULT_HOST_POOL_BYTES = 1 << 30  # the cpu pool's floor by default (a few sessions' room)
 MIN_SESSION_TOKENS = 2  # a one-token prompt and its reply

@@ -18,9 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from kernels.sampling import SamplingParams, TokenLogprob
-from vmm.device import Event
+from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
+from eagerlm.vmm.device import Event
 
 
 class FinishReason(str, enum.Enum):

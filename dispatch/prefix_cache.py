@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from vmm.device import Event
-from vmm.kv_region import KVRegion
+from eagerlm.vmm.device import Event
+from eagerlm.vmm.kv_region import KVRegion
 
 
 @dataclass

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from kernels.batch import ForwardBatch, SeqSlice
-from kernels.model import Transformer
-from kernels.sampling import SamplingParams
+from eagerlm.kernels.batch import ForwardBatch, SeqSlice
+from eagerlm.kernels.model import Transformer
+from eagerlm.kernels.sampling import SamplingParams
 
 
 @dataclass

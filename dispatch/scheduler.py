@@ -15,11 +15,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kernels.sampling import SamplingParams
-from vmm.device import Event
-from vmm.kv_layout import KVLayout
-from vmm.kv_region import KVRegion, RegionState
-from vmm.page_pool import OutOfPages, PagePool
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.vmm.device import Event
+from eagerlm.vmm.kv_layout import KVLayout
+from eagerlm.vmm.kv_region import KVRegion, RegionState
+from eagerlm.vmm.page_pool import OutOfPages, PagePool
 
 _arrivals = itertools.count()
 

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dispatch.messages import (
+from eagerlm.dispatch.messages import (
     AddSession,
     Cancel,
     ControlStopped,
@@ -31,10 +31,10 @@ from dispatch.messages import (
     StopSession,
     Submit,
 )
-from dispatch.token_judge import TokenJudge
-from kernels.sampling import TokenLogprob
-from loader.tokenizer import Tokenizer
-from vmm.device import StreamError
+from eagerlm.dispatch.token_judge import TokenJudge
+from eagerlm.kernels.sampling import TokenLogprob
+from eagerlm.loader.tokenizer import Tokenizer
+from eagerlm.vmm.device import StreamError
 
 
 @dataclass

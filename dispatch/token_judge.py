@@ -9,10 +9,10 @@ request run alone" a statement about scheduling, not about two copies of these r
 
 from __future__ import annotations
 
-from dispatch.messages import FinishReason
-from dispatch.stop_strings import StopMatcher
-from kernels.sampling import SamplingParams
-from loader.tokenizer import IncrementalDetokenizer, Tokenizer
+from eagerlm.dispatch.messages import FinishReason
+from eagerlm.dispatch.stop_strings import StopMatcher
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.loader.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TokenJudge:

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-
-from kernels.model import Transformer
-from kernels.numpy_ops import NumpyOps
-from kernels.weight_memory import available_memory, check_fits, n_parameters
-from loader.gguf_file import TensorInfo
-from loader.model_file import ModelFile
-from loader.weights import build_weights, dequantize
+from eagerlm.kernels.model import Transformer
+from eagerlm.kernels.numpy_ops import NumpyOps
+from eagerlm.kernels.weight_memory import available_memory, check_fits, n_parameters
+from eagerlm.loader.gguf_file import TensorInfo
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.weights import build_weights, dequantize
 
 
 def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | None = None

@@ -19,13 +19,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
-from kernels.batch import ForwardBatch, SeqSlice
-from kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV, DeviceSessionKV, DeviceTensor
-from vmm.kv_layout import KVLayout
+from eagerlm.kernels.batch import ForwardBatch, SeqSlice
+from eagerlm.kernels.device_tensor import (
+    KV_DTYPE,
+    ContiguousDeviceKV,
+    DeviceSessionKV,
+    DeviceTensor,
+)
+from eagerlm.vmm.kv_layout import KVLayout
 
 if TYPE_CHECKING:
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_ops import CudaOps
 
 # Mirrors `struct SeqDesc` (kernels/cuda/common.cuh); tests/test_kernel_build.py checks it.
 SEQ_DESC = np.dtype([("start", "<i4"), ("n_new", "<i4"), ("n_past", "<i4"), ("pad", "<i4"),

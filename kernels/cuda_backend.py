@@ -12,18 +12,17 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from eagerlm.kernels.cuda_ops import CudaOps
+from eagerlm.kernels.device_tensor import DeviceTensor
+from eagerlm.kernels.model import Transformer
+from eagerlm.kernels.weight_memory import check_fits
+from eagerlm.loader.errors import UnsupportedTensorType
+from eagerlm.loader.gguf_file import TensorInfo
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.slab_loader import LoadStats, SlabLoader
+from eagerlm.loader.weights import ModelWeights, build_weights
+from eagerlm.vmm.device import DeviceBuffer, Memory, Stream
 from gguf import GGMLQuantizationType
-
-from kernels.cuda_ops import CudaOps
-from kernels.device_tensor import DeviceTensor
-from kernels.model import Transformer
-from kernels.weight_memory import check_fits
-from loader.errors import UnsupportedTensorType
-from loader.gguf_file import TensorInfo
-from loader.model_file import ModelFile
-from loader.slab_loader import LoadStats, SlabLoader
-from loader.weights import ModelWeights, build_weights
-from vmm.device import DeviceBuffer, Memory, Stream
 
 Q = GGMLQuantizationType
 DEQUANT_KERNEL = {
@@ -94,7 +93,7 @@ def cuda_transformer(model: ModelFile, device: Any = None, *, progress: bool = F
     """The model on a CUDA device (the first one when `device` is None)."""
     if ops is None:
         if device is None:
-            from vmm.device import open_device
+            from eagerlm.vmm.device import open_device
 
             device = open_device("cuda")
         ops = CudaOps(device)

@@ -50,11 +50,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from kernels.batch import ForwardBatch, SeqSlice
-from kernels.cuda_attention import SEQ_DESC, BatchMeta
-from kernels.cuda_ops import CudaOps
-from kernels.cuda_sampling import (
+from eagerlm.kernels.batch import ForwardBatch, SeqSlice
+from eagerlm.kernels.cuda_attention import SEQ_DESC, BatchMeta
+from eagerlm.kernels.cuda_ops import CudaOps
+from eagerlm.kernels.cuda_sampling import (
     COUNT_SPAN,
     PENALTY_ROW,
     SAMPLE_PARAMS,
@@ -63,11 +62,11 @@ from kernels.cuda_sampling import (
     penalty_table,
     sample_table,
 )
-from kernels.device_tensor import ContiguousDeviceKV, DeviceIds, DeviceTensor
-from kernels.model import Transformer
-from kernels.sampling import MAX_LOGPROBS, SamplingParams
-from vmm.cuda_driver import check, cu, driver
-from vmm.kv_layout import KVLayout
+from eagerlm.kernels.device_tensor import ContiguousDeviceKV, DeviceIds, DeviceTensor
+from eagerlm.kernels.model import Transformer
+from eagerlm.kernels.sampling import MAX_LOGPROBS, SamplingParams
+from eagerlm.vmm.cuda_driver import check, cu, driver
+from eagerlm.vmm.kv_layout import KVLayout
 
 MIN_CONTEXT_BUCKET = 512
 

@@ -18,8 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kernels.nvrtc_build import compile_kernel
-from vmm.cuda_driver import CudaContext, check, cu, driver
+from eagerlm.kernels.nvrtc_build import compile_kernel
+from eagerlm.vmm.cuda_driver import CudaContext, check, cu, driver
 
 # Parameter kinds: p = device pointer, i = int32, q = int64, f = float32, d = float64.
 _KIND_SIZE = {"p": 8, "i": 4, "q": 8, "f": 4, "d": 8}

@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from kernels.device_tensor import DeviceTensor
-from vmm.cuda_driver import cu, driver
-from vmm.device import Event, HostBuffer
+from eagerlm.kernels.device_tensor import DeviceTensor
+from eagerlm.vmm.cuda_driver import cu, driver
+from eagerlm.vmm.device import Event, HostBuffer
 
 if TYPE_CHECKING:
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_ops import CudaOps
 
 
 class StreamAllocator:

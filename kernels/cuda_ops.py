@@ -31,13 +31,12 @@ import math
 from typing import Any
 
 import numpy as np
-
-from kernels.batch import ForwardBatch
-from kernels.cuda_attention import CudaAttention
-from kernels.cuda_kernels import KernelLibrary
-from kernels.cuda_memory import StagingRing, StreamAllocator
-from kernels.cuda_sampling import CudaSampling
-from kernels.device_tensor import (
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.cuda_attention import CudaAttention
+from eagerlm.kernels.cuda_kernels import KernelLibrary
+from eagerlm.kernels.cuda_memory import StagingRing, StreamAllocator
+from eagerlm.kernels.cuda_sampling import CudaSampling
+from eagerlm.kernels.device_tensor import (
     ITEMSIZE,
     KV_DTYPE,
     NUMPY_DTYPE,
@@ -48,9 +47,9 @@ from kernels.device_tensor import (
     from_bf16_bits,
     to_bf16_bits,
 )
-from loader.config import Activation, RopeParams, RopeStyle
-from vmm.cuda_driver import cu, driver
-from vmm.kv_layout import KVLayout
+from eagerlm.loader.config import Activation, RopeParams, RopeStyle
+from eagerlm.vmm.cuda_driver import cu, driver
+from eagerlm.vmm.kv_layout import KVLayout
 
 
 @functools.lru_cache(maxsize=256)
@@ -219,7 +218,7 @@ class CudaOps(CudaSampling):
 
     def linear(self, x: DeviceTensor, w: DeviceTensor,
                bias: DeviceTensor | None = None) -> DeviceTensor:
-        from kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F
+        from eagerlm.kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F
 
         n_out, n_in = w.shape
         check_tensor(x, "bf16", "GEMM input")
@@ -241,7 +240,7 @@ class CudaOps(CudaSampling):
     @property
     def gemm(self) -> Any:
         if self._gemm is None:
-            from kernels.cublaslt import WORKSPACE_BYTES, Gemm
+            from eagerlm.kernels.cublaslt import WORKSPACE_BYTES, Gemm
 
             self._workspace = self.device.alloc(WORKSPACE_BYTES)
             self._gemm = Gemm(self._workspace.ptr, WORKSPACE_BYTES)
@@ -330,7 +329,7 @@ class CudaOps(CudaSampling):
     def decode_graphs(self, transformer: Any, token_buf: Any, *, max_batch: int,
                       max_context: int, layout: KVLayout, enabled: bool = True) -> Any:
         """Decode rounds replayed as CUDA graphs (kernels/cuda_graphs.py)."""
-        from kernels.cuda_graphs import DecodeGraphs
+        from eagerlm.kernels.cuda_graphs import DecodeGraphs
 
         return DecodeGraphs(self, transformer, token_buf, max_batch=max_batch,
                             max_context=max_context,

@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
-from kernels.device_tensor import DeviceIds, DeviceTensor, check_tensor
-from kernels.sampling import (
+from eagerlm.kernels.device_tensor import DeviceIds, DeviceTensor, check_tensor
+from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,
     POSITION_LIMIT,
     SamplingParams,
@@ -27,7 +26,7 @@ from kernels.sampling import (
 )
 
 if TYPE_CHECKING:
-    from kernels.cuda_kernels import KernelLibrary
+    from eagerlm.kernels.cuda_kernels import KernelLibrary
 
 # Mirror `struct SampleParams`, `struct PenaltyRow` and `struct CountSpan`
 # (kernels/cuda/sampler.cu); tests/test_kernel_build.py checks SAMPLE_PARAMS.

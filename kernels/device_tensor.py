@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-
-from vmm.kv_layout import KVLayout
-from vmm.kv_region import StridedView
+from eagerlm.vmm.kv_layout import KVLayout
+from eagerlm.vmm.kv_region import StridedView
 
 if TYPE_CHECKING:
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_ops import CudaOps
 
 ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8, "u8": 1}
 NUMPY_DTYPE = {"f32": np.float32, "i32": np.int32, "i64": np.int64, "u8": np.uint8,

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Generic, Protocol, TypeVar
 
-from kernels.batch import ForwardBatch
-from loader.config import Activation, ModelConfig, RopeParams
-from loader.weights import LayerWeights, ModelWeights
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.loader.config import Activation, ModelConfig, RopeParams
+from eagerlm.loader.weights import LayerWeights, ModelWeights
 
 A = TypeVar("A")  # a backend's array type
 

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from kernels.batch import ForwardBatch
-from kernels.sampling import (
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,
     SamplingParams,
     TokenCounts,
@@ -22,12 +21,12 @@ from kernels.sampling import (
     sample,
     token_logprob,
 )
-from loader.config import Activation, RopeParams, RopeStyle
-from vmm.kv_layout import ContiguousKV, KVLayout, TokenMajorKV
+from eagerlm.loader.config import Activation, RopeParams, RopeStyle
+from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout, TokenMajorKV
 
 if TYPE_CHECKING:
-    from vmm.device import HostBuffer as Buffer
-    from vmm.kv_region import KVRegion
+    from eagerlm.vmm.device import HostBuffer as Buffer
+    from eagerlm.vmm.kv_region import KVRegion
 
 _GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from loader.model_file import ModelFile
+from eagerlm.loader.model_file import ModelFile
 
 
 class ModelTooLarge(MemoryError):

@@ -27,11 +27,8 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
-from jinja2 import meta, nodes
-from jinja2.ext import Extension
-
-from loader.errors import ModelFileError
-from loader.template_sandbox import (
+from eagerlm.loader.errors import ModelFileError
+from eagerlm.loader.template_sandbox import (
     MAX_RENDERED_CHARS,
     RENDER_TIME_LIMIT_S,
     BoundedSandbox,
@@ -39,6 +36,8 @@ from loader.template_sandbox import (
     dumps_bounded,
     run_bounded,
 )
+from jinja2 import meta, nodes
+from jinja2.ext import Extension
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 

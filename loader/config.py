@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from loader.errors import ModelFileError, UnknownArchitecture, quoted
-from loader.gguf_file import GGUFFile
-from loader.metadata_schema import check_metadata
+from eagerlm.loader.errors import ModelFileError, UnknownArchitecture, quoted
+from eagerlm.loader.gguf_file import GGUFFile
+from eagerlm.loader.metadata_schema import check_metadata
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 

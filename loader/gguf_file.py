@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from eagerlm.loader.errors import GGUFFormatError, MissingKey, UnsupportedTensorType, quoted
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-
-from loader.errors import GGUFFormatError, MissingKey, UnsupportedTensorType, quoted
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

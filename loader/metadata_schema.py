@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from eagerlm.loader.errors import InvalidMetadata
+from eagerlm.loader.gguf_file import GGUFFile
 from gguf import GGUFValueType
-
-from loader.errors import InvalidMetadata
-from loader.gguf_file import GGUFFile
 
 V = GGUFValueType
 

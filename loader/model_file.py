@@ -7,11 +7,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loader.chat_template import ChatTemplate
-from loader.config import ModelConfig, RopeOverride, config_from_gguf
-from loader.errors import GGUFFormatError
-from loader.gguf_file import GGUFFile
-from loader.tokenizer import Tokenizer
+from eagerlm.loader.chat_template import ChatTemplate
+from eagerlm.loader.config import ModelConfig, RopeOverride, config_from_gguf
+from eagerlm.loader.errors import GGUFFormatError
+from eagerlm.loader.gguf_file import GGUFFile
+from eagerlm.loader.tokenizer import Tokenizer
 
 
 class _Vocabulary:

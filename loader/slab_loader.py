@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from loader.gguf_file import GGUFFile, TensorInfo
-from vmm.device import Device, DeviceBuffer, Event, HostBuffer, Memory, Stream
+from eagerlm.loader.gguf_file import GGUFFile, TensorInfo
+from eagerlm.vmm.device import Device, DeviceBuffer, Event, HostBuffer, Memory, Stream
 
 T = TypeVar("T")
 B = TypeVar("B", HostBuffer, DeviceBuffer)

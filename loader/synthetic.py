@@ -20,10 +20,9 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
+from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
+from eagerlm.loader.tiny_vocab import TinyVocab, bpe_vocab, spm_vocab
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
-
-from loader.config import SUPPORTED_ARCHITECTURES
-from loader.tiny_vocab import TinyVocab, bpe_vocab, spm_vocab
 
 Q = GGMLQuantizationType
 

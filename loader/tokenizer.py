@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 import regex
-
-from loader.errors import MissingKey, ModelFileError, quoted
+from eagerlm.loader.errors import MissingKey, ModelFileError, quoted
 
 SPACE_MARK = "\u2581"  # SentencePiece's visible space, "▁"
 _C_SPACES = " \t\n\v\f\r"  # what C's isspace() accepts in the "C" locale

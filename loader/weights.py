@@ -13,11 +13,10 @@ from dataclasses import dataclass, fields
 from typing import Generic, TypeVar
 
 import numpy as np
+from eagerlm.loader.config import ModelConfig
+from eagerlm.loader.errors import GGUFFormatError, UnsupportedTensorType, quoted
+from eagerlm.loader.gguf_file import GGUFFile, TensorInfo
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
-
-from loader.config import ModelConfig
-from loader.errors import GGUFFormatError, UnsupportedTensorType, quoted
-from loader.gguf_file import GGUFFile, TensorInfo
 
 T = TypeVar("T")
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kernels.batch import ForwardBatch, SeqSlice
-from kernels.numpy_ops import NumpyOps
-from vmm.kv_layout import ContiguousKV, KVLayout
+from eagerlm.kernels.batch import ForwardBatch, SeqSlice
+from eagerlm.kernels.numpy_ops import NumpyOps
+from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
 
 REF = NumpyOps()
 rng = np.random.default_rng(1234)  # reseeded per test (tests/conftest.py)
@@ -23,8 +22,8 @@ rng = np.random.default_rng(1234)  # reseeded per test (tests/conftest.py)
 @pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu), "emulated",
                                         "emulated-reverse"])
 def device(request):
-    from vmm.cuda_driver import NoCudaDevice
-    from vmm.device import open_device
+    from eagerlm.vmm.cuda_driver import NoCudaDevice
+    from eagerlm.vmm.device import open_device
 
     if request.param == "gpu":
         try:
@@ -34,7 +33,7 @@ def device(request):
         yield d
         d.close()
         return
-    from tests.gpu_emulator import emulated_gpu_for_test
+    from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
 
     if request.param == "emulated-reverse" and getattr(request.module,
                                                        "FORWARD_SCHEDULE_ONLY", False):
@@ -52,7 +51,7 @@ SCHEDULE_VARIABLE = "EAGERLM_EMULATOR_SCHEDULE"
 
 @pytest.fixture(scope="module")
 def ops(device):
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_ops import CudaOps
 
     o = CudaOps(device, poison_outputs=True)
     yield o
@@ -73,7 +72,7 @@ def gemm_ops(ops, device):
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
-    from kernels.device_tensor import from_bf16_bits, to_bf16_bits
+    from eagerlm.kernels.device_tensor import from_bf16_bits, to_bf16_bits
 
     return from_bf16_bits(to_bf16_bits(np.asarray(x, np.float32)))
 
@@ -110,7 +109,7 @@ def close(got: np.ndarray, want: np.ndarray, *, rel: float = 1e-2, ulps: float =
 
 def sessions(ops, layout_dev, layout_host, specs):
     """Sessions (n_past, n_new, capacity) with random cached KV, on host and device."""
-    from kernels.device_tensor import ContiguousDeviceKV, to_bf16_bits
+    from eagerlm.kernels.device_tensor import ContiguousDeviceKV, to_bf16_bits
 
     host, dev, start = [], [], 0
     for n_past, n_new, cap in specs:
@@ -118,7 +117,7 @@ def sessions(ops, layout_dev, layout_host, specs):
         h.data[:n_past] = rand(n_past, *layout_host.token_shape)
         d = ContiguousDeviceKV(ops, layout_dev, cap)
         bits = to_bf16_bits(h.data)
-        from vmm.device import MemoryRange
+        from eagerlm.vmm.device import MemoryRange
 
         staging = ops.device.alloc_host(bits.nbytes)
         staging.array[:] = bits.view(np.uint8).reshape(-1)
@@ -136,7 +135,7 @@ def appended_batches(ops, specs, n_kv: int, hd: int, *, n_layers: int = 2, layer
     device, with random new K/V for `layer` appended to both (the reference's kv_append
     and the device's): what every attention test starts from. Returns (host batch, device
     batch, number of rows)."""
-    from kernels.device_tensor import KV_DTYPE
+    from eagerlm.kernels.device_tensor import KV_DTYPE
 
     host, dev, n_tok = sessions(ops, KVLayout(n_layers, n_kv, hd, KV_DTYPE),
                                 KVLayout(n_layers, n_kv, hd), specs)
@@ -151,7 +150,7 @@ def appended_batches(ops, specs, n_kv: int, hd: int, *, n_layers: int = 2, layer
 
 
 def region_tensor(kv, shape):
-    from kernels.device_tensor import DeviceTensor
+    from eagerlm.kernels.device_tensor import DeviceTensor
 
     return DeviceTensor(kv.buffer.ptr, shape, "bf16")
 

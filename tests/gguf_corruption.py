@@ -16,9 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from gguf import GGUFReader, GGUFValueType
-
-from loader.synthetic import tiny_spec, write_synthetic_model
 
 V = GGUFValueType
 U32_MAX, U64_MAX, I64_MAX = (1 << 32) - 1, (1 << 64) - 1, (1 << 63) - 1
@@ -507,8 +506,8 @@ def load_each(paths: list[str]) -> None:
     """Child process: load every file as the CLI does (header, config, tokenizer, the cpu
     weights) and print one JSON line per file: "ok", "error" (a ModelFileError, its
     message) or "crash" (anything else: the exception's type and message)."""
-    from loader.errors import ModelFileError
-    from service.model_loading import load_model
+    from eagerlm.loader.errors import ModelFileError
+    from eagerlm.service.api.model_loading import load_model
 
     for path in paths:
         try:

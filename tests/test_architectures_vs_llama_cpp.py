@@ -19,12 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from kernels.batch import ForwardBatch
-from kernels.cpu_backend import cpu_transformer
-from loader.model_file import ModelFile
-from loader.synthetic import tiny_spec, write_synthetic_model
-from vmm.kv_layout import ContiguousKV, KVLayout
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
 
 FIXTURE = np.load(Path(__file__).parent / "fixtures" / "arch_llama_logits.npz")
 CASES = {case["name"]: case for case in json.loads(str(FIXTURE["cases"]))}
@@ -34,7 +33,7 @@ DEFAULT_BOUND = 5e-6
 
 
 def test_the_fixture_covers_every_architecture() -> None:
-    from loader.config import SUPPORTED_ARCHITECTURES
+    from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
 
     assert {c["spec"]["architecture"] for c in CASES.values()} == set(SUPPORTED_ARCHITECTURES)
 

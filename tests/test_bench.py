@@ -14,10 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
-
-from service.bench import add_bench_parser, bench_online_url
-from service.request_metrics import Distribution, RequestRecord, summarize
-from service.workload import LengthRange, WorkloadSpec, make_workload
+from eagerlm.service.measure.bench import add_bench_parser, bench_online_url
+from eagerlm.service.measure.request_metrics import Distribution, RequestRecord, summarize
+from eagerlm.service.measure.workload import LengthRange, WorkloadSpec, make_workload
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from loader.chat_template import CHAT_TEMPLATE_KEY, ChatTemplate, ChatTemplateError
-from loader.errors import ModelFileError
+from eagerlm.loader.chat_template import CHAT_TEMPLATE_KEY, ChatTemplate, ChatTemplateError
+from eagerlm.loader.errors import ModelFileError
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER = {"role": "user", "content": "Hi there"}

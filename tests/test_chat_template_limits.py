@@ -17,12 +17,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from eagerlm.loader.chat_template import ChatTemplate, ChatTemplateError
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.loader.template_sandbox import MAX_BUILT, MAX_VALUE_CHARS
+from eagerlm.service.api.engine import Engine
+from eagerlm.service.http.server import ServerConfig, create_app
 
-from loader.chat_template import ChatTemplate, ChatTemplateError
-from loader.synthetic import tiny_spec, write_synthetic_model
-from loader.template_sandbox import MAX_BUILT, MAX_VALUE_CHARS
-from service.engine import Engine
-from service.server import ServerConfig, create_app
 from tests.test_chat_template import QWEN25_TEMPLATE
 from tests.test_server import LiveServer, wait_until
 
@@ -148,7 +148,7 @@ EXPECTED = {"built in all": f"more than {MAX_BUILT} characters in all",
 CHILD = """
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (1536 << 20, 1536 << 20))
-from loader.chat_template import ChatTemplate, ChatTemplateError
+from eagerlm.loader.chat_template import ChatTemplate, ChatTemplateError
 out = {}
 for name, source in json.loads(sys.stdin.read()).items():
     start = time.monotonic()

@@ -13,9 +13,8 @@ import sys
 import time
 
 import pytest
-
-from loader.synthetic import tiny_spec, write_synthetic_model
-from service.cli import main
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.service.cli.commands import main
 
 STATS = re.compile(rb"\[turn (\d+): prompt (\d+) tokens, (\d+) reused from earlier turns; "
                    rb"reply (\d+) tokens.*?finish: ([a-zA-Z -]+)\]")
@@ -86,7 +85,7 @@ def model_path(tmp_path_factory):
 
 
 def chat(model_path: str, *flags: str) -> Terminal:
-    return Terminal([sys.executable, "-m", "service.cli", "chat", "--model", model_path,
+    return Terminal([sys.executable, "-m", "eagerlm", "chat", "--model", model_path,
                      "--temperature", "0", "--quiet", *flags])
 
 

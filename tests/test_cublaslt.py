@@ -13,17 +13,17 @@ import ctypes
 
 import numpy as np
 import pytest
-
-from kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F, alignment
+from eagerlm.kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F, alignment
 
 
 @pytest.fixture()
 def emulated():
-    from tests.gpu_emulator import emulated_gpu_for_test
-    from vmm.device import open_device
+    from eagerlm.vmm.device import open_device
+
+    from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
 
     with emulated_gpu_for_test() as drv:
-        from kernels.cuda_ops import CudaOps
+        from eagerlm.kernels.cuda_ops import CudaOps
 
         device = open_device("cuda")
         ops = CudaOps(device)
@@ -65,9 +65,9 @@ def test_a_plan_is_made_once_per_shape_and_alignment(emulated) -> None:
 
 def test_evicted_plans_and_a_closed_gemm_leave_no_cublaslt_object(emulated,
                                                                   monkeypatch) -> None:
-    import kernels.cublaslt
+    import eagerlm.kernels.cublaslt
 
-    monkeypatch.setattr(kernels.cublaslt, "MAX_CACHED_SHAPES", 2)
+    monkeypatch.setattr(eagerlm.kernels.cublaslt, "MAX_CACHED_SHAPES", 2)
     ops, lt = emulated
     gemm = ops.gemm
     _keep, (x, w, y) = _operands(ops, 8, 64, 32)
@@ -109,7 +109,7 @@ def _heuristic(lt, m: int, n: int, k: int, prefs: dict[int, int] | None = None):
 
 
 def test_the_fake_refuses_operands_less_aligned_than_the_preference(emulated) -> None:
-    from tests.fake_cublaslt import NOT_SUPPORTED, FakeCublasLtError
+    from tests.emulated_gpu.fake_cublaslt import NOT_SUPPORTED, FakeCublasLtError
 
     ops, lt = emulated
     alpha, beta = np.ones(1, np.float32), np.zeros(1, np.float32)
@@ -130,7 +130,7 @@ def test_the_fake_refuses_operands_less_aligned_than_the_preference(emulated) ->
 
 
 def test_the_fake_refuses_what_the_library_refuses(emulated) -> None:
-    from tests.fake_cublaslt import INVALID_VALUE, FakeCublasLtError
+    from tests.emulated_gpu.fake_cublaslt import INVALID_VALUE, FakeCublasLtError
 
     _ops, lt = emulated
     with pytest.raises(TypeError):  # the real binding's argument conversion

@@ -83,7 +83,7 @@ def test_a_launch_sized_for_a_bound_is_right_for_shorter_sessions(ops, window) -
     """As a CUDA graph launches it: splits fixed by a bound (4096 keys) far above the
     sessions, so most blocks find no key and write empty partials; and the converse, too
     few splits for a session, where the last split takes the rest."""
-    from kernels.cuda_attention import decode_attention_splits
+    from eagerlm.kernels.cuda_attention import decode_attention_splits
 
     hd, n_heads, n_kv = 64, 4, 2
     bh, bd, q, qd = _decode_batch(ops, hd, n_heads, n_kv, [0, 130, 700], layer=1)
@@ -98,7 +98,7 @@ def test_a_launch_sized_for_a_bound_is_right_for_shorter_sessions(ops, window) -
 
 
 def test_split_plan() -> None:
-    from kernels.cuda_attention import DECODE_MAX_SPLITS, decode_attention_splits
+    from eagerlm.kernels.cuda_attention import DECODE_MAX_SPLITS, decode_attention_splits
 
     # a big batch fills the GPU without splitting; one session is split
     assert decode_attention_splits(4096, 256, 8, 16, 132) == (1, 4096)

@@ -14,19 +14,19 @@ import dataclasses
 import random
 
 import pytest
+from eagerlm.dispatch.control_thread import ControlConfig
+from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 
-from dispatch.control_thread import ControlConfig
-from dispatch.dispatcher import Dispatcher, DispatcherConfig
-from dispatch.scheduler import SchedulerConfig
-from loader.model_file import ModelFile
-from loader.synthetic import tiny_spec, write_synthetic_model
-from tests.gpu_emulator import emulated_gpu_for_test
+from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
 from tests.test_dispatcher import random_workload, run_workload
 
 
 @pytest.fixture(scope="module")
 def gpu():
-    from vmm.device import open_device
+    from eagerlm.vmm.device import open_device
 
     with emulated_gpu_for_test(row_exact_gemm=True):
         device = open_device("cuda")
@@ -38,8 +38,8 @@ def gpu():
 def model(gpu, tmp_path_factory):
     """gemma3: its sliding window (16) and softcapping beside the common path. Sessions
     span several pages (2 KiB of KV per token, 32 tokens per emulated page)."""
-    from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
 
     spec = tiny_spec("gemma3", n_layers=4, n_kv_heads=4, n_heads=4, head_dim=32,
                      d_model=64, context_length=160, final_logit_softcap=30.0)
@@ -133,7 +133,8 @@ def test_an_evicted_prefix_waits_for_the_copy_that_reads_it(gpu, model) -> None:
     (without the wait, this test crashes the emulator: the copy reads unmapped memory)."""
     import threading
 
-    from kernels.sampling import SamplingParams
+    from eagerlm.kernels.sampling import SamplingParams
+
     from tests.test_dispatcher import Collector
 
     prompt = [(7 * i + 3) % 500 + 5 for i in range(40)]
@@ -164,8 +165,9 @@ def test_a_session_cancelled_before_its_first_round_waits_for_its_prefix_copy(gp
     at once)."""
     import time
 
-    from dispatch.messages import FinishReason
-    from kernels.sampling import SamplingParams
+    from eagerlm.dispatch.messages import FinishReason
+    from eagerlm.kernels.sampling import SamplingParams
+
     from tests.test_dispatcher import Collector
 
     prompt = [(5 * i + 2) % 500 + 5 for i in range(40)]

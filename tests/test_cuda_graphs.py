@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from eagerlm.kernels.cuda_graphs import batch_buckets, context_bucket
+from eagerlm.kernels.sampling import SamplingParams
 
-from kernels.cuda_graphs import batch_buckets, context_bucket
-from kernels.sampling import SamplingParams
 from tests.cuda_testing import device, rng  # noqa: F401  (fixtures)
 
 FORWARD_SCHEDULE_ONLY = True  # whole models: see tests/cuda_testing.py
@@ -38,9 +38,9 @@ def _run(device, model, transformer, prompts, params, *, graphs: bool, spy: list
     """Each request's tokens (and into `logprobs`, if given, each one's TokenLogprobs).
     All requests are submitted at once, or with `one_by_one` each after the previous one
     has finished (so later ones may start from the prefix cache)."""
-    from dispatch.control_thread import ControlConfig
-    from dispatch.dispatcher import Dispatcher, DispatcherConfig
-    from dispatch.scheduler import SchedulerConfig
+    from eagerlm.dispatch.control_thread import ControlConfig
+    from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+    from eagerlm.dispatch.scheduler import SchedulerConfig
 
     ops = transformer.ops
     make = type(ops).decode_graphs
@@ -85,10 +85,9 @@ def _run(device, model, transformer, prompts, params, *, graphs: bool, spy: list
 
 
 def _qwen3(tmp_path, **rope: Any):
+    from eagerlm.loader.model_file import ModelFile
+    from eagerlm.loader.synthetic import SyntheticSpec, write_synthetic_model
     from gguf import GGMLQuantizationType
-
-    from loader.model_file import ModelFile
-    from loader.synthetic import SyntheticSpec, write_synthetic_model
 
     # head_dim 32: the smallest the flash-decoding kernel serves, so the captured decode
     # rounds run attention_decode.cu (with 16 they would take the general kernel)
@@ -116,8 +115,8 @@ def test_graph_replays_give_the_eager_tokens(device, model, request) -> None:
     their bucket), greedy and seeded sampling:
     identical tokens with graphs on and off, and graphs were really replayed (also with
     YaRN, whose rope constants the graphs capture)."""
-    from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
 
     qwen3 = request.getfixturevalue(model)
     gpu = cuda_transformer(qwen3, ops=CudaOps(device))
@@ -147,8 +146,8 @@ def test_rows_that_read_host_tokens_sample_into_their_sessions_slots(device, qwe
     still reach the session's slot, or the next round decodes from a stale token. (It did
     not: every later token of such a session was wrong.) Reference: the same requests
     without the prefix cache, in rounds that prefill whole prompts at once."""
-    from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
 
     gpu = cuda_transformer(qwen3, ops=CudaOps(device))
     base = rng.integers(0, 300, 9).tolist()
@@ -170,8 +169,8 @@ def test_rows_that_read_host_tokens_sample_into_their_sessions_slots(device, qwe
 def test_graphs_capture_the_general_attention_kernel_too(device, qwen3) -> None:
     """Head dims the flash-decoding kernel does not serve decode with attention.cu; its
     launch must take every size from the graph's fixed inputs, not from a batch."""
-    from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
 
     ops = CudaOps(device)
     ops.use_decode_attention = False
@@ -193,8 +192,8 @@ def test_rounds_with_penalties_or_logprobs_replay_graphs_that_hold_them(device,
     built while others decode (prompts of different lengths). The biased session outlives
     the penalized ones, so some rounds adjust its logits alone: a bias of +100 on token 7
     makes all its tokens 7."""
-    from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
 
     gpu = cuda_transformer(qwen3, ops=CudaOps(device))
     prompts = [rng.integers(0, 40, n).tolist() for n in (4, 9, 6, 3, 5)]  # with repeats
@@ -227,14 +226,14 @@ def test_rounds_with_penalties_or_logprobs_replay_graphs_that_hold_them(device,
 
 def test_a_failed_capture_leaves_that_bucket_eager(device, qwen3,
                                                    monkeypatch) -> None:
-    import vmm.cuda_driver
-    from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import CudaOps
+    import eagerlm.vmm.cuda_driver
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
 
-    drv = vmm.cuda_driver._driver
+    drv = eagerlm.vmm.cuda_driver._driver
     if not hasattr(drv, "graph_launches"):
         pytest.skip("needs the emulated driver to make capture fail")
-    from tests.fake_cuda_driver import R
+    from tests.emulated_gpu.fake_cuda_driver import R
 
     monkeypatch.setattr(drv, "cuStreamBeginCapture",
                         lambda s, mode: (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,))
@@ -251,9 +250,9 @@ def test_a_failed_capture_leaves_that_bucket_eager(device, qwen3,
 
 
 def _emulated_driver():
-    import vmm.cuda_driver
+    import eagerlm.vmm.cuda_driver
 
-    drv = vmm.cuda_driver._driver
+    drv = eagerlm.vmm.cuda_driver._driver
     if not hasattr(drv, "capture_threads"):
         pytest.skip("needs the emulated driver to act inside a capture")
     return drv
@@ -279,8 +278,8 @@ def test_a_tensor_released_during_a_capture_is_freed_after_it(device, qwen3,
     """CUDA lets a captured free release only the capture's own memory; a tensor from
     before the capture whose last reference goes away during it (a garbage-collected
     cycle, another thread) must wait for the capture to end, or the graph is lost."""
-    from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
 
     drv = _emulated_driver()
     gpu = cuda_transformer(qwen3, ops=CudaOps(device))
@@ -302,8 +301,8 @@ def test_a_refused_call_inside_a_capture_leaves_the_bucket_eager(device, qwen3,
     """A call CUDA refuses inside a thread-local capture (here a context synchronization
     whose error is ignored) invalidates the capture, on a GPU and on the emulator: the
     bucket stays eager, with the reason kept, and the tokens are those of eager launches."""
-    from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
 
     drv = _emulated_driver()
     gpu = cuda_transformer(qwen3, ops=CudaOps(device))

@@ -19,14 +19,15 @@ import math
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, quants
-
-from kernels.batch import ForwardBatch
-from kernels.sampling import (
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,
     SamplingParams,
 )
-from loader.config import Activation, RopeParams, RopeStyle
+from eagerlm.loader.config import Activation, RopeParams, RopeStyle
+from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
+from gguf import GGMLQuantizationType, quants
+
 from tests.cuda_testing import (  # noqa: F401  (fixtures)
     REF,
     appended_batches,
@@ -41,7 +42,6 @@ from tests.cuda_testing import (  # noqa: F401  (fixtures)
     rng,
     sessions,
 )
-from vmm.kv_layout import ContiguousKV, KVLayout
 
 Q = GGMLQuantizationType
 
@@ -50,7 +50,7 @@ Q = GGMLQuantizationType
 
 
 def test_embed_from_host_and_device_ids(ops) -> None:
-    from kernels.device_tensor import DeviceIds
+    from eagerlm.kernels.device_tensor import DeviceIds
 
     table = rand(100, 48)
     t = ops.upload(table, "bf16")
@@ -116,7 +116,7 @@ def test_a_block_larger_than_the_kernels_launch_bound_is_refused(ops) -> None:
     """attention_decode.cu declares __launch_bounds__(128): CUDA refuses a 256-thread
     block of it at launch (nothing runs, so null pointers are fine), and so does the
     emulated GPU, which reads the bound from the sm_90 cubin."""
-    from vmm.cuda_driver import CudaError
+    from eagerlm.vmm.cuda_driver import CudaError
 
     kernel = ops.kernels["attention_decode_hd64_g1"]
     args = [0] * len(kernel.kinds)
@@ -127,11 +127,11 @@ def test_a_block_larger_than_the_kernels_launch_bound_is_refused(ops) -> None:
 def test_the_emulator_refuses_blocks_over_the_register_file(ops, monkeypatch) -> None:
     """A kernel compiled to 128 registers a thread fits 512 threads in an SM's 64K
     registers, not 1024: the emulated GPU refuses the launch with the error a GPU gives."""
-    import vmm.cuda_driver
-    from kernels.nvrtc_build import KernelResources
-    from vmm.cuda_driver import CudaError
+    import eagerlm.vmm.cuda_driver
+    from eagerlm.kernels.nvrtc_build import KernelResources
+    from eagerlm.vmm.cuda_driver import CudaError
 
-    drv = vmm.cuda_driver._driver
+    drv = eagerlm.vmm.cuda_driver._driver
     if not is_emulated(ops.device):
         pytest.skip("sets the emulated driver's idea of the kernel's registers")
     kernel = ops.kernels["softcap_f32"]
@@ -149,11 +149,11 @@ def test_a_dropped_tensor_is_freed_once_the_stream_reaches_the_free(ops) -> None
     went away. On the emulated GPU freed memory is unmapped, so a kernel that reads a
     tensor its caller had already dropped crashes the test instead of passing by luck (on
     a GPU the pool would hand that memory to the next allocation)."""
-    import vmm.cuda_driver
+    import eagerlm.vmm.cuda_driver
 
     if not is_emulated(ops.device):
         pytest.skip("reads the emulated driver's allocation table")
-    allocs = vmm.cuda_driver._driver.allocs
+    allocs = eagerlm.vmm.cuda_driver._driver.allocs
     host = rand(4096, scale=40.0)
     x = ops.upload(host)
     ptr = x.ptr
@@ -201,7 +201,7 @@ def test_gemm_operands_need_not_be_256_byte_aligned(gemm_ops, offset, out) -> No
     """cuBLASLt's heuristic assumes 256-byte aligned operands unless told otherwise; a view
     a few rows into a buffer is less aligned, and must still give the product (reference:
     float64 numpy of the same bf16 inputs)."""
-    from kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F
+    from eagerlm.kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F
 
     ops = gemm_ops
     n_tok, n_in, n_out = 5, 64, 48
@@ -290,7 +290,7 @@ def _blocks(qtype, n_blocks: int) -> np.ndarray:
     """Random valid blocks: quantized from random floats where gguf-py can, else random
     bytes with small finite f16 scales (K-quants and IQ types: every other field of their
     blocks is a bounded integer, so every bit pattern is a block)."""
-    from loader.synthetic import random_blocks
+    from eagerlm.loader.synthetic import random_blocks
 
     block, _ = quants.GGML_QUANT_SIZES[qtype]
     try:
@@ -306,8 +306,8 @@ DEQUANT_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q
 
 
 def test_every_supported_type_has_a_dequantization_kernel() -> None:
-    from kernels.cuda_backend import DEQUANT_KERNEL
-    from loader.weights import SUPPORTED_TYPES
+    from eagerlm.kernels.cuda_backend import DEQUANT_KERNEL
+    from eagerlm.loader.weights import SUPPORTED_TYPES
 
     assert set(DEQUANT_KERNEL) == set(SUPPORTED_TYPES) == set(DEQUANT_TYPES)
 
@@ -317,8 +317,8 @@ def test_dequantization_equals_gguf(ops, qtype) -> None:
     """Reference: gguf-py's `quants.dequantize` of the same bytes: the float32 output equal
     to the bit, the bf16 output that value rounded (within one bf16 ulp). 256 blocks: an IQ
     type's grid lookups then reach nearly every entry of its table (IQ1's 2048 included)."""
-    from kernels.cuda_backend import DEQUANT_KERNEL
-    from kernels.device_tensor import to_bf16_bits
+    from eagerlm.kernels.cuda_backend import DEQUANT_KERNEL
+    from eagerlm.kernels.device_tensor import to_bf16_bits
 
     raw = _blocks(qtype, 256)
     want = quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
@@ -341,11 +341,11 @@ def test_a_model_of_iq_weights_loads_as_the_cpu_backend_dequantizes_it(ops, tmp_
     """IQ matrices through the whole cuda load path (slab loader, raw upload, the kernel
     DEQUANT_KERNEL names): each matrix is the cpu backend's float32 weight (gguf-py's
     dequantization) rounded to bf16, within one ulp; each vector equal."""
-    from kernels.cuda_backend import free_weights, load_cuda_weights
-    from kernels.device_tensor import to_bf16_bits
-    from loader.model_file import ModelFile
-    from loader.synthetic import SyntheticSpec, write_synthetic_model
-    from loader.weights import load_numpy_weights
+    from eagerlm.kernels.cuda_backend import free_weights, load_cuda_weights
+    from eagerlm.kernels.device_tensor import to_bf16_bits
+    from eagerlm.loader.model_file import ModelFile
+    from eagerlm.loader.synthetic import SyntheticSpec, write_synthetic_model
+    from eagerlm.loader.weights import load_numpy_weights
 
     spec = SyntheticSpec("qwen3", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2,
                          head_dim=64, d_ff=256, vocab_size=512, weight_type=Q.IQ3_S,
@@ -378,8 +378,8 @@ YARN_GEMMA3 = dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_c
 
 
 def _model(tmp_path, arch, **kw):
-    from loader.model_file import ModelFile
-    from loader.synthetic import SyntheticSpec, write_synthetic_model
+    from eagerlm.loader.model_file import ModelFile
+    from eagerlm.loader.synthetic import SyntheticSpec, write_synthetic_model
 
     spec = SyntheticSpec(arch, n_layers=3, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32,
                          d_ff=256, vocab_size=512, weight_type=Q.Q8_0, **kw)
@@ -388,10 +388,10 @@ def _model(tmp_path, arch, **kw):
 
 @pytest.mark.parametrize("arch", [*ARCHS, "gemma3-yarn"])
 def test_model_logits_cuda_vs_cpu(gemm_ops, device, tmp_path, arch) -> None:
-    from kernels.cpu_backend import cpu_transformer
-    from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import CudaOps
-    from kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV
+    from eagerlm.kernels.cpu_backend import cpu_transformer
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV
 
     model = _model(tmp_path, "gemma3", **YARN_GEMMA3) if arch == "gemma3-yarn" else \
         _model(tmp_path, arch)
@@ -448,10 +448,10 @@ def _diverges_only_at_a_near_tie(got, want, margins) -> bool:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_generation_cuda_vs_cpu(gemm_ops, device, tmp_path, arch) -> None:
-    from kernels.cpu_backend import cpu_transformer
-    from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import CudaOps
-    from kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV
+    from eagerlm.kernels.cpu_backend import cpu_transformer
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.device_tensor import KV_DTYPE, ContiguousDeviceKV
 
     model = _model(tmp_path, arch)
     cfg = model.config
@@ -475,11 +475,11 @@ def test_greedy_generation_through_the_dispatcher_eager_equals_sync(gemm_ops, de
                                                                       tmp_path) -> None:
     """The same dispatcher on cuda: eager and sync give identical tokens, with and without
     CUDA graphs, and each run matches the cpu backend's or parts from it at a near-tie."""
-    from dispatch.control_thread import ControlConfig
-    from dispatch.dispatcher import Dispatcher, DispatcherConfig
-    from kernels.cpu_backend import cpu_transformer
-    from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import CudaOps
+    from eagerlm.dispatch.control_thread import ControlConfig
+    from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+    from eagerlm.kernels.cpu_backend import cpu_transformer
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
 
     model = _model(tmp_path, "qwen3")
     cfg = model.config
@@ -515,12 +515,12 @@ def test_penalties_and_logprobs_through_the_dispatcher(gemm_ops, device, tmp_pat
     a huge repetition penalty picks, at each step, the most likely token (by the reported
     raw logprobs) not yet in the prompt or the output; eager equals sync; and the logprobs
     agree with the cpu backend's while the two runs' tokens agree."""
-    from dispatch.control_thread import ControlConfig
-    from dispatch.dispatcher import Dispatcher, DispatcherConfig
-    from kernels.cpu_backend import cpu_transformer
-    from kernels.cuda_backend import cuda_transformer
-    from kernels.cuda_ops import CudaOps
-    from vmm.device import open_device
+    from eagerlm.dispatch.control_thread import ControlConfig
+    from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+    from eagerlm.kernels.cpu_backend import cpu_transformer
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
+    from eagerlm.vmm.device import open_device
 
     model = _model(tmp_path, "llama")
     steps = 10 if is_emulated(device) else 32

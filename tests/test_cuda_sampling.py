@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kernels.sampling import (
+from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,
     SamplingParams,
     TokenCounts,
@@ -20,6 +19,7 @@ from kernels.sampling import (
     sample,
     token_logprob,
 )
+
 from tests.cuda_testing import device, ops, rng  # noqa: F401  (fixtures)
 
 
@@ -180,7 +180,7 @@ def test_logit_bias_and_penalties_equal_the_reference_to_the_bit(ops) -> None:
 
 
 def test_biased_rows_need_a_bias_of_the_vocabulary(ops) -> None:
-    from kernels.cuda_sampling import penalty_table
+    from eagerlm.kernels.cuda_sampling import penalty_table
 
     with pytest.raises(ValueError, match="no bias"):
         penalty_table(BIASED[:1], None, [None], 3000)
@@ -198,8 +198,8 @@ def test_token_counts_follow_the_round_inputs_on_the_device(ops) -> None:
     """count_inputs reads each row's id where the embedding does (the host id, or the token
     buffer's entry for decode rows) and splits prompt from output rows; the numpy backend's
     count_inputs over the same ids is the reference."""
-    from kernels.device_tensor import DeviceIds
-    from kernels.numpy_ops import NumpyOps
+    from eagerlm.kernels.device_tensor import DeviceIds
+    from eagerlm.kernels.numpy_ops import NumpyOps
 
     vocab = 50
     token_buf = np.array([7, 7, 3, -1], np.int32)  # -1: a failed sample, never counted

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from loader.demo_model import demo_model_available, demo_model_path
+from eagerlm.loader.demo_model import demo_model_available, demo_model_path
 
 pytestmark = [
     pytest.mark.demo,
@@ -40,8 +39,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 @pytest.fixture(scope="module")
 def demo():
-    from kernels.cpu_backend import cpu_transformer
-    from loader.model_file import ModelFile
+    from eagerlm.kernels.cpu_backend import cpu_transformer
+    from eagerlm.loader.model_file import ModelFile
 
     model = ModelFile.open(demo_model_path())
     return model, cpu_transformer(model)
@@ -59,9 +58,9 @@ def test_config_read_from_the_file(demo):
 
 
 def test_next_token_distribution_agrees_with_llama_cpp(demo):
-    from kernels.batch import ForwardBatch
-    from service.perplexity import log_softmax
-    from vmm.kv_layout import ContiguousKV, KVLayout
+    from eagerlm.kernels.batch import ForwardBatch
+    from eagerlm.service.measure.perplexity import log_softmax
+    from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
 
     model, tf = demo
     ref = np.load(FIXTURES / "gemma3_llama_logits.npz")
@@ -84,7 +83,7 @@ def test_next_token_distribution_agrees_with_llama_cpp(demo):
 
 
 def test_perplexity_within_two_percent_of_llama_cpp(demo):
-    from service.perplexity import perplexity
+    from eagerlm.service.measure.perplexity import perplexity
 
     model, tf = demo
     ref = json.loads((FIXTURES / "gemma3_llama_perplexity.json").read_text())["256"]
@@ -97,12 +96,13 @@ def test_perplexity_within_two_percent_of_llama_cpp(demo):
 def test_dispatcher_on_the_demo_model_equals_each_request_alone(demo):
     """Three requests batched by the eager dispatcher give, token for token, what each
     gives alone through the sequential loop (chunked prefill mixed with decode)."""
-    from dispatch.control_thread import ControlConfig
-    from dispatch.dispatcher import Dispatcher, DispatcherConfig
-    from dispatch.scheduler import SchedulerConfig
-    from dispatch.sequential import SequentialGeneration
-    from kernels.sampling import SamplingParams
-    from vmm.device import open_device
+    from eagerlm.dispatch.control_thread import ControlConfig
+    from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+    from eagerlm.dispatch.scheduler import SchedulerConfig
+    from eagerlm.kernels.sampling import SamplingParams
+    from eagerlm.vmm.device import open_device
+
+    from tests.sequential_reference import SequentialGeneration
 
     model, tf = demo
     prompts = ["The river town woke slowly", "In 1843 the engineers", "Once upon a time"]

@@ -11,10 +11,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-
-from vmm.cuda_driver import CudaError, NoCudaDevice, check
-from vmm.device import Device, StreamError, open_device
-from vmm.host_views import ViewsAlive
+from eagerlm.vmm.cuda_driver import CudaError, NoCudaDevice, check
+from eagerlm.vmm.device import Device, StreamError, open_device
+from eagerlm.vmm.host_views import ViewsAlive
 
 BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

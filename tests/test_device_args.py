@@ -5,10 +5,9 @@
 from __future__ import annotations
 
 import pytest
-
-from service.cli import _engine_settings, build_parser
-from service.engine import EngineSettings
-from service.harness import engine_settings
+from eagerlm.service.api.engine import EngineSettings
+from eagerlm.service.cli.commands import _engine_settings, build_parser
+from eagerlm.service.measure.harness import engine_settings
 
 FLAGS = ["--memory-fraction", "0.5", "--no-cuda-graphs", "--kv-budget-mib", "64"]
 

@@ -11,17 +11,17 @@ import random
 import time
 
 import pytest
+from eagerlm.dispatch.control_thread import ControlConfig
+from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from eagerlm.dispatch.messages import FinishReason, Output
+from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.vmm.device import open_device
 
-from dispatch.control_thread import ControlConfig
-from dispatch.dispatcher import Dispatcher, DispatcherConfig
-from dispatch.messages import FinishReason, Output
-from dispatch.scheduler import SchedulerConfig
-from dispatch.sequential import SequentialGeneration
-from kernels.cpu_backend import cpu_transformer
-from kernels.sampling import SamplingParams
-from loader.model_file import ModelFile
-from loader.synthetic import tiny_spec, write_synthetic_model
-from vmm.device import open_device
+from tests.sequential_reference import SequentialGeneration
 
 PAGE = 4096
 
@@ -293,7 +293,7 @@ def test_shutdown_with_requests_in_flight_ends_them_with_error(model):
 
 
 def test_invalid_requests_are_refused_and_the_engine_keeps_serving(model):
-    from dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+    from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
 
     m, _ = model
     vocab = m.config.vocab_size

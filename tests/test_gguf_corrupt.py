@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from eagerlm.loader.errors import InvalidMetadata
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.synthetic import tiny_spec
 
-from loader.errors import InvalidMetadata
-from loader.model_file import ModelFile
-from loader.synthetic import tiny_spec
 from tests.gguf_corruption import (
     ARCH,
     HARMLESS,
@@ -60,7 +60,7 @@ def _child_env() -> dict[str, str]:
 def run_cli(path: Path) -> subprocess.CompletedProcess[str]:
     """`eagerlm generate` on `path`, memory- and time-bounded."""
     return subprocess.run(
-        [sys.executable, "-m", "service.cli", "generate", "--model", str(path), "--prompt",
+        [sys.executable, "-m", "eagerlm", "generate", "--model", str(path), "--prompt",
          "hi", "--max-tokens", "1", "--quiet"],
         cwd=REPO, env=_child_env(), preexec_fn=_limit_address_space, capture_output=True,
         text=True, timeout=CLI_TIMEOUT_S)

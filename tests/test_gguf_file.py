@@ -8,11 +8,15 @@ import struct
 
 import numpy as np
 import pytest
-
-from loader.config import config_from_gguf
-from loader.errors import GGUFFormatError, MissingKey, UnknownArchitecture, UnsupportedTensorType
-from loader.gguf_file import GGUFFile
-from loader.weights import SUPPORTED_TYPES, build_weights, dequantize_blocks
+from eagerlm.loader.config import config_from_gguf
+from eagerlm.loader.errors import (
+    GGUFFormatError,
+    MissingKey,
+    UnknownArchitecture,
+    UnsupportedTensorType,
+)
+from eagerlm.loader.gguf_file import GGUFFile
+from eagerlm.loader.weights import SUPPORTED_TYPES, build_weights, dequantize_blocks
 
 STRING, ARRAY, UINT32, FLOAT32, BOOL, INT32 = 8, 9, 4, 6, 7, 5
 

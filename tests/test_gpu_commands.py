@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.gpu_emulator import emulated_gpu_for_test
+from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
 
 
 @pytest.fixture
@@ -74,9 +74,8 @@ def test_bench_prefill_attention(emulator, monkeypatch, capsys) -> None:
 
 
 def test_bench_load(emulator, monkeypatch, capsys, tmp_path) -> None:
+    from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
     from gguf import GGMLQuantizationType
-
-    from loader.synthetic import tiny_spec, write_synthetic_model
 
     path = write_synthetic_model(tmp_path / "m.gguf", tiny_spec(
         "qwen3", weight_type=GGMLQuantizationType.Q8_0))
@@ -113,7 +112,7 @@ def test_bench_gpu_decode(emulator, monkeypatch, capsys, tmp_path) -> None:
 
 def _cli(argv: list[str]):
     """`eagerlm ARGV...` as the entry point parses it."""
-    from service.cli import build_parser
+    from eagerlm.service.cli.commands import build_parser
 
     return build_parser().parse_args(argv)
 
@@ -145,10 +144,9 @@ def test_eagerlm_bench_offline_on_cuda(emulator, tmp_path, capsys) -> None:
 
 def test_eagerlm_generate_on_cuda_prints_the_cpu_backends_greedy_text(emulator, tmp_path,
                                                                       capsys) -> None:
+    from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+    from eagerlm.service.cli.commands import main
     from gguf import GGMLQuantizationType
-
-    from loader.synthetic import tiny_spec, write_synthetic_model
-    from service.cli import main
 
     path = str(write_synthetic_model(tmp_path / "m.gguf", tiny_spec(
         "llama", weight_type=GGMLQuantizationType.BF16)))
@@ -170,10 +168,10 @@ def test_eagerlm_serve_on_cuda_streams_concurrent_chats(emulator, tmp_path) -> N
     import concurrent.futures
 
     import openai
+    from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+    from eagerlm.service.api.engine import Engine
+    from eagerlm.service.http.server import ServerConfig, create_app
 
-    from loader.synthetic import tiny_spec, write_synthetic_model
-    from service.engine import Engine
-    from service.server import ServerConfig, create_app
     from tests.test_server import LiveServer
 
     path = write_synthetic_model(tmp_path / "m.gguf", tiny_spec("qwen3", context_length=256))

@@ -13,18 +13,18 @@ from dataclasses import dataclass
 import anyio
 import httpx
 import pytest
+from eagerlm.dispatch.errors import PromptTooLong
+from eagerlm.dispatch.kv_capacity import KVPoolTooSmall, plan_capacity
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.loader.demo_model import demo_model_available
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.service.api.engine import Engine, FinishReason
+from eagerlm.service.cli.commands import main
+from eagerlm.service.http.server import ServerConfig, create_app
+from eagerlm.vmm.device import open_device
+from eagerlm.vmm.kv_layout import KVLayout
 
-from dispatch.errors import PromptTooLong
-from dispatch.kv_capacity import KVPoolTooSmall, plan_capacity
-from kernels.sampling import SamplingParams
-from loader.demo_model import demo_model_available
-from loader.synthetic import tiny_spec, write_synthetic_model
-from service.cli import main
-from service.engine import Engine, FinishReason
-from service.server import ServerConfig, create_app
 from tests.test_server import LiveServer, assert_idle_and_nothing_leaked, sse_payloads
-from vmm.device import open_device
-from vmm.kv_layout import KVLayout
 
 MODEL = "tiny-qwen3"
 CONTEXT = 4096  # the model's
@@ -194,7 +194,7 @@ DEMO_LAYOUT = KVLayout(n_layers=18, n_kv_heads=1, head_dim=256)  # gemma3 270m, 
 
 
 def test_the_default_cpu_pool_grows_past_1_gib_to_hold_one_full_context(monkeypatch):
-    monkeypatch.setattr("dispatch.kv_capacity.available_memory", lambda: 24 << 30)
+    monkeypatch.setattr("eagerlm.dispatch.kv_capacity.available_memory", lambda: 24 << 30)
     cap = plan_capacity(open_device("cpu"), DEMO_LAYOUT, 32768, context_requested=False,
                         kv_budget_bytes=None, memory_fraction=0.9)
     assert cap.n_pages == cap.pages_for(32768) == 576  # 1152 MiB of 2 MiB pages
@@ -208,7 +208,7 @@ def test_the_default_cpu_pool_is_at_least_1_gib():
 
 
 def test_the_default_cpu_pool_stays_within_the_memory_available(monkeypatch):
-    monkeypatch.setattr("dispatch.kv_capacity.available_memory", lambda: 600 << 20)
+    monkeypatch.setattr("eagerlm.dispatch.kv_capacity.available_memory", lambda: 600 << 20)
     cap = plan_capacity(open_device("cpu"), DEMO_LAYOUT, 32768, context_requested=False,
                         kv_budget_bytes=None, memory_fraction=0.9)
     assert cap.pool_bytes <= 540 << 20
@@ -258,7 +258,7 @@ def test_a_pool_that_holds_no_session_is_refused_at_start():
                     reason="demo model not installed (pip install 'eagerlm[demo]')")
 def test_the_demo_models_default_context_fits_its_default_pool():
     """The issue: the default 1 GiB pool held 29k tokens of the demo model's 32k context."""
-    from loader.demo_model import demo_model_path
+    from eagerlm.loader.demo_model import demo_model_path
 
     with Engine.load(demo_model_path()) as e:
         d = e.dispatcher

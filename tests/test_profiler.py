@@ -10,10 +10,9 @@ import json
 from collections import Counter
 
 import pytest
-
-from service.profiler import add_profile_parser
-from service.request_metrics import RequestRecord
-from service.round_timeline import (
+from eagerlm.service.measure.profiler import add_profile_parser
+from eagerlm.service.measure.request_metrics import RequestRecord
+from eagerlm.service.measure.round_timeline import (
     Bubble,
     DeviceClock,
     RoundSpan,
@@ -24,8 +23,8 @@ from service.round_timeline import (
     timeline_stats,
     union_length,
 )
-from service.trace_export import TRACK_NAMES, TracedRun, chrome_trace
-from vmm.device import Event, open_device
+from eagerlm.service.measure.trace_export import TRACK_NAMES, TracedRun, chrome_trace
+from eagerlm.vmm.device import Event, open_device
 
 
 def span(rid: int, dev: tuple[float, float], *, decode: int = 4, prefill: int = 0,
@@ -207,9 +206,14 @@ def test_profile_command_writes_trace_png_and_summary(tmp_path, capsys):
 
 def test_collector_sees_every_round_and_leaves_the_engines_traces_alone():
     """/metrics reads the same deque: the profiler must not take rounds out of it."""
-    from service.harness import DispatchSettings, load_model, run_requests, start_engine
-    from service.profiler import RoundCollector
-    from service.workload import LengthRange, WorkloadSpec, make_workload
+    from eagerlm.service.measure.harness import (
+        DispatchSettings,
+        load_model,
+        run_requests,
+        start_engine,
+    )
+    from eagerlm.service.measure.profiler import RoundCollector
+    from eagerlm.service.measure.workload import LengthRange, WorkloadSpec, make_workload
 
     loaded = load_model(None, "tiny")
     try:
@@ -226,7 +230,7 @@ def test_collector_sees_every_round_and_leaves_the_engines_traces_alone():
 
 
 def test_profile_refuses_unknown_devices_and_missing_gpus(tmp_path):
-    from vmm.cuda_driver import NoCudaDevice, device_count
+    from eagerlm.vmm.cuda_driver import NoCudaDevice, device_count
 
     args = _parse(["profile", "--synthetic", "tiny", "--device", "tpu",
                    "--out", str(tmp_path)])

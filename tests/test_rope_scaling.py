@@ -21,11 +21,10 @@ import math
 
 import numpy as np
 import pytest
-
-from kernels.batch import ForwardBatch
-from kernels.cpu_backend import cpu_transformer
-from kernels.numpy_ops import NumpyOps
-from loader.config import (
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.kernels.numpy_ops import NumpyOps
+from eagerlm.loader.config import (
     ContextTooLong,
     RopeOverride,
     RopeParams,
@@ -33,14 +32,15 @@ from loader.config import (
     RopeStyle,
     UnsupportedModel,
 )
-from loader.errors import InvalidMetadata
-from loader.model_file import ModelFile
-from loader.synthetic import tiny_spec, write_synthetic_model
-from service.cli import main
-from service.engine import EngineSettings
-from service.perplexity import perplexity
+from eagerlm.loader.errors import InvalidMetadata
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.service.api.engine import EngineSettings
+from eagerlm.service.cli.commands import main
+from eagerlm.service.measure.perplexity import perplexity
+from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
+
 from tests.fixtures.make_yarn_reference import CASES, OUT_PATH, case_spec, case_tokens
-from vmm.kv_layout import ContiguousKV, KVLayout
 
 YARN = RopeScalingType.YARN
 OPS = NumpyOps()

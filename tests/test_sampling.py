@@ -11,8 +11,7 @@ import math
 
 import numpy as np
 import pytest
-
-from kernels.sampling import (
+from eagerlm.kernels.sampling import (
     InvalidSamplingParams,
     SamplingParams,
     draw_uniform,
@@ -284,7 +283,7 @@ def test_valid_edges_are_accepted_and_normalised():
 # OpenAI's API reference for presence and frequency).
 
 def _counts(vocab, prompt=(), output=()):
-    from kernels.sampling import TokenCounts
+    from eagerlm.kernels.sampling import TokenCounts
 
     c = TokenCounts.empty(vocab)
     c.add(list(prompt), as_output=False)
@@ -293,7 +292,7 @@ def _counts(vocab, prompt=(), output=()):
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
-    from kernels.sampling import apply_penalties
+    from eagerlm.kernels.sampling import apply_penalties
 
     logits = np.array([2.0, -1.0, 3.0, 0.5], np.float32)
     out = apply_penalties(logits, SamplingParams(repetition_penalty=2.0),
@@ -302,7 +301,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits
 
 
 def test_presence_and_frequency_penalties_count_output_tokens_only():
-    from kernels.sampling import apply_penalties
+    from eagerlm.kernels.sampling import apply_penalties
 
     logits = np.zeros(4, np.float32)
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
@@ -334,7 +333,7 @@ def test_invalid_penalty_and_logprob_settings_name_the_field(field, value):
 
 
 def test_token_logprob_is_the_log_softmax_with_top_alternatives():
-    from kernels.sampling import token_logprob
+    from eagerlm.kernels.sampling import token_logprob
 
     logits = np.array([1.0, 3.0, 2.0, 3.0], np.float32)
     ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
@@ -367,7 +366,7 @@ def test_invalid_logit_bias_names_the_field(bias):
 
 
 def test_logit_bias_is_added_to_the_logits():
-    from kernels.sampling import adjust_logits
+    from eagerlm.kernels.sampling import adjust_logits
 
     logits = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
     out = adjust_logits(logits, SamplingParams(logit_bias={1: 3.0, 3: -0.25}), None)
@@ -379,7 +378,7 @@ def test_logit_bias_comes_before_the_penalties():
     """llama.cpp's chain: bias first, so a repetition penalty of 2 acts on the biased
     logit of a seen token: (1 + 1) / 2 = 1.0 (not 1 / 2 + 1 = 1.5), and (-1 + 5) / 2 = 2.0
     (not -1 * 2 + 5 = 3.0); an unseen token only gets its bias."""
-    from kernels.sampling import adjust_logits
+    from eagerlm.kernels.sampling import adjust_logits
 
     logits = np.array([1.0, -1.0, 0.0], np.float32)
     params = SamplingParams(repetition_penalty=2.0, logit_bias={0: 1.0, 1: 5.0, 2: 0.5})
@@ -405,7 +404,7 @@ def test_biased_draws_follow_the_biased_softmax():
 
 
 def test_dense_logit_bias_refuses_an_id_beyond_the_vocabulary():
-    from kernels.sampling import dense_logit_bias
+    from eagerlm.kernels.sampling import dense_logit_bias
 
     params = SamplingParams(logit_bias={2: 1.5, 9: -2.0})
     np.testing.assert_array_equal(dense_logit_bias(params, 10),

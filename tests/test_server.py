@@ -19,18 +19,18 @@ import httpx
 import openai
 import pytest
 import uvicorn
-
-from dispatch.sequential import SequentialGeneration
-from kernels.sampling import SamplingParams
-from loader.synthetic import tiny_spec, write_synthetic_model
-from service.admission import AdmissionGate, QueueFull
-from service.engine import Engine, Logprob, TokenLogprobs
-from service.openai_protocol import (
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.service.api.engine import Engine, Logprob, TokenLogprobs
+from eagerlm.service.http.admission import AdmissionGate, QueueFull
+from eagerlm.service.http.openai_protocol import (
     LOGPROB_FLOOR,
     chat_logprobs_body,
     completion_logprobs_body,
 )
-from service.server import ServerConfig, create_app
+from eagerlm.service.http.server import ServerConfig, create_app
+
+from tests.sequential_reference import SequentialGeneration
 
 MODEL = "tiny-qwen3"
 CONTEXT = 1024
@@ -877,7 +877,7 @@ def test_eagerlm_serve_binds_loopback_and_answers_until_interrupted(model_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--model", model_path, "--port",
+        [sys.executable, "-m", "eagerlm", "serve", "--model", model_path, "--port",
          str(port), "--api-key", "k", "--served-model-name", "m", "-q"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

@@ -15,12 +15,12 @@ import time
 
 import httpx
 import pytest
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.service.api.bounded_json import MAX_JSON_DEPTH, JSONRefused, loads, nesting_depth
+from eagerlm.service.api.engine import Engine
+from eagerlm.service.api.tool_calls import ToolCallFormat, ToolCallParser
+from eagerlm.service.http.server import ServerConfig, create_app
 
-from loader.synthetic import tiny_spec, write_synthetic_model
-from service.bounded_json import MAX_JSON_DEPTH, JSONRefused, loads, nesting_depth
-from service.engine import Engine
-from service.server import ServerConfig, create_app
-from service.tool_calls import ToolCallFormat, ToolCallParser
 from tests.test_server import LiveServer, assert_idle_and_nothing_leaked, sse_payloads
 
 MODEL = "tiny-hostile"
@@ -226,7 +226,7 @@ def test_sigterm_ends_every_response_cleanly_refuses_new_ones_and_exits_0(model_
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--model", model_path, "--port",
+        [sys.executable, "-m", "eagerlm", "serve", "--model", model_path, "--port",
          str(port), "--device", "cpu", "--served-model-name", MODEL, "-q",
          "--max-concurrency", "3", "--shutdown-grace", "0.5"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

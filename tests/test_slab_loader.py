@@ -20,15 +20,14 @@ import threading
 
 import numpy as np
 import pytest
+from eagerlm.loader.gguf_file import TensorInfo
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.slab_loader import ProgressBar, SizePool, SlabLoader
+from eagerlm.loader.synthetic import SyntheticSpec, write_synthetic_model
+from eagerlm.loader.weights import build_weights, load_numpy_weights
+from eagerlm.vmm.cpu_device import CpuDevice
+from eagerlm.vmm.device import DeviceBuffer, Memory, Stream
 from gguf import GGMLQuantizationType, quants
-
-from loader.gguf_file import TensorInfo
-from loader.model_file import ModelFile
-from loader.slab_loader import ProgressBar, SizePool, SlabLoader
-from loader.synthetic import SyntheticSpec, write_synthetic_model
-from loader.weights import build_weights, load_numpy_weights
-from vmm.cpu_device import CpuDevice
-from vmm.device import DeviceBuffer, Memory, Stream
 
 Q = GGMLQuantizationType
 
@@ -200,11 +199,11 @@ def test_progress_bar_reports_bytes_and_rate() -> None:
 def test_cuda_loading_equals_the_numpy_loader_in_bf16(model_path) -> None:
     """On a GPU: the slab loader with the dequantization kernels gives the numpy loader's
     weights, rounded to bf16 (matrices) or exact (float32 vectors)."""
-    from kernels.cuda_backend import free_weights, load_cuda_weights
-    from kernels.cuda_ops import CudaOps
-    from kernels.device_tensor import from_bf16_bits, to_bf16_bits
-    from vmm.cuda_driver import NoCudaDevice
-    from vmm.device import open_device
+    from eagerlm.kernels.cuda_backend import free_weights, load_cuda_weights
+    from eagerlm.kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.device_tensor import from_bf16_bits, to_bf16_bits
+    from eagerlm.vmm.cuda_driver import NoCudaDevice
+    from eagerlm.vmm.device import open_device
 
     try:
         gpu = open_device("cuda")
@@ -236,11 +235,12 @@ def test_a_model_too_large_for_the_gpu_is_refused_before_any_upload(model_path,
     """On the emulated GPU: the weights take 2 bytes per matrix element (bf16) and 4 per
     vector element (float32), counted here from the file's tensor table; with one byte less
     free than that nothing is uploaded, with exactly that the model loads."""
-    from kernels.cuda_backend import free_weights, load_cuda_weights
-    from kernels.cuda_ops import CudaOps
-    from kernels.weight_memory import ModelTooLarge
-    from tests.gpu_emulator import emulated_gpu_for_test
-    from vmm.device import open_device
+    from eagerlm.kernels.cuda_backend import free_weights, load_cuda_weights
+    from eagerlm.kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.weight_memory import ModelTooLarge
+    from eagerlm.vmm.device import open_device
+
+    from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
 
     with emulated_gpu_for_test() as drv:
         gpu = open_device("cuda")

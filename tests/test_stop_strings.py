@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from dispatch.stop_strings import StopMatcher
+from eagerlm.dispatch.stop_strings import StopMatcher
 
 
 def feed(stops, pieces):

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from eagerlm.loader.gguf_file import GGUFFile
+from eagerlm.loader.synthetic import RANDOM_BYTE_TYPES, bf16_bits, tiny_spec, write_synthetic_model
 from gguf import GGMLQuantizationType, quants
-
-from loader.gguf_file import GGUFFile
-from loader.synthetic import RANDOM_BYTE_TYPES, bf16_bits, tiny_spec, write_synthetic_model
 
 
 def test_bf16_bits_round_as_gguf_does() -> None:
@@ -85,8 +84,8 @@ def test_llama3_rope_writes_rope_freqs_as_llama_3_files_hold_them(tmp_path) -> N
     """Llama 3.x files carry per-pair rope divisors (rope_freqs.weight): 1 for pairs whose
     wavelength is under original_context / 4, the scaling factor for those over
     original_context, rising strictly between. The engine must then read them."""
-    from loader.model_file import ModelFile
-    from loader.synthetic import SHAPES, llama3_rope_factors
+    from eagerlm.loader.model_file import ModelFile
+    from eagerlm.loader.synthetic import SHAPES, llama3_rope_factors
 
     spec = SHAPES["llama-3.1-8b"]
     factors = llama3_rope_factors(spec)

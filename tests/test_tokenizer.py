@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from loader import tiny_vocab
-from loader.errors import MissingKey, ModelFileError
-from loader.gguf_file import GGUFFile
-from loader.tiny_vocab import bpe_vocab, spm_vocab
-from loader.tokenizer import IncrementalDetokenizer, TokenAttr, Tokenizer
+from eagerlm.loader import tiny_vocab
+from eagerlm.loader.errors import MissingKey, ModelFileError
+from eagerlm.loader.gguf_file import GGUFFile
+from eagerlm.loader.tiny_vocab import bpe_vocab, spm_vocab
+from eagerlm.loader.tokenizer import IncrementalDetokenizer, TokenAttr, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -359,7 +358,7 @@ INFILL_CASES = [("def add(a, b):\n    ", "\n    return c\n"),
 def fim_model(architecture: str, tmp: Path) -> Path:
     """A synthetic model whose vocabulary has Qwen2.5-Coder's FIM tokens (gemma3: SPM
     with BOS added, qwen2: byte-level BPE without)."""
-    from loader.synthetic import tiny_spec, write_synthetic_model
+    from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 
     return write_synthetic_model(tmp / f"fim-{architecture}.gguf",
                                  tiny_spec(architecture, extra_specials=FIM_SPECIALS))

@@ -16,13 +16,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-
-from vmm.cuda_driver import NoCudaDevice
-from vmm.device import Device, Memory, MemoryRange, Stream, open_device
-from vmm.host_views import ViewsAlive
-from vmm.kv_layout import ContiguousKV, KVLayout
-from vmm.kv_region import KVRegion, RegionState, RegionStateError
-from vmm.page_pool import OutOfPages, PagePool
+from eagerlm.vmm.cuda_driver import NoCudaDevice
+from eagerlm.vmm.device import Device, Memory, MemoryRange, Stream, open_device
+from eagerlm.vmm.host_views import ViewsAlive
+from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
+from eagerlm.vmm.kv_region import KVRegion, RegionState, RegionStateError
+from eagerlm.vmm.page_pool import OutOfPages, PagePool
 
 BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 HOST_PAGE = 4096
@@ -610,8 +609,8 @@ def test_layer_views_give_kernels_pointers_and_strides(device: Device) -> None:
 
 
 def test_region_serves_the_numpy_ops_like_a_contiguous_cache(cpu: Device) -> None:
-    from kernels.batch import ForwardBatch
-    from kernels.numpy_ops import NumpyOps
+    from eagerlm.kernels.batch import ForwardBatch
+    from eagerlm.kernels.numpy_ops import NumpyOps
 
     layout = KVLayout(2, 2, 8, np.dtype(np.float32))
     pool = PagePool(cpu, 16)

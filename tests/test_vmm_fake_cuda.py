@@ -22,11 +22,16 @@ import threading
 import time
 from collections.abc import Iterator
 
+import eagerlm.vmm.cuda_driver
 import numpy as np
 import pytest
+from eagerlm.vmm.cuda_device import CudaDevice
+from eagerlm.vmm.cuda_driver import CudaError, NoCudaDevice
+from eagerlm.vmm.device import Device, open_device
+from eagerlm.vmm.host_views import ViewsAlive
+from eagerlm.vmm.page_pool import PagePool
 
-import vmm.cuda_driver
-from tests.fake_cuda_driver import _GRANULARITY, _VALIDATE, FakeDriver, R
+from tests.emulated_gpu.fake_cuda_driver import _GRANULARITY, _VALIDATE, FakeDriver, R
 from tests.test_device import (  # noqa: F401  (collected again here, on the fake device)
     test_a_never_recorded_event_counts_as_complete,
     test_copies_round_trip_host_device_device_host,
@@ -52,17 +57,12 @@ from tests.test_vmm import (  # noqa: F401
     test_swap_round_trip_is_bit_exact,
     test_virtual_reservations_are_recycled,
 )
-from vmm.cuda_device import CudaDevice
-from vmm.cuda_driver import CudaError, NoCudaDevice
-from vmm.device import Device, open_device
-from vmm.host_views import ViewsAlive
-from vmm.page_pool import PagePool
 
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
     drv = FakeDriver()
-    monkeypatch.setattr(vmm.cuda_driver, "_driver", drv)
+    monkeypatch.setattr(eagerlm.vmm.cuda_driver, "_driver", drv)
     return drv
 
 

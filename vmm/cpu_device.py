@@ -22,8 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-
-from vmm.device import (
+from eagerlm.vmm.device import (
     Device,
     DeviceBuffer,
     Event,
@@ -33,9 +32,9 @@ from vmm.device import (
     Stream,
     StreamError,
 )
-from vmm.phymem import HostPhyMem, host_pages
-from vmm.stats import MapLatency
-from vmm.virmem import HostVirMem
+from eagerlm.vmm.phymem import HostPhyMem, host_pages
+from eagerlm.vmm.stats import MapLatency
+from eagerlm.vmm.virmem import HostVirMem
 
 
 class CpuEvent(Event):

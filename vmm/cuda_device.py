@@ -15,13 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-
-from vmm.cuda_driver import CudaContext, CudaError, cu, driver, error_name
-from vmm.device import Device, DeviceBuffer, Event, Gate, HostBuffer, Memory, Stream
-from vmm.host_views import HostViews
-from vmm.phymem import CudaPhyMem, cuda_pages
-from vmm.stats import MapLatency
-from vmm.virmem import CudaVirMem
+from eagerlm.vmm.cuda_driver import CudaContext, CudaError, cu, driver, error_name
+from eagerlm.vmm.device import Device, DeviceBuffer, Event, Gate, HostBuffer, Memory, Stream
+from eagerlm.vmm.host_views import HostViews
+from eagerlm.vmm.phymem import CudaPhyMem, cuda_pages
+from eagerlm.vmm.stats import MapLatency
+from eagerlm.vmm.virmem import CudaVirMem
 
 
 def _dptr(addr: int) -> Any:

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from vmm.phymem import PhyMem
-    from vmm.stats import MapLatency
-    from vmm.virmem import VirMem
+    from eagerlm.vmm.phymem import PhyMem
+    from eagerlm.vmm.stats import MapLatency
+    from eagerlm.vmm.virmem import VirMem
 
 
 class Memory(Protocol):
@@ -221,11 +221,11 @@ def open_device(spec: str = "cpu", *, page_size: int | None = None) -> Device:
     """
     kind, _, index = spec.partition(":")
     if kind == "cpu" and not index:
-        from vmm.cpu_device import CpuDevice
+        from eagerlm.vmm.cpu_device import CpuDevice
 
         return CpuDevice() if page_size is None else CpuDevice(page_size=page_size)
     if kind == "cuda":
-        from vmm.cuda_device import CudaDevice
+        from eagerlm.vmm.cuda_device import CudaDevice
 
         return CudaDevice(int(index or 0), page_size=page_size)
     raise ValueError(f"unknown device {spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")

@@ -32,14 +32,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from vmm.device import Event, HostBuffer, Stream
-from vmm.host_views import HostViews, TrackedRange
-from vmm.kv_layout import KVLayout
-from vmm.virmem import VirMem
+from eagerlm.vmm.device import Event, HostBuffer, Stream
+from eagerlm.vmm.host_views import HostViews, TrackedRange
+from eagerlm.vmm.kv_layout import KVLayout
+from eagerlm.vmm.virmem import VirMem
 
 if TYPE_CHECKING:
-    from vmm.page_pool import PagePool
+    from eagerlm.vmm.page_pool import PagePool
 
 
 class RegionState(enum.Enum):

@@ -23,12 +23,12 @@ import contextlib
 import threading
 from collections import defaultdict
 
-from vmm.device import Device, Event, Stream, StreamError
-from vmm.kv_layout import KVLayout
-from vmm.kv_region import KVRegion, RegionState
-from vmm.phymem import PhyMem
-from vmm.stats import MapLatency, PoolStats
-from vmm.virmem import VirMem
+from eagerlm.vmm.device import Device, Event, Stream, StreamError
+from eagerlm.vmm.kv_layout import KVLayout
+from eagerlm.vmm.kv_region import KVRegion, RegionState
+from eagerlm.vmm.phymem import PhyMem
+from eagerlm.vmm.stats import MapLatency, PoolStats
+from eagerlm.vmm.virmem import VirMem
 
 
 class OutOfPages(RuntimeError):

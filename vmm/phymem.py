@@ -17,7 +17,7 @@ import os
 from abc import ABC, abstractmethod
 from typing import Any
 
-from vmm.cuda_driver import CudaContext, cu
+from eagerlm.vmm.cuda_driver import CudaContext, cu
 
 
 class PhyMem(ABC):

@@ -22,9 +22,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from vmm.cuda_driver import CudaContext, cu, driver
-from vmm.phymem import CudaPhyMem, HostPhyMem, PhyMem
-from vmm.stats import MapLatency
+from eagerlm.vmm.cuda_driver import CudaContext, cu, driver
+from eagerlm.vmm.phymem import CudaPhyMem, HostPhyMem, PhyMem
+from eagerlm.vmm.stats import MapLatency
 
 
 class VirMem(ABC):

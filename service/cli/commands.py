@@ -17,21 +17,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from dispatch.errors import RequestError
-from kernels.weight_memory import ModelTooLarge
-from loader.config import RopeOverride, RopeScalingType
-from loader.demo_model import DemoModelMissing, demo_model_path
-from loader.errors import ModelFileError
-from loader.model_file import ModelFile
-from service.bench import add_bench_parser
-from service.device_args import add_device_args, kv_budget_bytes
-from service.model_loading import LoadProgress, ProgressCallback
-from service.profiler import add_profile_parser
-from vmm.cuda_driver import CudaError, NoCudaDevice
+from eagerlm.dispatch.errors import RequestError
+from eagerlm.kernels.weight_memory import ModelTooLarge
+from eagerlm.loader.config import RopeOverride, RopeScalingType
+from eagerlm.loader.demo_model import DemoModelMissing, demo_model_path
+from eagerlm.loader.errors import ModelFileError
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.service.api.model_loading import LoadProgress, ProgressCallback
+from eagerlm.service.cli.device_args import add_device_args, kv_budget_bytes
+from eagerlm.service.measure.bench import add_bench_parser
+from eagerlm.service.measure.profiler import add_profile_parser
+from eagerlm.vmm.cuda_driver import CudaError, NoCudaDevice
 
 if TYPE_CHECKING:
-    from kernels.sampling import SamplingParams
-    from service.sync_engine import SyncEngine
+    from eagerlm.kernels.sampling import SamplingParams
+    from eagerlm.service.api.sync_engine import SyncEngine
 
 
 def _model_path(arg: str | None) -> str:
@@ -48,7 +48,7 @@ def _rope_override(args: argparse.Namespace) -> RopeOverride | None:
 
 
 def _load_transformer(model: ModelFile, quiet: bool):
-    from kernels.cpu_backend import cpu_transformer
+    from eagerlm.kernels.cpu_backend import cpu_transformer
 
     t0 = time.perf_counter()
     if not quiet:
@@ -107,7 +107,7 @@ def _engine_settings(args: argparse.Namespace, **settings: object) -> dict[str, 
 
 def _open_engine(args: argparse.Namespace, **settings: object) -> SyncEngine:
     """Load the model of `args` on `args.device`, with a progress bar unless quiet."""
-    from service.sync_engine import SyncEngine
+    from eagerlm.service.api.sync_engine import SyncEngine
 
     path = _model_path(args.model)
     _rope_override(args)
@@ -131,7 +131,7 @@ _LOGIT_BIAS_ARG = re.compile(
 def logit_bias_arg(value: str) -> tuple[int, float]:
     """One `--logit-bias`, llama.cpp's TOKEN_ID(+|-)BIAS (`15043+1`, `2-100`) or
     TOKEN_ID=BIAS (`15043=-1.5`), as (token id, bias); an argparse error otherwise."""
-    from kernels.sampling import MAX_LOGIT_BIAS
+    from eagerlm.kernels.sampling import MAX_LOGIT_BIAS
 
     match = _LOGIT_BIAS_ARG.fullmatch(value.strip())
     if not match:
@@ -147,7 +147,7 @@ def logit_bias_arg(value: str) -> tuple[int, float]:
 
 
 def _sampling(args: argparse.Namespace, **extra: object) -> SamplingParams:
-    from kernels.sampling import SamplingParams
+    from eagerlm.kernels.sampling import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -160,7 +160,7 @@ def _sampling(args: argparse.Namespace, **extra: object) -> SamplingParams:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from service.engine import GenerationError
+    from eagerlm.service.api.engine import GenerationError
 
     params = _sampling(args)
     with _open_engine(args) as engine:
@@ -198,7 +198,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from service.chat_cli import ChatLoop
+    from eagerlm.service.cli.chat import ChatLoop
 
     params = _sampling(args)
     with _open_engine(args) as engine:
@@ -209,7 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     try:
-        from service.server import ServerConfig, serve
+        from eagerlm.service.http.server import ServerConfig, serve
     except ImportError as e:
         print(f"eagerlm: error: the server needs FastAPI and uvicorn ({e}); install them "
               f"with: pip install 'eagerlm[server]'", file=sys.stderr)
@@ -243,7 +243,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
-    from service.perplexity import perplexity
+    from eagerlm.service.measure.perplexity import perplexity
 
     model = ModelFile.open(_model_path(args.model), rope=_rope_override(args))
     model.config.context_for(args.ctx)  # a chunk the model cannot hold fails before loading

@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kernels.cpu_backend import cpu_transformer
-from kernels.model import Transformer
-from loader.config import RopeOverride
-from loader.model_file import ModelFile
-from vmm.device import Device, open_device
+from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.kernels.model import Transformer
+from eagerlm.loader.config import RopeOverride
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.vmm.device import Device, open_device
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def load_model(path: str | os.PathLike[str], device: str = "cpu", *,
                                                                               total))
             dev = open_device(device, page_size=page_size)
         else:
-            from kernels.cuda_backend import cuda_transformer
+            from eagerlm.kernels.cuda_backend import cuda_transformer
 
             dev = open_device(device, page_size=page_size)
             transformer = cuda_transformer(model, dev, progress=on_progress is not None)

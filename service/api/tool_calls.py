@@ -44,9 +44,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dispatch.stop_strings import StopMatcher
-from loader.chat_template import ChatTemplate
-from service import bounded_json
+from eagerlm.dispatch.stop_strings import StopMatcher
+from eagerlm.loader.chat_template import ChatTemplate
+from eagerlm.service.api import bounded_json
 
 TOOL_CALL_START = "<tool_call>"  # hermes
 PYTHON_TAG = "<|python_tag|>"  # llama3-json: Llama 3.1's marker before a call

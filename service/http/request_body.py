@@ -10,7 +10,7 @@ routes accept.
 - At most `limit` bytes, refused (413) as soon as the declared length or the bytes
   received pass it, before the rest is read.
 - UTF-8 (RFC 8259 says JSON between systems is; a byte-order mark is skipped), decoded
-  by service/bounded_json.py: nesting deeper than MAX_JSON_DEPTH and lone surrogates are
+  by service/api/bounded_json.py: nesting deeper than MAX_JSON_DEPTH and lone surrogates are
   400s like any invalid JSON, never a RecursionError or an unencodable string downstream.
 """
 
@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from eagerlm.service.api import bounded_json
+from eagerlm.service.http.openai_protocol import OpenAIError, bad_request, brief
 from starlette.requests import Request
-
-from service import bounded_json
-from service.openai_protocol import OpenAIError, bad_request, brief
 
 JSON_MEDIA_TYPE = "application/json"
 

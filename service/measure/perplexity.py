@@ -13,11 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-
-from kernels.batch import ForwardBatch
-from kernels.model import Transformer
-from loader.tokenizer import Tokenizer
-from vmm.kv_layout import KVLayout
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.model import Transformer
+from eagerlm.loader.tokenizer import Tokenizer
+from eagerlm.vmm.kv_layout import KVLayout
 
 
 @dataclass

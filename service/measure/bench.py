@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loader.tokenizer import Tokenizer
-from service.harness import (
+from eagerlm.loader.tokenizer import Tokenizer
+from eagerlm.service.api.model_loading import check_device
+from eagerlm.service.measure.harness import (
     DispatchSettings,
     LoadedModel,
     add_engine_args,
@@ -39,9 +40,18 @@ from service.harness import (
     start_engine,
     warm_up,
 )
-from service.model_loading import check_device
-from service.request_metrics import LatencySummary, RequestRecord, format_latency, summarize
-from service.workload import LengthRange, PlannedRequest, WorkloadSpec, make_workload
+from eagerlm.service.measure.request_metrics import (
+    LatencySummary,
+    RequestRecord,
+    format_latency,
+    summarize,
+)
+from eagerlm.service.measure.workload import (
+    LengthRange,
+    PlannedRequest,
+    WorkloadSpec,
+    make_workload,
+)
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,7 @@ def bench_online_url(url: str, served_model: str, workload: WorkloadSpec,
                      context_length: int | None = None) -> BenchResult:
     """Against a server. With the served model's `tokenizer`, prompts are its decoding of
     random ids (about the planned token counts); without, plain words."""
-    from service.openai_load import run_against_url, word_prompt
+    from eagerlm.service.measure.openai_load import run_against_url, word_prompt
 
     vocab = tokenizer.vocab_size if tokenizer is not None else 32000
     requests = make_workload(workload, vocab, context_length)
@@ -138,7 +148,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              " pass --model for the served model's tokenizer, or nothing")
         tokenizer = context = None
         if args.model:  # only the tokenizer is read: no weights are loaded
-            from loader.model_file import ModelFile
+            from eagerlm.loader.model_file import ModelFile
 
             m = ModelFile.open(args.model)
             tokenizer, context = m.tokenizer, m.config.context_length

@@ -64,25 +64,24 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from dispatch.messages import FinishReason
-from kernels.sampling import (
+from eagerlm.dispatch.messages import FinishReason
+from eagerlm.kernels.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     InvalidSamplingParams,
     SamplingParams,
 )
-from loader.chat_template import ChatTemplate
-from service import bounded_json
-from service.engine import Completion, Logprob, TokenLogprobs
-from service.tool_calls import (
+from eagerlm.loader.chat_template import ChatTemplate
+from eagerlm.service.api import bounded_json
+from eagerlm.service.api.engine import Completion, Logprob, TokenLogprobs
+from eagerlm.service.api.tool_calls import (
     Reply,
     ToolCall,
     ToolCallFormat,
     ToolCallParser,
     format_of_template,
 )
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_CHOICES = 16  # n
 MAX_PROMPTS = 64  # prompts in one /v1/completions request

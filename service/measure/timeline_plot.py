@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from service.round_timeline import RoundSpan, steady_bubble, steady_decode_runs
+from eagerlm.service.measure.round_timeline import RoundSpan, steady_bubble, steady_decode_runs
 
 ROWS = ("control: plan", "control: launch", "device", "service: tokens")
 COLORS = {"control: plan": "#4c72b0", "control: launch": "#8172b2", "device": "#55a868",

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.request_metrics import RequestRecord
-from service.round_timeline import RoundSpan, in_flight_at_launch
+from eagerlm.service.measure.request_metrics import RequestRecord
+from eagerlm.service.measure.round_timeline import RoundSpan, in_flight_at_launch
 
 CONTROL_TID, DEVICE_TID, SERVICE_TID, REQUESTS_TID = 1, 2, 3, 4
 TRACK_NAMES = {CONTROL_TID: "control thread", DEVICE_TID: "device (compute stream)",

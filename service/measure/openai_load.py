@@ -20,8 +20,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from service.request_metrics import RequestRecord
-from service.workload import PlannedRequest
+from eagerlm.service.measure.request_metrics import RequestRecord
+from eagerlm.service.measure.workload import PlannedRequest
 
 _WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "looked", "at", "bird", "in", "tree",
           "while", "sun", "was", "shining", "over", "quiet", "town", "river")

@@ -29,8 +29,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from dispatch.messages import RoundTrace
-from vmm.device import Device, Event
+from eagerlm.dispatch.messages import RoundTrace
+from eagerlm.vmm.device import Device, Event
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class DeviceClock:
 
 def _host_stamp(event: Event) -> float | None:
     """The exact host time of a completed event, on backends that stamp one (cpu)."""
-    from vmm.cpu_device import CpuEvent
+    from eagerlm.vmm.cpu_device import CpuEvent
 
     if isinstance(event, CpuEvent) and event._time_ns is not None:
         return event._time_ns / 1e9  # perf_counter_ns: the same clock as perf_counter

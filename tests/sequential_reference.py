@@ -13,21 +13,20 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
-from dispatch.messages import FinishReason
-from dispatch.token_judge import TokenJudge
-from kernels.batch import ForwardBatch
-from kernels.model import Transformer
-from kernels.sampling import (
+from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+from eagerlm.dispatch.messages import FinishReason
+from eagerlm.dispatch.token_judge import TokenJudge
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.model import Transformer
+from eagerlm.kernels.sampling import (
     SamplingParams,
     TokenCounts,
     TokenLogprob,
     sample,
     token_logprob,
 )
-from loader.tokenizer import Tokenizer
-from vmm.kv_layout import KVLayout
+from eagerlm.loader.tokenizer import Tokenizer
+from eagerlm.vmm.kv_layout import KVLayout
 
 
 @dataclass

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dispatch.dispatcher import Dispatcher
-from dispatch.messages import RoundTrace
-from service.harness import (
+from eagerlm.dispatch.dispatcher import Dispatcher
+from eagerlm.dispatch.messages import RoundTrace
+from eagerlm.service.api.model_loading import check_device
+from eagerlm.service.measure.harness import (
     DispatchSettings,
     LoadedModel,
     RunResult,
@@ -49,9 +50,8 @@ from service.harness import (
     start_engine,
     warm_up,
 )
-from service.model_loading import check_device
-from service.request_metrics import LatencySummary, summarize
-from service.round_timeline import (
+from eagerlm.service.measure.request_metrics import LatencySummary, summarize
+from eagerlm.service.measure.round_timeline import (
     DeviceClock,
     RoundSpan,
     TimelineStats,
@@ -59,8 +59,13 @@ from service.round_timeline import (
     timeline_stats,
     union_length,
 )
-from service.trace_export import TracedRun, chrome_trace, write_chrome_trace
-from service.workload import LengthRange, PlannedRequest, WorkloadSpec, make_workload
+from eagerlm.service.measure.trace_export import TracedRun, chrome_trace, write_chrome_trace
+from eagerlm.service.measure.workload import (
+    LengthRange,
+    PlannedRequest,
+    WorkloadSpec,
+    make_workload,
+)
 
 MODES = ("eager", "sync")
 
@@ -307,7 +312,7 @@ def write_outputs(out_dir: Path, profiles: Sequence[ModeProfile], overhead: Over
                   encoding="utf-8")
     png_path = None
     if png:
-        from service.timeline_plot import plot_timeline
+        from eagerlm.service.measure.timeline_plot import plot_timeline
 
         png_path = plot_timeline(out_dir / "timeline.png",
                                  [(p.mode, p.spans) for p in profiles], settings.window,

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from dispatch.errors import RequestError
-from kernels.sampling import SamplingParams
-from service.engine import Chunk, GenerationError
-from service.sync_engine import SyncEngine
+from eagerlm.dispatch.errors import RequestError
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.service.api.engine import Chunk, GenerationError
+from eagerlm.service.api.sync_engine import SyncEngine
 
 HELP = "/reset starts over, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply"
 

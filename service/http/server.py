@@ -51,19 +51,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from dispatch.errors import RequestError
-from dispatch.messages import FinishReason
-from loader.chat_template import ChatTemplateError
-from service.admission import AdmissionGate, QueueFull, Ticket
-from service.engine import Engine, GenerationError, MultiStream
-from service.metrics import PrometheusText
-from service.openai_protocol import (
+from eagerlm.dispatch.errors import RequestError
+from eagerlm.dispatch.messages import FinishReason
+from eagerlm.loader.chat_template import ChatTemplateError
+from eagerlm.service.api.engine import Engine, GenerationError, MultiStream
+from eagerlm.service.api.metrics import PrometheusText
+from eagerlm.service.api.tool_calls import Reply, ToolCallParser
+from eagerlm.service.http.admission import AdmissionGate, QueueFull, Ticket
+from eagerlm.service.http.openai_protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_PROMPTS,
     OpenAIError,
@@ -88,8 +83,8 @@ from service.openai_protocol import (
     tool_call_delta,
     usage_chunk_body,
 )
-from service.request_body import read_json
-from service.shutdown import (
+from eagerlm.service.http.request_body import read_json
+from eagerlm.service.http.shutdown import (
     AFTER_GRACE_S,
     Drain,
     GracefulServer,
@@ -97,7 +92,11 @@ from service.shutdown import (
     send_error,
     shutting_down,
 )
-from service.tool_calls import Reply, ToolCallParser
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("eagerlm.server")
 

@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from loader.tokenizer import Tokenizer
+from eagerlm.loader.tokenizer import Tokenizer
 
 
 class TurnMemory:

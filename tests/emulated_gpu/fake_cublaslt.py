@@ -39,7 +39,7 @@ import numpy as np
 from nvmath.bindings import cublas
 from nvmath.bindings import cublasLt as real
 
-from tests.fake_cuda_driver import _VALIDATE
+from tests.emulated_gpu.fake_cuda_driver import _VALIDATE
 
 R_16BF, R_32F = 14, 0  # cudaDataType_t
 ITEMSIZE = {R_16BF: 2, R_32F: 4}
@@ -290,7 +290,7 @@ class FakeCublasLt:
 
     def _matrix(self, ptr: int, lay: _Layout) -> np.ndarray:
         """The column-major matrix at `ptr` as a (rows, cols) float view or copy."""
-        from kernels.device_tensor import from_bf16_bits
+        from eagerlm.kernels.device_tensor import from_bf16_bits
 
         n = (lay.cols - 1) * lay.ld + lay.rows
         raw = host_array(ptr, n, np.uint16 if lay.dtype == R_16BF else np.float32)
@@ -300,7 +300,7 @@ class FakeCublasLt:
 
     def _run(self, p: _Problem, alpha: float, a: int, b: int, beta: float, c: int, d: int,
              workspace: int, workspace_bytes: int) -> None:
-        from kernels.device_tensor import to_bf16_bits
+        from eagerlm.kernels.device_tensor import to_bf16_bits
 
         for name, ptr, lay in (("A", a, p.a), ("B", b, p.b), ("C", c, p.c), ("D", d, p.d)):
             nbytes = ((lay.cols - 1) * lay.ld + lay.rows) * ITEMSIZE[lay.dtype]

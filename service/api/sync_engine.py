@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dispatch.messages import Output
-from kernels.sampling import SamplingParams
-from service.engine import (
+from eagerlm.dispatch.messages import Output
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.service.api.engine import (
     ChatMessage,
     Chunk,
     Completion,
@@ -30,7 +30,7 @@ from service.engine import (
     PromptInput,
     RequestResult,
 )
-from service.model_loading import ProgressCallback
+from eagerlm.service.api.model_loading import ProgressCallback
 
 
 class SyncEngine:

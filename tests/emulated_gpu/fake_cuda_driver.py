@@ -15,8 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cuda.bindings import driver as real
-
-from vmm.virmem import _MAP_FIXED, _RESERVE_FLAGS, _libc, _mmap
+from eagerlm.vmm.virmem import _MAP_FIXED, _RESERVE_FLAGS, _libc, _mmap
 
 R = real.CUresult
 _GRANULARITY = 64 << 10

@@ -18,8 +18,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dispatch.messages import Output, RoundTrace
-from service.round_timeline import DeviceClock, spans_from_traces, steady_bubble
+from eagerlm.dispatch.messages import Output, RoundTrace
+from eagerlm.service.measure.round_timeline import DeviceClock, spans_from_traces, steady_bubble
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

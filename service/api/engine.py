@@ -37,19 +37,23 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-
-from dispatch.control_thread import ControlConfig
-from dispatch.dispatcher import Dispatcher, DispatcherConfig
-from dispatch.messages import FinishReason, Output
-from dispatch.scheduler import SchedulerConfig
-from kernels.sampling import SamplingParams, TokenLogprob
-from loader.config import RopeOverride
-from loader.model_file import ModelFile
-from loader.tokenizer import Tokenizer
-from service.chat_tokens import TurnMemory
-from service.loop_bridge import LoopWaker
-from service.metrics import EngineMetrics, PrometheusText, bubble_fraction
-from service.model_loading import LoadedModel, LoadProgress, ProgressCallback, load_model
+from eagerlm.dispatch.control_thread import ControlConfig
+from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from eagerlm.dispatch.messages import FinishReason, Output
+from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
+from eagerlm.loader.config import RopeOverride
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.tokenizer import Tokenizer
+from eagerlm.service.api.chat_tokens import TurnMemory
+from eagerlm.service.api.loop_bridge import LoopWaker
+from eagerlm.service.api.metrics import EngineMetrics, PrometheusText, bubble_fraction
+from eagerlm.service.api.model_loading import (
+    LoadedModel,
+    LoadProgress,
+    ProgressCallback,
+    load_model,
+)
 
 log = logging.getLogger("eagerlm")
 

@@ -19,17 +19,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dispatch.control_thread import ControlConfig
-from dispatch.dispatcher import Dispatcher, DispatcherConfig
-from dispatch.messages import Output
-from dispatch.scheduler import SchedulerConfig
-from kernels.model import Transformer
-from kernels.sampling import SamplingParams
-from loader.model_file import ModelFile
-from service.device_args import add_device_args, kv_budget_bytes
-from service.request_metrics import RequestRecord
-from service.workload import LengthRange, PlannedRequest
-from vmm.device import Device
+from eagerlm.dispatch.control_thread import ControlConfig
+from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from eagerlm.dispatch.messages import Output
+from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.kernels.model import Transformer
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.service.cli.device_args import add_device_args, kv_budget_bytes
+from eagerlm.service.measure.request_metrics import RequestRecord
+from eagerlm.service.measure.workload import LengthRange, PlannedRequest
+from eagerlm.vmm.device import Device
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,8 @@ class LoadedModel:
 
 
 def synthetic_names() -> list[str]:
-    from loader.config import SUPPORTED_ARCHITECTURES
-    from loader.synthetic import SHAPES
+    from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
+    from eagerlm.loader.synthetic import SHAPES
 
     return ["tiny", *(f"tiny-{a}" for a in SUPPORTED_ARCHITECTURES), *SHAPES]
 
@@ -93,11 +93,11 @@ def load_model(model_path: str | None, synthetic: str | None,
     `tiny` is a 2-layer qwen3 for tests, the others are real shapes with random weights)
     to a temporary file; with neither, the demo model. Loaded on `device` the way the
     engine loads (service/model_loading.py)."""
-    from service.model_loading import load_model as load_on_device
+    from eagerlm.service.api.model_loading import load_model as load_on_device
 
     if synthetic is None:
         if model_path is None:
-            from loader.demo_model import demo_model_path
+            from eagerlm.loader.demo_model import demo_model_path
 
             model_path = demo_model_path()
         on = load_on_device(model_path, device)
@@ -105,7 +105,7 @@ def load_model(model_path: str | None, synthetic: str | None,
 
     import dataclasses
 
-    from loader.synthetic import SHAPES, tiny_spec, write_synthetic_model
+    from eagerlm.loader.synthetic import SHAPES, tiny_spec, write_synthetic_model
 
     if synthetic == "tiny" or synthetic.startswith("tiny-"):
         arch = synthetic.partition("-")[2] or "qwen3"

@@ -19,7 +19,7 @@ rules are kept) plus what kernels need:
   NVRTC makes of the same source), and more than 48 KiB of dynamic shared memory
   without the opt-in.
 - stream-ordered allocation, memset and the synchronous copies;
-- cuBLASLt is tests/fake_cublaslt.py: the engine's own `kernels.cublaslt.Gemm` builds its
+- cuBLASLt is tests/fake_cublaslt.py: the engine's own `eagerlm.kernels.cublaslt.Gemm` builds its
   descriptors, preferences and plans against it, the library's documented contract is
   checked (argument types, shapes, operand alignment, workspace), and the product is a
   numpy GEMM over the same bf16 bytes: cuBLASLt's kernels are NVIDIA's, not ours to test.
@@ -46,9 +46,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tests.fake_cuda_driver import FakeDriver, R, real
+from tests.emulated_gpu.fake_cuda_driver import FakeDriver, R, real
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ROOT / "kernels" / "cuda"
 RUNTIME = Path(__file__).resolve().parent / "cuda_emulation"
 _DYNAMIC_SMEM = re.compile(
@@ -88,7 +88,7 @@ def _rewrite(text: str) -> str:
 def build_module(source: str, kernels: list[str]) -> Path:
     """`kernels/cuda/<source>.cu` as a host shared library with one `emu_launch_<name>`
     entry per kernel, cached by the content of everything it is built from."""
-    from kernels.nvrtc_build import cuda_include_dir
+    from eagerlm.kernels.nvrtc_build import cuda_include_dir
 
     cxx = _compiler()
     try:
@@ -136,7 +136,7 @@ def sm90_resources(source: str) -> dict[str, Any]:
     (the emulated device's architecture), so that a launch the real GPU would refuse (a
     block over its kernel's bound or over the register file) is refused here too; empty
     if NVRTC cannot compile here."""
-    from kernels.nvrtc_build import compile_kernel, cubin_resources
+    from eagerlm.kernels.nvrtc_build import compile_kernel, cubin_resources
 
     try:
         return cubin_resources(compile_kernel(source, "sm_90").image)
@@ -258,7 +258,7 @@ class EmulatedDriver(FakeDriver):
             return err
         if not isinstance(image, bytes) or not image.startswith(b"EMU:"):
             return (R.CUDA_ERROR_INVALID_IMAGE, None)
-        from kernels.cuda_kernels import SIGNATURES
+        from eagerlm.kernels.cuda_kernels import SIGNATURES
 
         source = image[4:].decode()
         names = [k for k, (src, _) in SIGNATURES.items() if src == source]
@@ -276,7 +276,7 @@ class EmulatedDriver(FakeDriver):
     def cuModuleGetFunction(self, module: Any, name: bytes) -> tuple:
         if err := self._enter("cuModuleGetFunction", (module, name)):
             return err
-        from kernels.cuda_kernels import SIGNATURES
+        from eagerlm.kernels.cuda_kernels import SIGNATURES
 
         lib = self.modules.get(int(module))
         kname = name.decode()
@@ -449,31 +449,30 @@ def emulated_gpu_for_test(row_exact_gemm: bool = False) -> Iterator[EmulatedDriv
 def emulated_gpu(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
     """Within: `open_device("cuda")` gives a device on the emulated driver, kernels build
     for the host, and cuBLASLt is tests/fake_cublaslt.py (`row_exact_gemm`: see there)."""
+    import eagerlm.kernels.cublaslt
+    import eagerlm.kernels.cuda_kernels
+    import eagerlm.vmm.cuda_driver
     import pytest
-
-    import kernels.cublaslt
-    import kernels.cuda_kernels
-    import vmm.cuda_driver
 
     _compiler()
     try:
-        from kernels.nvrtc_build import cuda_include_dir
+        from eagerlm.kernels.nvrtc_build import cuda_include_dir
 
         cuda_include_dir()
     except Exception as exc:
         raise EmulatorUnavailable(str(exc)) from exc
     try:
-        from tests.fake_cublaslt import FakeCublasLt
+        from tests.emulated_gpu.fake_cublaslt import FakeCublasLt
     except ImportError as exc:
         raise EmulatorUnavailable(f"nvmath-python, whose cuBLASLt bindings the fake "
                                   f"checks calls against, is not installed ({exc})") from exc
     drv = EmulatedDriver()
     drv.cublaslt = FakeCublasLt(drv, row_exact_gemm)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(vmm.cuda_driver, "_driver", drv)
-        mp.setattr(kernels.cuda_kernels, "compile_kernel",
+        mp.setattr(eagerlm.vmm.cuda_driver, "_driver", drv)
+        mp.setattr(eagerlm.kernels.cuda_kernels, "compile_kernel",
                    lambda source, arch: SimpleNamespace(image=b"EMU:" + source.encode()))
-        mp.setattr(kernels.cublaslt, "_cublaslt", lambda: drv.cublaslt)
+        mp.setattr(eagerlm.kernels.cublaslt, "_cublaslt", lambda: drv.cublaslt)
         try:
             yield drv
         finally:

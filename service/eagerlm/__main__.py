@@ -1,0 +1,7 @@
+"""`python -m eagerlm`: the `eagerlm` command."""
+
+import sys
+
+from eagerlm.service.cli.commands import main
+
+sys.exit(main())

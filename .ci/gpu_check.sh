@@ -29,6 +29,8 @@ fi
 package=$(python3 .ci/link_checkout.py "${TMPDIR:-/tmp}/eagerlm-checkout") || exit 1
 export PYTHONPATH=/tmp/site:$package:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$out/device.txt"
+python3 -c "import os, eagerlm.kernels as k; print('eagerlm from', os.path.realpath(k.__file__))" \
+  2>&1 | tee -a "$out/device.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # the modules with GPU tests (each also runs its cpu cases); the server and API tests

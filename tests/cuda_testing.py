@@ -1,5 +1,5 @@
 """Shared by the cuda op tests: the device fixture (a GPU, skipped without one, and the
-emulated GPU of tests/gpu_emulator.py), the ops on it, and bf16 helpers for comparing
+emulated GPU of tests/emulated_gpu/gpu_emulator.py), the ops on it, and bf16 helpers for comparing
 against the numpy reference."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ rng = np.random.default_rng(1234)  # reseeded per test (tests/conftest.py)
 
 
 # "emulated-reverse": blocks, and a block's threads between synchronizations, run in the
-# reverse order (tests/cuda_emulation/runtime.h). A GPU promises no order, so every kernel
+# reverse order (tests/emulated_gpu/cuda_emulation/runtime.h). A GPU promises no order, so every kernel
 # must give the same result both ways; one that races on shared or global memory does not.
 # A test module of whole models sets FORWARD_SCHEDULE_ONLY: each kernel they run is tested
 # under both orders one by one.
@@ -156,6 +156,6 @@ def region_tensor(kv, shape):
 
 
 def is_emulated(device) -> bool:
-    """The emulated GPU (tests/gpu_emulator.py): about a thousand times slower than a real
+    """The emulated GPU (tests/emulated_gpu/gpu_emulator.py): about a thousand times slower than a real
     one, so whole-model tests run shorter there."""
     return "Fake" in device.name

@@ -1,6 +1,6 @@
 """The tensor-core prefill attention (kernels/cuda/attention_prefill.cu) against the numpy
 reference, and the mma.sync / ldmatrix fragment layouts of kernels/cuda/mma.cuh, on a GPU
-(skipped without one) and on the emulated GPU of tests/gpu_emulator.py.
+(skipped without one) and on the emulated GPU of tests/emulated_gpu/gpu_emulator.py.
 
 Batches mix sessions of different lengths: fresh prompts whose lengths are not multiples of
 the kernel's tiles, chunked prefill continuing a cached prefix (n_past > 0), and a single

@@ -1,6 +1,6 @@
 """The cuda sampler (kernels/cuda_sampling.py, kernels/cuda/sampler.cu) against
 kernels/sampling.py, on a GPU (skipped without one) and on the emulated GPU of
-tests/gpu_emulator.py: the draw (greedy ties, seeded draws equal to the reference's,
+tests/emulated_gpu/gpu_emulator.py: the draw (greedy ties, seeded draws equal to the reference's,
 independent of the batch, the token buffer and NaN rows), the logit bias and penalties
 (to the bit), the token counts kept on the device from a round's inputs, and logprobs.
 """

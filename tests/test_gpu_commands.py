@@ -1,5 +1,5 @@
 """The GPU benchmark scripts and the `eagerlm` commands with `--device cuda` run end to end
-on the emulated GPU (tests/gpu_emulator.py), in CI-sized settings. A script that would
+on the emulated GPU (tests/emulated_gpu/gpu_emulator.py), in CI-sized settings. A script that would
 crash on the device costs one of the rare GPU sessions its minutes; here it costs a red CI
 instead. Nothing is timed: the emulator's speed says nothing about a GPU's. What is
 checked is that each completes and reports: a benchmark, the physical limit it compares

@@ -18,7 +18,7 @@
 // tile gives A fragments and, of a tile whose rows are B's columns (K for Q.K^T), B
 // fragments; .trans of a tile whose rows are B's rows (V for P.V) gives B fragments.
 //
-// Under EAGERLM_EMULATOR (tests/cuda_emulation/runtime.h) every wrapper is plain C++ with
+// Under EAGERLM_EMULATOR (tests/emulated_gpu/cuda_emulation/runtime.h) every wrapper is plain C++ with
 // the same semantics: mma and ldmatrix gather the warp's operands with emu::warp_exchange
 // (so a call from a diverged or partial warp is reported, as the hardware would misbehave),
 // cp.async copies are queued per thread and performed only at cp.async.wait_group, and the

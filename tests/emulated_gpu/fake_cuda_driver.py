@@ -1,6 +1,6 @@
 """A fake CUDA driver: what the engine uses of `cuda.bindings.driver`, with the driver's
 rules, on host memory (see tests/test_vmm_fake_cuda.py for what it is for, and
-tests/gpu_emulator.py for the version that also runs kernels)."""
+tests/emulated_gpu/gpu_emulator.py for the version that also runs kernels)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 // The CUDA execution model on the host, for running the engine's kernels without a GPU.
 //
-// tests/gpu_emulator.py compiles each kernels/cuda/*.cu file with g++ and this header
+// tests/emulated_gpu/gpu_emulator.py compiles each kernels/cuda/*.cu file with g++ and this header
 // force-included. A launch runs the grid block after block; the threads of a block are
 // fibers (ucontext) on the calling OS thread, switched only where CUDA synchronizes:
 // __syncthreads (and its _or/_and/_count forms), __syncwarp, and every warp collective

@@ -1,6 +1,6 @@
 // Stand-in for the CUDA toolkit's crt/host_defines.h (not shipped in the nvidia-cuda-runtime
 // wheel), so the kernels and cuda_bf16.h compile with a host C++ compiler for the emulator
-// (tests/gpu_emulator.py). Device qualifiers vanish; __shared__ becomes `static`, which is
+// (tests/emulated_gpu/gpu_emulator.py). Device qualifiers vanish; __shared__ becomes `static`, which is
 // right because the emulator runs one block at a time per compiled module.
 #pragma once
 #define __host__

@@ -1,0 +1,103 @@
+"""The distribution is one package, `eagerlm`, and nothing else.
+
+The five source folders (vmm/, loader/, dispatch/, kernels/, service/) have names that
+other distributions on PyPI own (`kernels` is Hugging Face's kernel hub, which
+transformers imports): installed at the top level, pip would let one overwrite the other's
+files. So the wheel built from this checkout must hold `eagerlm/` and its dist-info alone,
+every module of the checkout under its `eagerlm.` name, the CUDA sources NVRTC compiles at
+run time, and an `eagerlm` command that works from a fresh environment where `import
+kernels` fails.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("vmm", "loader", "dispatch", "kernels", "service")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    # no build isolation: CI and the GPU machine have setuptools, and this needs no network
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(out), str(ROOT)], check=True,
+                   capture_output=True, text=True)
+    (whl,) = out.glob("eagerlm-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="module")
+def tiny_model_path(tmp_path_factory) -> Path:
+    return write_synthetic_model(tmp_path_factory.mktemp("m") / "tiny.gguf",
+                                 tiny_spec("llama"))
+
+
+def wheel_path(source: Path) -> str:
+    """Where a checkout file lands in the wheel, by pyproject.toml's package-dir."""
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"]
+    best = max((name for name, folder in mapping.items()
+                if source.is_relative_to(ROOT / folder)),
+               key=lambda name: len(mapping[name]))
+    inside = source.relative_to(ROOT / mapping[best])
+    return "/".join([*best.split("."), *inside.parts])
+
+
+def test_the_wheel_holds_nothing_at_top_level_but_eagerlm_and_its_dist_info(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"eagerlm", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}"
+                    ".dist-info"}, tops
+    assert not any(n.split("/")[0] in FOLDERS for n in names)
+
+
+def test_every_module_and_cuda_source_of_the_checkout_is_in_the_wheel(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = [p for folder in FOLDERS for p in (ROOT / folder).rglob("*")
+               if p.suffix in (".py", ".cu", ".cuh") and "__pycache__" not in p.parts]
+    assert any(p.suffix == ".cu" for p in sources)
+    missing = [str(p.relative_to(ROOT)) for p in sources if wheel_path(p) not in names]
+    assert not missing, f"not in the wheel: {missing}"
+
+
+def test_the_wheel_declares_the_eagerlm_command(wheel):
+    archive = zipfile.ZipFile(wheel)
+    (entry_points,) = [n for n in archive.namelist() if n.endswith("entry_points.txt")]
+    text = archive.read(entry_points).decode()
+    assert "eagerlm = eagerlm.service.cli.commands:main" in text
+
+
+def test_installed_in_a_fresh_environment_eagerlm_works_and_the_bare_names_do_not(
+        wheel, tmp_path, tiny_model_path):
+    venv = tmp_path / "venv"
+    # the dependencies (numpy, jinja2, ...) come from this environment's site-packages;
+    # eagerlm itself only from the wheel
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+                    "--no-deps", "--no-index", str(wheel)], check=True, capture_output=True)
+    probe = ("import eagerlm, importlib.util as u; print(eagerlm.__file__); "
+             "from eagerlm import Engine, SyncEngine, SamplingParams; "
+             "print([n for n in ('vmm', 'loader', 'dispatch', 'kernels', 'service') "
+             "if u.find_spec(n) is not None])")
+    done = subprocess.run([str(python), "-c", probe], cwd=tmp_path, capture_output=True,
+                          text=True, check=True)
+    where, bare = done.stdout.splitlines()
+    assert where.startswith(str(venv)), where
+    assert bare == "[]", f"importable at top level: {bare}"
+    gen = subprocess.run([str(venv / "bin" / "eagerlm"), "generate", "--model",
+                          str(tiny_model_path), "--prompt", "hello", "--max-tokens", "3",
+                          "--temperature", "0", "-q"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr

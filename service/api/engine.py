@@ -50,10 +50,10 @@ from eagerlm.service.api.loop_bridge import LoopWaker
 from eagerlm.service.api.metrics import EngineMetrics, PrometheusText, bubble_fraction
 from eagerlm.service.api.model_loading import (
     LoadedModel,
-    LoadProgress,
     ProgressCallback,
     load_model,
 )
+from eagerlm.service.api.progress import log_progress
 
 log = logging.getLogger("eagerlm")
 
@@ -413,7 +413,7 @@ class Engine:
         of `EngineSettings`."""
         config = EngineSettings(**settings)
         loaded = load_model(model_path, device, page_size=config.page_size,
-                            on_progress=on_progress or _log_progress,
+                            on_progress=on_progress or log_progress,
                             rope=config.rope_override(), max_context=config.max_context)
         try:
             return cls(loaded, config)
@@ -577,13 +577,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _log_progress(p: LoadProgress) -> None:
-    if p.stage == "ready":
-        log.info("model loaded in %.1f s", p.elapsed_s)
-    elif p.stage == "weights" and p.done == p.total:
-        log.info("weights: %.1f MiB", p.total / 2**20)
 
 
 __all__ = [

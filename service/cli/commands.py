@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING
 
 from eagerlm.dispatch.errors import RequestError
 from eagerlm.kernels.weight_memory import ModelTooLarge
@@ -23,7 +23,8 @@ from eagerlm.loader.config import RopeOverride, RopeScalingType
 from eagerlm.loader.demo_model import DemoModelMissing, demo_model_path
 from eagerlm.loader.errors import ModelFileError
 from eagerlm.loader.model_file import ModelFile
-from eagerlm.service.api.model_loading import LoadProgress, ProgressCallback
+from eagerlm.service.api.model_loading import ProgressCallback
+from eagerlm.service.api.progress import ProgressBar
 from eagerlm.service.cli.device_args import add_device_args, kv_budget_bytes
 from eagerlm.service.measure.bench import add_bench_parser
 from eagerlm.service.measure.profiler import add_profile_parser
@@ -60,36 +61,8 @@ def _load_transformer(model: ModelFile, quiet: bool):
     return transformer
 
 
-class _ProgressBar:
-    """Draws weight loading on stderr: a bar redrawn in place on a terminal, otherwise
-    just the start and end lines (no control characters in logs)."""
-
-    WIDTH = 30
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self._last_percent = -1
-
-    def __call__(self, p: LoadProgress) -> None:
-        if p.stage == "weights" and self.tty:
-            percent = int(p.fraction * 100)
-            if percent != self._last_percent:
-                self._last_percent = percent
-                filled = int(p.fraction * self.WIDTH)
-                bar = "#" * filled + "-" * (self.WIDTH - filled)
-                self.stream.write(f"\r  weights [{bar}] {percent:3d}%  "
-                                  f"{p.done / 2**20:.1f}/{p.total / 2**20:.1f} MiB")
-                self.stream.flush()
-        elif p.stage == "ready":
-            if self.tty and self._last_percent >= 0:
-                self.stream.write("\n")
-            self.stream.write(f"loaded in {p.elapsed_s:.1f} s\n")
-            self.stream.flush()
-
-
 def _progress(quiet: bool) -> ProgressCallback | None:
-    return None if quiet else _ProgressBar(sys.stderr)
+    return None if quiet else ProgressBar(sys.stderr)
 
 
 def _engine_settings(args: argparse.Namespace, **settings: object) -> dict[str, object]:

@@ -47,7 +47,7 @@ from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.tokenizer import Tokenizer
 from eagerlm.service.api.chat_tokens import TurnMemory
 from eagerlm.service.api.loop_bridge import LoopWaker
-from eagerlm.service.api.metrics import EngineMetrics, PrometheusText, bubble_fraction
+from eagerlm.service.api.metrics import EngineMetrics, PrometheusText, recent_steady_bubble
 from eagerlm.service.api.model_loading import (
     LoadedModel,
     ProgressCallback,
@@ -561,7 +561,7 @@ class Engine:
         out.sample("eagerlm_kv_pages_total", pool.n_pages)
         out.family("eagerlm_bubble_fraction", "gauge",
                    "Device idle between rounds while sessions decode, over recent rounds.")
-        out.sample("eagerlm_bubble_fraction", bubble_fraction(self.dispatcher.traces))
+        out.sample("eagerlm_bubble_fraction", recent_steady_bubble(self.dispatcher.traces))
 
     def shutdown(self) -> None:
         """Stop the dispatcher (running requests end with an error) and free the device."""

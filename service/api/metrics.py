@@ -4,9 +4,9 @@ Written by hand: the exposition format is a few lines of text and this avoids a 
 Request timings are taken on the dispatcher's service thread, where outputs are produced,
 so they do not include the hop to an event loop; readers are other threads, hence the lock.
 
-The bubble fraction is the profiler's (service/round_timeline.py): device idle between
-rounds over wall time, in runs of consecutive decode-only rounds, where the device always
-had work the host knew about.
+The bubble fraction is the profiler's `steady_bubble` (service/measure/round_timeline.py):
+device idle between rounds over wall time, in runs of consecutive decode-only rounds, where
+the device always had work the host knew about.
 """
 
 from __future__ import annotations
@@ -188,11 +188,11 @@ class EngineMetrics:
                           "From submission to the end of the request.", self.duration)
 
 
-def bubble_fraction(traces: Iterable[RoundTrace],
-                    window: int = BUBBLE_WINDOW_ROUNDS) -> float:
+def recent_steady_bubble(traces: Iterable[RoundTrace],
+                         window: int = BUBBLE_WINDOW_ROUNDS) -> float:
     """Device idle over wall time in steady decode, over the last `window` consumed rounds:
-    the profiler's definition (service/round_timeline.py), on device times taken relative
-    to the first of those rounds (only differences matter)."""
+    the profiler's `steady_bubble` (service/measure/round_timeline.py), on device times
+    taken relative to the first of those rounds (only differences matter)."""
     recent = [t for t in _snapshot(traces)[-window:] if t.tokens_ready
               and t.device_start is not None and t.device_end is not None]
     if not recent:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagerlm.dispatch.errors import RequestError
+from eagerlm.dispatch.scheduler import SchedulerConfig
 from eagerlm.kernels.weight_memory import ModelTooLarge
 from eagerlm.loader.config import RopeOverride, RopeScalingType
 from eagerlm.loader.demo_model import DemoModelMissing, demo_model_path
@@ -349,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests generating at once (default 64)")
     s.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests waiting for a slot before 429 (default 256)")
-    s.add_argument("--max-batch", type=int, default=32, metavar="N",
-                   help="sessions decoded together in one round (default 32)")
+    s.add_argument("--max-batch", type=int, default=SchedulerConfig.max_batch, metavar="N",
+                   help=f"sessions decoded together in one round "
+                        f"(default {SchedulerConfig.max_batch})")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="BYTES",
                    help="largest request body accepted; larger gets 413 (default 1 MiB)")
     s.add_argument("--shutdown-grace", type=float, default=None, metavar="SECONDS",

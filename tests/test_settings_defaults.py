@@ -3,7 +3,8 @@
 DispatcherConfig (kv_budget_bytes, memory_fraction, max_context). The layers above
 (EngineSettings, the harness's DispatchSettings) and every command-line flag for a setting
 start from that default, so the engine, `eagerlm profile`/`bench` and a bare dispatcher
-run the same way unless told otherwise. These tests fail when a layer disagrees again."""
+run the same way unless told otherwise; likewise `eagerlm serve`'s flags and ServerConfig.
+These tests fail when a layer disagrees again."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from eagerlm.service.api.chat_tokens import TurnMemory
 from eagerlm.service.api.engine import EngineSettings
 from eagerlm.service.cli.commands import _engine_settings, build_parser
 from eagerlm.service.cli.device_args import kv_budget_bytes
+from eagerlm.service.http.config import ServerConfig
 from eagerlm.service.measure.harness import DispatchSettings, engine_settings
 from eagerlm.service.measure.profiler import PROFILE_BATCH
 
@@ -103,3 +105,11 @@ def test_measuring_commands_without_flags_measure_the_default_engine(argv):
     assert got == want
     assert dataclasses.replace(got, max_batch=SchedulerConfig.max_batch).dispatcher_config(
         sync=False) == DispatcherConfig()
+
+
+def test_serve_flags_default_to_the_servers_config():
+    args = build_parser().parse_args(["serve"])
+    flags = {"host": args.host, "port": args.port, "max_body_bytes": args.max_body_bytes,
+             "max_concurrency": args.max_concurrency, "max_queue": args.max_queue,
+             "shutdown_grace_s": args.shutdown_grace}
+    assert ServerConfig(**flags) == ServerConfig()

@@ -560,14 +560,12 @@ class Engine:
     def write_metrics(self, out: PrometheusText) -> None:
         self.metrics.write(out)
         pool = self.dispatcher.pool
-        out.family("eagerlm_kv_pages_in_use", "gauge",
-                   "KV pages mapped by sessions or cached prefixes.")
-        out.sample("eagerlm_kv_pages_in_use", pool.n_pages - pool.n_free)
-        out.family("eagerlm_kv_pages_total", "gauge", "KV pages in the pool.")
-        out.sample("eagerlm_kv_pages_total", pool.n_pages)
-        out.family("eagerlm_bubble_fraction", "gauge",
-                   "Device idle between rounds while sessions decode, over recent rounds.")
-        out.sample("eagerlm_bubble_fraction", recent_steady_bubble(self.dispatcher.traces))
+        out.gauge("eagerlm_kv_pages_in_use", "KV pages mapped by sessions or cached prefixes.",
+                  pool.n_pages - pool.n_free)
+        out.gauge("eagerlm_kv_pages_total", "KV pages in the pool.", pool.n_pages)
+        out.gauge("eagerlm_bubble_fraction",
+                  "Device idle between rounds while sessions decode, over recent rounds.",
+                  recent_steady_bubble(self.dispatcher.traces))
 
     def shutdown(self) -> None:
         """Stop the dispatcher (running requests end with an error) and free the device."""

@@ -72,6 +72,16 @@ class PrometheusText:
             name = f"{name}{{{inner}}}"
         self._lines.append(f"{name} {_number(value)}")
 
+    def gauge(self, name: str, help_text: str, value: float) -> None:
+        """A gauge family of one unlabelled sample."""
+        self.family(name, "gauge", help_text)
+        self.sample(name, value)
+
+    def counter(self, name: str, help_text: str, value: float) -> None:
+        """A counter family of one unlabelled sample."""
+        self.family(name, "counter", help_text)
+        self.sample(name, value)
+
     def histogram(self, name: str, help_text: str, hist: Histogram) -> None:
         self.family(name, "histogram", help_text)
         self._lines += hist.lines(name)
@@ -172,14 +182,11 @@ class EngineMetrics:
                      "Prompt tokens whose KV was reused from the prefix cache."),
                     ("eagerlm_generation_tokens_total", self.generation_tokens,
                      "Tokens generated and delivered.")):
-                out.family(name, "counter", text)
-                out.sample(name, value)
-            out.family("eagerlm_requests_running", "gauge",
-                       "Requests in the engine (submitted, not finished).")
-            out.sample("eagerlm_requests_running", self.running)
-            out.family("eagerlm_requests_waiting", "gauge",
-                       "Requests in the engine that have no token yet.")
-            out.sample("eagerlm_requests_waiting", self.waiting)
+                out.counter(name, text, value)
+            out.gauge("eagerlm_requests_running",
+                      "Requests in the engine (submitted, not finished).", self.running)
+            out.gauge("eagerlm_requests_waiting",
+                      "Requests in the engine that have no token yet.", self.waiting)
             out.histogram("eagerlm_time_to_first_token_seconds",
                           "From submission to the first token.", self.ttft)
             out.histogram("eagerlm_inter_token_latency_seconds",

@@ -281,12 +281,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         out = PrometheusText()
         engine.write_metrics(out)
-        out.family("eagerlm_queue_length", "gauge",
-                   "HTTP requests waiting for a concurrency slot.")
-        out.sample("eagerlm_queue_length", gate.queued)
-        out.family("eagerlm_http_requests_active", "gauge",
-                   "HTTP requests holding a concurrency slot.")
-        out.sample("eagerlm_http_requests_active", gate.active)
+        out.gauge("eagerlm_queue_length", "HTTP requests waiting for a concurrency slot.",
+                  gate.queued)
+        out.gauge("eagerlm_http_requests_active", "HTTP requests holding a concurrency slot.",
+                  gate.active)
         out.family("eagerlm_http_responses_total", "counter", "Responses by route and status.")
         for (route, status), n in sorted(response_counts.items()):
             out.sample("eagerlm_http_responses_total", n,

@@ -80,7 +80,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--memory-fraction", type=float, default=0.9,
+    ap.add_argument("--memory-fraction", type=float,
+                    default=DispatchSettings.memory_fraction,
                     help="the KV pool's share of the GPU memory left after the weights")
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the timed copy")
     ap.add_argument("--json", help="write the results here")

@@ -38,6 +38,10 @@ from eagerlm.service.measure.bench import bench_offline
 from eagerlm.service.measure.harness import DispatchSettings, load_model
 from eagerlm.service.measure.workload import LengthRange, WorkloadSpec, make_workload
 
+# tokens per round (prefill chunks + decodes), the same for both engines: llama.cpp's
+# default n_batch, rather than eagerlm's own default (SchedulerConfig.max_round_tokens)
+ROUND_TOKENS = 512
+
 
 def gemm_gflops(n: int = 2048, repeats: int = 3) -> float:
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
@@ -81,7 +85,7 @@ def main() -> None:
     roof = n_out / (gflop / peak)
 
     results: dict[str, dict] = {}
-    settings = DispatchSettings(max_batch=args.max_batch)
+    settings = DispatchSettings(max_batch=args.max_batch, max_round_tokens=ROUND_TOKENS)
     for mode in ("eager", "sync"):
         s = bench_offline(loaded, workload, settings, sync=mode == "sync").summary
         results[f"eagerlm {mode}, batch<={args.max_batch}"] = {
@@ -94,7 +98,8 @@ def main() -> None:
 
         pairs = [(r.prompt_ids, r.max_tokens) for r in requests]
         for n_par in dict.fromkeys((1, args.max_batch)):
-            r = run_llama_cpp_workload(path, pairs, n_parallel=n_par, n_threads=args.threads)
+            r = run_llama_cpp_workload(path, pairs, n_parallel=n_par, n_threads=args.threads,
+                                       n_batch=ROUND_TOKENS)
             results[f"llama.cpp {args.threads} threads, parallel {n_par}"] = r
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; float32 GEMM "

@@ -10,6 +10,7 @@ expanded by a dequantization kernel on the loader's stream.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from eagerlm.kernels.cuda_ops import CudaOps
@@ -73,32 +74,38 @@ def device_weight_bytes(model: ModelFile) -> int:
                for info in model.gguf.tensors.values())
 
 
-def load_cuda_weights(model: ModelFile, ops: CudaOps, *, progress: bool = False,
+def load_cuda_weights(model: ModelFile, ops: CudaOps, *,
+                      on_bytes: Callable[[int, int], None] | None = None,
                       **loader_options: Any) -> tuple[ModelWeights[DeviceTensor], LoadStats]:
     """Every weight of the file on the device, through the slab loader; ModelTooLarge,
-    before anything is uploaded, where they would not fit in the device's free memory."""
+    before anything is uploaded, where they would not fit in the device's free memory.
+    `on_bytes(done, total)` reports the upload as `cpu_transformer` reports its load."""
     check_fits(model, device_weight_bytes(model), ops.device.mem_info()[0], "the cuda backend",
                "bf16", "choose a smaller model (the cpu backend holds twice as much)")
     loader = SlabLoader(ops.device, model.gguf, CudaWeights(ops, model.path),
-                        progress=progress, **loader_options)
+                        on_bytes=on_bytes, **loader_options)
     try:
         weights = build_weights(model.gguf, model.config, loader.fetch)
     finally:
         stats = loader.finish()
+    if on_bytes is not None:
+        on_bytes(loader.total_bytes, loader.total_bytes)  # unused tensors count as done
     return weights, stats
 
 
-def cuda_transformer(model: ModelFile, device: Any = None, *, progress: bool = False,
+def cuda_transformer(model: ModelFile, device: Any = None, *,
+                     on_bytes: Callable[[int, int], None] | None = None,
                      ops: CudaOps | None = None) -> Transformer[DeviceTensor]:
-    """The model on a CUDA device (the first one when `device` is None)."""
+    """The model on a CUDA device (the first one when `device` is None); `on_bytes` as for
+    `load_cuda_weights`, and with it the loader's report on stderr."""
     if ops is None:
         if device is None:
             from eagerlm.vmm.device import open_device
 
             device = open_device("cuda")
         ops = CudaOps(device)
-    weights, stats = load_cuda_weights(model, ops, progress=progress)
-    if progress:
+    weights, stats = load_cuda_weights(model, ops, on_bytes=on_bytes)
+    if on_bytes is not None:
         print(stats.report(), file=sys.stderr)
     ops.lm_head = weights.output
     return Transformer(model.config, weights, ops)

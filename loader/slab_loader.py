@@ -25,7 +25,6 @@ on the cpu device (tests/test_slab_loader.py) with a host expander.
 from __future__ import annotations
 
 import collections
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -169,38 +168,17 @@ class LoadStats:
                 f"{st.unpooled} one-off, {st.waits} waits, peak {st.peak_bytes / 2**20:.0f} MiB")
 
 
-class ProgressBar:
-    """A one-line progress bar on stderr, redrawn at most ten times a second."""
-
-    def __init__(self, total_bytes: int, label: str = "loading", stream=None) -> None:
-        self.total = max(1, total_bytes)
-        self.label = label
-        self.out = stream or sys.stderr
-        self.t0 = time.perf_counter()
-        self._last = 0.0
-
-    def update(self, done_bytes: int, final: bool = False) -> None:
-        now = time.perf_counter()
-        if not final and now - self._last < 0.1:
-            return
-        self._last = now
-        frac = min(1.0, done_bytes / self.total)
-        filled = int(frac * 30)
-        rate = done_bytes / (now - self.t0) / 1e9 if now > self.t0 else 0.0
-        self.out.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {frac:4.0%} "
-                       f"{done_bytes / 1e9:.2f}/{self.total / 1e9:.2f} GB {rate:.2f} GB/s")
-        if final:
-            self.out.write("\n")
-        self.out.flush()
-
-
 class SlabLoader(Generic[T]):
-    """Uploads the tensors of one GGUF file; `fetch` is the `build_weights` callback."""
+    """Uploads the tensors of one GGUF file; `fetch` is the `build_weights` callback.
+
+    `on_bytes(done, total)` is called as tensors are uploaded (bytes of the file's tensor
+    data), from (0, total) on; tensors the architecture does not use are never uploaded, so
+    the caller reports (total, total) once `build_weights` has returned."""
 
     def __init__(self, device: Device, gguf: GGUFFile, builder: WeightBuilder[T], *,
                  stream: Stream | None = None, budget_bytes: int = DEFAULT_BUDGET,
                  min_repeats: int = DEFAULT_MIN_REPEATS,
-                 progress: bool | ProgressBar = False) -> None:
+                 on_bytes: Callable[[int, int], None] | None = None) -> None:
         self.device = device
         self.gguf = gguf
         self.builder = builder
@@ -214,11 +192,15 @@ class SlabLoader(Generic[T]):
 
         self.staging: SizePool[HostBuffer] = SizePool(device.alloc_host, pooled, budget_bytes)
         self.scratch: SizePool[DeviceBuffer] = SizePool(device.alloc, pooled, budget_bytes)
-        total = sum(info.n_bytes for info in gguf.tensors.values())
-        self.progress = progress if isinstance(progress, ProgressBar) else (
-            ProgressBar(total) if progress else None)
+        self.total_bytes = sum(info.n_bytes for info in gguf.tensors.values())
+        self.on_bytes = on_bytes
         self.stats = LoadStats(staging=self.staging.stats, scratch=self.scratch.stats)
         self._t0 = time.perf_counter()
+        self._report()
+
+    def _report(self) -> None:
+        if self.on_bytes is not None:
+            self.on_bytes(self.stats.bytes, self.total_bytes)
 
     def fetch(self, info: TensorInfo) -> T:
         n = info.n_bytes
@@ -240,8 +222,7 @@ class SlabLoader(Generic[T]):
             self.scratch.give_back(raw, done)
         self.stats.tensors += 1
         self.stats.bytes += n
-        if self.progress is not None:
-            self.progress.update(self.stats.bytes)
+        self._report()
         return weight
 
     def finish(self) -> LoadStats:
@@ -250,8 +231,6 @@ class SlabLoader(Generic[T]):
         self.staging.close()
         self.scratch.close()
         self.stats.seconds = time.perf_counter() - self._t0
-        if self.progress is not None:
-            self.progress.update(self.stats.bytes, final=True)
         if self._own_stream:
             self.stream.close()
         return self.stats

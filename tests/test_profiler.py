@@ -16,7 +16,6 @@ from eagerlm.service.measure.round_timeline import (
     Bubble,
     DeviceClock,
     RoundSpan,
-    bubble_fraction,
     in_flight_at_launch,
     steady_bubble,
     steady_decode_runs,
@@ -40,13 +39,15 @@ def span(rid: int, dev: tuple[float, float], *, decode: int = 4, prefill: int = 
 
 # -- pure computations -------------------------------------------------------------------
 
-def test_bubble_fraction_of_known_gaps_is_exact():
+def test_bubble_between_known_gaps_is_exact():
     # busy 0-2, 3-5, 5.5-8: window 8, gaps 1 + 0.5
-    assert bubble_fraction([(0.0, 2.0), (3.0, 5.0), (5.5, 8.0)]) == 1.5 / 8
+    assert Bubble.between([(0.0, 2.0), (3.0, 5.0), (5.5, 8.0)]) == Bubble(1.5, 8.0, 3)
+    assert Bubble.between([(0.0, 2.0), (3.0, 5.0), (5.5, 8.0)]).fraction == 1.5 / 8
     # overlaps are counted once; order does not matter
     assert union_length([(3.0, 5.0), (0.0, 2.0), (1.0, 2.5), (4.0, 4.5)]) == 4.5
-    assert bubble_fraction([(1.0, 3.0), (0.0, 2.0)]) == 0.0
-    assert bubble_fraction([]) == 0.0
+    assert Bubble.between([(1.0, 3.0), (0.0, 2.0)]).fraction == 0.0
+    assert Bubble.between([]).fraction == 0.0
+    assert Bubble.between([(1.0, 1.0)]).fraction == 0.0  # an empty window
 
 
 def test_steady_bubble_counts_only_gaps_between_decode_only_rounds():

@@ -8,7 +8,8 @@ place of the GPU dequantization kernels.
 - a buffer is never handed out again before the event of its last upload completes;
 - preparing the next tensor does not wait for the previous upload (the stream can be held
   shut while several tensors are prepared), and the pinned budget makes `take` wait;
-- a progress bar and a report with the load's size, time and GB/s.
+- progress reported as bytes uploaded of the total, which the CLI's bar draws with the
+  load's size and GB/s, and a report with the load's size, time and GB/s.
 
 The cuda expander (kernels/cuda_backend.py) is tested on a GPU in tests/test_cuda_ops.py.
 """
@@ -16,15 +17,18 @@ The cuda expander (kernels/cuda_backend.py) is tested on a GPU in tests/test_cud
 from __future__ import annotations
 
 import io
+import itertools
 import threading
 
 import numpy as np
 import pytest
 from eagerlm.loader.gguf_file import TensorInfo
 from eagerlm.loader.model_file import ModelFile
-from eagerlm.loader.slab_loader import ProgressBar, SizePool, SlabLoader
+from eagerlm.loader.slab_loader import SizePool, SlabLoader
 from eagerlm.loader.synthetic import SyntheticSpec, write_synthetic_model
 from eagerlm.loader.weights import build_weights, load_numpy_weights
+from eagerlm.service.api.model_loading import LoadProgress
+from eagerlm.service.api.progress import ProgressBar
 from eagerlm.vmm.cpu_device import CpuDevice
 from eagerlm.vmm.device import DeviceBuffer, Memory, Stream
 from gguf import GGMLQuantizationType, quants
@@ -185,14 +189,46 @@ def test_the_pinned_budget_makes_take_wait_for_the_oldest_upload(device) -> None
     pool.close()
 
 
+def test_progress_counts_bytes_uploaded_from_zero_of_the_total(device, model_path) -> None:
+    model = ModelFile.open(model_path)
+    seen: list[tuple[int, int]] = []
+    loader = SlabLoader(device, model.gguf, HostWeights(device),
+                        on_bytes=lambda done, total: seen.append((done, total)))
+    build_weights(model.gguf, model.config, loader.fetch)
+    stats = loader.finish()
+    total = sum(info.n_bytes for info in model.gguf.tensors.values())
+    assert seen[0] == (0, total) and seen[-1] == (stats.bytes, total)
+    assert len(seen) == stats.tensors + 1
+    assert all(a[0] < b[0] and b[1] == total for a, b in itertools.pairwise(seen))
+
+
 def test_progress_bar_reports_bytes_and_rate() -> None:
-    out = io.StringIO()
-    bar = ProgressBar(2_000_000_000, stream=out)
-    bar.update(1_000_000_000, final=False)
-    bar.update(2_000_000_000, final=True)
+    out = io.StringIO()  # not a terminal: one line, once the weights are loaded
+    bar = ProgressBar(out)
+    bar.update(1_000_000_000, 2_000_000_000)
+    bar.update(2_000_000_000, 2_000_000_000)
     text = out.getvalue()
     assert "100%" in text and "2.00/2.00 GB" in text and "GB/s" in text
-    assert text.endswith("\n")
+    assert text.endswith("\n") and text.count("\n") == 1 and "\r" not in text
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_redraws_in_place_and_ends_its_line_once() -> None:
+    out = _Terminal()
+    bar = ProgressBar(out)
+    for p in [LoadProgress("header"), LoadProgress("weights", 0, 4_000_000),
+              LoadProgress("weights", 4_000_000, 4_000_000),
+              LoadProgress("weights", 4_000_000, 4_000_000), LoadProgress("ready", elapsed_s=1.5)]:
+        bar(p)
+    lines = out.getvalue().split("\n")
+    assert lines[0].startswith("\rweights [") and "  0%" in lines[0]
+    assert lines[0].count("\r") == 2 and lines[0].count("100%") == 1  # 0%, then 100%
+    assert "4.00/4.00 MB" in lines[0] and lines[0].endswith(" MB/s")
+    assert lines[1:] == ["loaded in 1.5 s", ""]
 
 
 @pytest.mark.gpu

@@ -22,9 +22,11 @@ from collections.abc import Sequence
 
 from eagerlm.loader.tokenizer import Tokenizer
 
+DEFAULT_MAX_TURNS = 256  # EngineSettings.chat_turns_remembered
+
 
 class TurnMemory:
-    def __init__(self, tokenizer: Tokenizer, max_turns: int = 256) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_turns: int = DEFAULT_MAX_TURNS) -> None:
         self.tokenizer = tokenizer
         self.max_turns = max_turns
         self._turns: OrderedDict[str, tuple[int, ...]] = OrderedDict()

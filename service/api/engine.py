@@ -45,15 +45,15 @@ from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
 from eagerlm.loader.config import RopeOverride
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.tokenizer import Tokenizer
-from eagerlm.service.api.chat_tokens import TurnMemory
+from eagerlm.service.api.chat_tokens import DEFAULT_MAX_TURNS, TurnMemory
 from eagerlm.service.api.loop_bridge import LoopWaker
-from eagerlm.service.api.metrics import EngineMetrics, PrometheusText, bubble_fraction
+from eagerlm.service.api.metrics import EngineMetrics, PrometheusText, recent_steady_bubble
 from eagerlm.service.api.model_loading import (
     LoadedModel,
-    LoadProgress,
     ProgressCallback,
     load_model,
 )
+from eagerlm.service.api.progress import log_progress
 
 log = logging.getLogger("eagerlm")
 
@@ -62,25 +62,31 @@ ChatMessage = Mapping[str, Any]
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """How an engine is set up. The defaults suit one user on one machine."""
+    """How an engine is set up. The defaults suit one user on one machine; each is the
+    default of the layer that owns the setting (DispatcherConfig, ControlConfig,
+    SchedulerConfig, TurnMemory), so the engine and a bare dispatcher agree."""
 
     # context length in tokens (--ctx); default the model's trained context. Beyond it
     # only as far as the rope scaling supports (ModelConfig.context_for)
-    max_context: int | None = None
+    max_context: int | None = DispatcherConfig.max_context
     # the user's rope scaling in place of the file's (loader/config.py RopeOverride):
     # "none", "linear" or "yarn", the factor, YaRN's original context; None keeps the file's
     rope_scaling: str | None = None
     rope_scale: float | None = None
     yarn_orig_ctx: int | None = None
-    kv_budget_bytes: int | None = None  # cpu KV pool; None: fits the context (kv_capacity)
-    memory_fraction: float = 0.9  # of memory left after weights: cuda pool, cpu cap
+    # cpu KV pool; None: fits the context (kv_capacity)
+    kv_budget_bytes: int | None = DispatcherConfig.kv_budget_bytes
+    # of memory left after weights: cuda pool, cpu cap
+    memory_fraction: float = DispatcherConfig.memory_fraction
     page_size: int | None = None  # KV page bytes (cpu; default 2 MiB)
-    max_batch: int = 32  # sessions per round
-    max_round_tokens: int = 256  # prefill + decode tokens per round
-    lookahead: int = 2  # rounds launched ahead of the service thread
-    prefix_cache: bool = True  # keep finished sessions' KV for prompts that share a prefix
-    cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (cuda; off: run eagerly)
-    chat_turns_remembered: int = 256  # see service/chat_tokens.py
+    max_batch: int = SchedulerConfig.max_batch  # sessions per round
+    max_round_tokens: int = SchedulerConfig.max_round_tokens  # prefill + decode tokens per round
+    lookahead: int = ControlConfig.lookahead  # rounds launched ahead of the service thread
+    # keep finished sessions' KV for prompts that share a prefix
+    prefix_cache: bool = ControlConfig.prefix_cache
+    # replay decode rounds as CUDA graphs (cuda; off: run eagerly)
+    cuda_graphs: bool = ControlConfig.cuda_graphs
+    chat_turns_remembered: int = DEFAULT_MAX_TURNS  # see service/api/chat_tokens.py
     model_name: str | None = None  # the name clients use; default: the file's stem
 
     def __post_init__(self) -> None:
@@ -413,7 +419,7 @@ class Engine:
         of `EngineSettings`."""
         config = EngineSettings(**settings)
         loaded = load_model(model_path, device, page_size=config.page_size,
-                            on_progress=on_progress or _log_progress,
+                            on_progress=on_progress or log_progress,
                             rope=config.rope_override(), max_context=config.max_context)
         try:
             return cls(loaded, config)
@@ -554,14 +560,12 @@ class Engine:
     def write_metrics(self, out: PrometheusText) -> None:
         self.metrics.write(out)
         pool = self.dispatcher.pool
-        out.family("eagerlm_kv_pages_in_use", "gauge",
-                   "KV pages mapped by sessions or cached prefixes.")
-        out.sample("eagerlm_kv_pages_in_use", pool.n_pages - pool.n_free)
-        out.family("eagerlm_kv_pages_total", "gauge", "KV pages in the pool.")
-        out.sample("eagerlm_kv_pages_total", pool.n_pages)
-        out.family("eagerlm_bubble_fraction", "gauge",
-                   "Device idle between rounds while sessions decode, over recent rounds.")
-        out.sample("eagerlm_bubble_fraction", bubble_fraction(self.dispatcher.traces))
+        out.gauge("eagerlm_kv_pages_in_use", "KV pages mapped by sessions or cached prefixes.",
+                  pool.n_pages - pool.n_free)
+        out.gauge("eagerlm_kv_pages_total", "KV pages in the pool.", pool.n_pages)
+        out.gauge("eagerlm_bubble_fraction",
+                  "Device idle between rounds while sessions decode, over recent rounds.",
+                  recent_steady_bubble(self.dispatcher.traces))
 
     def shutdown(self) -> None:
         """Stop the dispatcher (running requests end with an error) and free the device."""
@@ -577,13 +581,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _log_progress(p: LoadProgress) -> None:
-    if p.stage == "ready":
-        log.info("model loaded in %.1f s", p.elapsed_s)
-    elif p.stage == "weights" and p.done == p.total:
-        log.info("weights: %.1f MiB", p.total / 2**20)
 
 
 __all__ = [

@@ -4,9 +4,9 @@ Written by hand: the exposition format is a few lines of text and this avoids a 
 Request timings are taken on the dispatcher's service thread, where outputs are produced,
 so they do not include the hop to an event loop; readers are other threads, hence the lock.
 
-The bubble fraction is the profiler's (service/round_timeline.py): device idle between
-rounds over wall time, in runs of consecutive decode-only rounds, where the device always
-had work the host knew about.
+The bubble fraction is the profiler's `steady_bubble` (service/measure/round_timeline.py):
+device idle between rounds over wall time, in runs of consecutive decode-only rounds, where
+the device always had work the host knew about.
 """
 
 from __future__ import annotations
@@ -71,6 +71,16 @@ class PrometheusText:
             inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
             name = f"{name}{{{inner}}}"
         self._lines.append(f"{name} {_number(value)}")
+
+    def gauge(self, name: str, help_text: str, value: float) -> None:
+        """A gauge family of one unlabelled sample."""
+        self.family(name, "gauge", help_text)
+        self.sample(name, value)
+
+    def counter(self, name: str, help_text: str, value: float) -> None:
+        """A counter family of one unlabelled sample."""
+        self.family(name, "counter", help_text)
+        self.sample(name, value)
 
     def histogram(self, name: str, help_text: str, hist: Histogram) -> None:
         self.family(name, "histogram", help_text)
@@ -172,14 +182,11 @@ class EngineMetrics:
                      "Prompt tokens whose KV was reused from the prefix cache."),
                     ("eagerlm_generation_tokens_total", self.generation_tokens,
                      "Tokens generated and delivered.")):
-                out.family(name, "counter", text)
-                out.sample(name, value)
-            out.family("eagerlm_requests_running", "gauge",
-                       "Requests in the engine (submitted, not finished).")
-            out.sample("eagerlm_requests_running", self.running)
-            out.family("eagerlm_requests_waiting", "gauge",
-                       "Requests in the engine that have no token yet.")
-            out.sample("eagerlm_requests_waiting", self.waiting)
+                out.counter(name, text, value)
+            out.gauge("eagerlm_requests_running",
+                      "Requests in the engine (submitted, not finished).", self.running)
+            out.gauge("eagerlm_requests_waiting",
+                      "Requests in the engine that have no token yet.", self.waiting)
             out.histogram("eagerlm_time_to_first_token_seconds",
                           "From submission to the first token.", self.ttft)
             out.histogram("eagerlm_inter_token_latency_seconds",
@@ -188,11 +195,11 @@ class EngineMetrics:
                           "From submission to the end of the request.", self.duration)
 
 
-def bubble_fraction(traces: Iterable[RoundTrace],
-                    window: int = BUBBLE_WINDOW_ROUNDS) -> float:
+def recent_steady_bubble(traces: Iterable[RoundTrace],
+                         window: int = BUBBLE_WINDOW_ROUNDS) -> float:
     """Device idle over wall time in steady decode, over the last `window` consumed rounds:
-    the profiler's definition (service/round_timeline.py), on device times taken relative
-    to the first of those rounds (only differences matter)."""
+    the profiler's `steady_bubble` (service/measure/round_timeline.py), on device times
+    taken relative to the first of those rounds (only differences matter)."""
     recent = [t for t in _snapshot(traces)[-window:] if t.tokens_ready
               and t.device_start is not None and t.device_end is not None]
     if not recent:

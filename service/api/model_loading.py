@@ -2,7 +2,8 @@
 
 Loading is the one slow, silent step before anything else happens (dequantizing a few
 hundred MiB of weights takes seconds on the cpu backend), so it reports progress through a
-callback: the CLI draws a bar from it, the async API logs it.
+callback, the same for every backend: the CLI draws a bar from it, the async API logs it
+(service/api/progress.py).
 
 Asking for "cuda" without a usable GPU fails here with the reason
 (`vmm.cuda_driver.NoCudaDevice`); it never falls back to the cpu silently. (The cuda
@@ -87,15 +88,17 @@ def load_model(path: str | os.PathLike[str], device: str = "cpu", *,
     try:
         model.config.context_for(max_context)
         report("header")
+        def on_bytes(done: int, total: int) -> None:
+            report("weights", done, total)
+
         if device == "cpu":
-            transformer = cpu_transformer(model, lambda done, total: report("weights", done,
-                                                                              total))
+            transformer = cpu_transformer(model, on_bytes)
             dev = open_device(device, page_size=page_size)
         else:
             from eagerlm.kernels.cuda_backend import cuda_transformer
 
             dev = open_device(device, page_size=page_size)
-            transformer = cuda_transformer(model, dev, progress=on_progress is not None)
+            transformer = cuda_transformer(model, dev, on_bytes=on_bytes)
     except BaseException:
         model.close()
         raise

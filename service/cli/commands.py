@@ -15,16 +15,19 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING
 
 from eagerlm.dispatch.errors import RequestError
+from eagerlm.dispatch.scheduler import SchedulerConfig
 from eagerlm.kernels.weight_memory import ModelTooLarge
 from eagerlm.loader.config import RopeOverride, RopeScalingType
 from eagerlm.loader.demo_model import DemoModelMissing, demo_model_path
 from eagerlm.loader.errors import ModelFileError
 from eagerlm.loader.model_file import ModelFile
-from eagerlm.service.api.model_loading import LoadProgress, ProgressCallback
+from eagerlm.service.api.model_loading import ProgressCallback
+from eagerlm.service.api.progress import ProgressBar
 from eagerlm.service.cli.device_args import add_device_args, kv_budget_bytes
+from eagerlm.service.http.config import ServerConfig
 from eagerlm.service.measure.bench import add_bench_parser
 from eagerlm.service.measure.profiler import add_profile_parser
 from eagerlm.vmm.cuda_driver import CudaError, NoCudaDevice
@@ -60,36 +63,8 @@ def _load_transformer(model: ModelFile, quiet: bool):
     return transformer
 
 
-class _ProgressBar:
-    """Draws weight loading on stderr: a bar redrawn in place on a terminal, otherwise
-    just the start and end lines (no control characters in logs)."""
-
-    WIDTH = 30
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self._last_percent = -1
-
-    def __call__(self, p: LoadProgress) -> None:
-        if p.stage == "weights" and self.tty:
-            percent = int(p.fraction * 100)
-            if percent != self._last_percent:
-                self._last_percent = percent
-                filled = int(p.fraction * self.WIDTH)
-                bar = "#" * filled + "-" * (self.WIDTH - filled)
-                self.stream.write(f"\r  weights [{bar}] {percent:3d}%  "
-                                  f"{p.done / 2**20:.1f}/{p.total / 2**20:.1f} MiB")
-                self.stream.flush()
-        elif p.stage == "ready":
-            if self.tty and self._last_percent >= 0:
-                self.stream.write("\n")
-            self.stream.write(f"loaded in {p.elapsed_s:.1f} s\n")
-            self.stream.flush()
-
-
 def _progress(quiet: bool) -> ProgressCallback | None:
-    return None if quiet else _ProgressBar(sys.stderr)
+    return None if quiet else ProgressBar(sys.stderr)
 
 
 def _engine_settings(args: argparse.Namespace, **settings: object) -> dict[str, object]:
@@ -209,7 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     try:
-        from eagerlm.service.http.server import ServerConfig, serve
+        from eagerlm.service.http.server import serve
     except ImportError as e:
         print(f"eagerlm: error: the server needs FastAPI and uvicorn ({e}); install them "
               f"with: pip install 'eagerlm[server]'", file=sys.stderr)
@@ -219,8 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
                           max_body_bytes=args.max_body_bytes,
                           max_concurrency=args.max_concurrency, max_queue=args.max_queue,
-                          **({} if args.shutdown_grace is None
-                             else {"shutdown_grace_s": args.shutdown_grace}))
+                          shutdown_grace_s=args.shutdown_grace)
     settings: dict[str, object] = {"max_batch": args.max_batch}
     if args.served_model_name:
         settings["model_name"] = args.served_model_name
@@ -363,27 +337,32 @@ def build_parser() -> argparse.ArgumentParser:
                     "--max-concurrency wait in a queue of --max-queue; beyond that the "
                     "server answers 429.")
     engine_args(s)
-    s.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1: this machine only; use 0.0.0.0 "
+    srv = ServerConfig
+    s.add_argument("--host", default=srv.host,
+                   help=f"address to bind (default {srv.host}: this machine only; use 0.0.0.0 "
                         "to serve the network, preferably with --api-key)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--port", type=int, default=srv.port, help=f"TCP port (default {srv.port})")
     s.add_argument("--api-key", metavar="KEY", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: the "
                         "EAGERLM_API_KEY environment variable; unset = no authentication)")
     s.add_argument("--served-model-name", metavar="NAME", default=None,
                    help="the model id clients send (default: the file name without .gguf)")
-    s.add_argument("--max-concurrency", type=int, default=64, metavar="N",
-                   help="requests generating at once (default 64)")
-    s.add_argument("--max-queue", type=int, default=256, metavar="N",
-                   help="requests waiting for a slot before 429 (default 256)")
-    s.add_argument("--max-batch", type=int, default=32, metavar="N",
-                   help="sessions decoded together in one round (default 32)")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="BYTES",
-                   help="largest request body accepted; larger gets 413 (default 1 MiB)")
-    s.add_argument("--shutdown-grace", type=float, default=None, metavar="SECONDS",
-                   help="on SIGTERM/Ctrl-C, how long requests in flight may take to "
-                        "finish before streams are ended with an error event and others "
-                        "get 503 (default 10; a second signal ends it at once)")
+    s.add_argument("--max-concurrency", type=int, default=srv.max_concurrency, metavar="N",
+                   help=f"requests generating at once (default {srv.max_concurrency})")
+    s.add_argument("--max-queue", type=int, default=srv.max_queue, metavar="N",
+                   help=f"requests waiting for a slot before 429 (default {srv.max_queue})")
+    s.add_argument("--max-batch", type=int, default=SchedulerConfig.max_batch, metavar="N",
+                   help=f"sessions decoded together in one round "
+                        f"(default {SchedulerConfig.max_batch})")
+    s.add_argument("--max-body-bytes", type=int, default=srv.max_body_bytes, metavar="BYTES",
+                   help=f"largest request body accepted; larger gets 413 "
+                        f"(default {srv.max_body_bytes / 2**20:g} MiB)")
+    s.add_argument("--shutdown-grace", type=float, default=srv.shutdown_grace_s,
+                   metavar="SECONDS",
+                   help=f"on SIGTERM/Ctrl-C, how long requests in flight may take to "
+                        f"finish before streams are ended with an error event and others "
+                        f"get 503 (default {srv.shutdown_grace_s:g}; a second signal ends it "
+                        f"at once)")
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("tokenize", help="print the token ids of a text file as JSON",

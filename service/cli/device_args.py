@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 
+from eagerlm.dispatch.dispatcher import DispatcherConfig
+from eagerlm.dispatch.kv_capacity import DEFAULT_HOST_POOL_BYTES
+
 
 def memory_fraction(text: str) -> float:
     """An argparse type: a share in (0, 1], refused at parse time with the reason."""
@@ -24,19 +27,21 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                    help="where to run: 'cpu', 'cuda' or 'cuda:N' (default cpu; the cuda "
                         "backend is new and not yet verified on a GPU; without a GPU it "
                         "says so and exits)")
-    p.add_argument("--memory-fraction", type=memory_fraction, default=0.9, metavar="F",
+    fraction = DispatcherConfig.memory_fraction
+    p.add_argument("--memory-fraction", type=memory_fraction, default=fraction, metavar="F",
                    help="share of the memory still free after loading the weights that "
                         "the KV cache may use (cuda: the pool's size; cpu: the cap on the "
-                        "default pool; default 0.9)")
+                        f"default pool; default {fraction:g})")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="launch decode rounds kernel by kernel instead of replaying CUDA "
                         "graphs (cuda; same output, more host time per round)")
     p.add_argument("--kv-budget-mib", "--kv-budget-mb", dest="kv_budget_mib", type=int,
                    default=None, metavar="MIB",
                    help="memory for the KV cache page pool on cpu (default: enough for one "
-                        "session at the full context, at least 1024, within "
-                        "--memory-fraction of the memory available); the context is cut "
-                        "to what one session can hold in it")
+                        "session at the full context, at least "
+                        f"{DEFAULT_HOST_POOL_BYTES >> 20}, within --memory-fraction of the "
+                        "memory available); the context is cut to what one session can "
+                        "hold in it")
 
 
 def kv_budget_bytes(mib: int | None) -> int | None:

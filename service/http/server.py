@@ -47,7 +47,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -58,6 +57,7 @@ from eagerlm.service.api.engine import Engine, GenerationError, MultiStream
 from eagerlm.service.api.metrics import PrometheusText
 from eagerlm.service.api.tool_calls import Reply, ToolCallParser
 from eagerlm.service.http.admission import AdmissionGate, QueueFull, Ticket
+from eagerlm.service.http.config import ServerConfig
 from eagerlm.service.http.openai_protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_PROMPTS,
@@ -101,24 +101,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("eagerlm.server")
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # None: no authentication
-    max_body_bytes: int = 1 << 20
-    max_concurrency: int = 64  # requests generating at once
-    max_queue: int = 256  # requests waiting for a slot before 429
-    # on SIGTERM/SIGINT, how long requests in flight may take to finish before they are
-    # ended (service/shutdown.py); under Kubernetes' default 30 s termination grace
-    shutdown_grace_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if not self.shutdown_grace_s >= 0:
-            raise ValueError(f"the shutdown grace period must be 0 seconds or more, not "
-                             f"{self.shutdown_grace_s}")
 
 
 class _ClientGone(Exception):
@@ -299,12 +281,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         out = PrometheusText()
         engine.write_metrics(out)
-        out.family("eagerlm_queue_length", "gauge",
-                   "HTTP requests waiting for a concurrency slot.")
-        out.sample("eagerlm_queue_length", gate.queued)
-        out.family("eagerlm_http_requests_active", "gauge",
-                   "HTTP requests holding a concurrency slot.")
-        out.sample("eagerlm_http_requests_active", gate.active)
+        out.gauge("eagerlm_queue_length", "HTTP requests waiting for a concurrency slot.",
+                  gate.queued)
+        out.gauge("eagerlm_http_requests_active", "HTTP requests holding a concurrency slot.",
+                  gate.active)
         out.family("eagerlm_http_responses_total", "counter", "Responses by route and status.")
         for (route, status), n in sorted(response_counts.items()):
             out.sample("eagerlm_http_responses_total", n,

@@ -191,7 +191,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         q.add_argument("--output-len", type=length_range, default=LengthRange(100, 1024),
                        metavar="N|MIN-MAX",
                        help="output tokens, uniform, EOS ignored (default 100-1024)")
-        add_engine_args(q, max_batch=32)
+        add_engine_args(q)
         q.add_argument("--sync", action="store_true",
                        help="synchronous dispatch instead of eager (for comparison)")
         q.add_argument("--json", metavar="PATH", help="also write the results as JSON")

@@ -34,14 +34,17 @@ from eagerlm.vmm.device import Device
 
 @dataclass(frozen=True)
 class DispatchSettings:
+    """The dispatcher settings a measurement runs with, recorded beside its results; the
+    defaults are the engine's (those of the dispatch configs that own each setting)."""
+
     device: str = "cpu"
-    max_batch: int = 32
-    max_round_tokens: int = 512
-    lookahead: int = 2
+    max_batch: int = SchedulerConfig.max_batch
+    max_round_tokens: int = SchedulerConfig.max_round_tokens
+    lookahead: int = ControlConfig.lookahead
     kv_budget_mb: int | None = None  # None: the default pool (dispatch/kv_capacity.py)
-    memory_fraction: float = 0.9  # of memory left after weights: cuda pool, cpu cap
-    prefix_cache: bool = True
-    cuda_graphs: bool = True
+    memory_fraction: float = DispatcherConfig.memory_fraction
+    prefix_cache: bool = ControlConfig.prefix_cache
+    cuda_graphs: bool = ControlConfig.cuda_graphs
 
     def dispatcher_config(self, sync: bool) -> DispatcherConfig:
         return DispatcherConfig(
@@ -205,13 +208,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_device_args(p)
 
 
-def add_engine_args(p: argparse.ArgumentParser, max_batch: int) -> None:
+def add_engine_args(p: argparse.ArgumentParser,
+                    max_batch: int = DispatchSettings.max_batch) -> None:
+    """--max-batch (default the engine's, or the command's own `max_batch`),
+    --max-round-tokens, --lookahead (the engine's defaults) and --seed."""
+    d = DispatchSettings
     p.add_argument("--max-batch", type=int, default=max_batch,
                    help=f"most sessions per round (default {max_batch})")
-    p.add_argument("--max-round-tokens", type=int, default=512,
-                   help="prefill + decode tokens per round (default 512)")
-    p.add_argument("--lookahead", type=int, default=2,
-                   help="rounds launched ahead of the service thread in eager mode (default 2)")
+    p.add_argument("--max-round-tokens", type=int, default=d.max_round_tokens,
+                   help=f"prefill + decode tokens per round (default {d.max_round_tokens})")
+    p.add_argument("--lookahead", type=int, default=d.lookahead,
+                   help=f"rounds launched ahead of the service thread in eager mode "
+                        f"(default {d.lookahead})")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
 
 

@@ -67,6 +67,9 @@ from eagerlm.service.measure.workload import (
     make_workload,
 )
 
+# the profile's own default, not the engine's: its workload is this many sessions (and
+# requests, unless --requests), which profiles in seconds on the cpu backend
+PROFILE_BATCH = 8
 MODES = ("eager", "sync")
 
 
@@ -387,7 +390,7 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                    metavar="N|MIN-MAX", help="generated tokens per request (default 32)")
     p.add_argument("--request-rate", type=rate, default=math.inf,
                    help="Poisson arrivals per second (default inf: all at once)")
-    add_engine_args(p, max_batch=8)
+    add_engine_args(p, max_batch=PROFILE_BATCH)
     p.add_argument("--min-batch", type=int, default=1,
                    help="steady decode counts rounds with at least this many decoding "
                         "sessions (default 1)")

@@ -130,17 +130,6 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def bubble_fraction(intervals: Sequence[tuple[float, float]]) -> float:
-    """Fraction of the window from the first start to the last end that no interval covers:
-    the device's idle share when the intervals are its busy times."""
-    if not intervals:
-        return 0.0
-    window = max(b for _, b in intervals) - min(a for a, _ in intervals)
-    if window <= 0:
-        return 0.0
-    return 1.0 - union_length(intervals) / window
-
-
 def steady_decode_runs(spans: Sequence[RoundSpan], min_batch: int = 1) -> list[list[RoundSpan]]:
     """Maximal runs of consecutive rounds (by id) that only decode, at least `min_batch`
     sessions each, two rounds or more.
@@ -172,23 +161,30 @@ class Bubble:
     window_s: float
     n_rounds: int
 
+    @classmethod
+    def between(cls, busy: Sequence[tuple[float, float]]) -> Bubble:
+        """The time no interval of `busy` covers, in the window from the first start to the
+        last end: the device's idle time when the intervals are its rounds."""
+        if not busy:
+            return cls(0.0, 0.0, 0)
+        window = max(b for _, b in busy) - min(a for a, _ in busy)
+        return cls(window - union_length(busy), window, len(busy))
+
+    def __add__(self, other: Bubble) -> Bubble:
+        return Bubble(self.idle_s + other.idle_s, self.window_s + other.window_s,
+                      self.n_rounds + other.n_rounds)
+
     @property
     def fraction(self) -> float:
+        """Idle over wall time (0 for an empty window)."""
         return self.idle_s / self.window_s if self.window_s > 0 else 0.0
 
 
 def steady_bubble(spans: Sequence[RoundSpan], min_batch: int = 1) -> Bubble:
     """Idle over wall time, summed over every steady-decode run (each run's window goes
     from its first round's device start to its last round's device end)."""
-    idle = window = 0.0
-    n = 0
-    for run in steady_decode_runs(spans, min_batch):
-        busy = [(s.device_start, s.device_end) for s in run]
-        w = max(b for _, b in busy) - min(a for a, _ in busy)
-        idle += w - union_length(busy)
-        window += w
-        n += len(run)
-    return Bubble(idle, window, n)
+    return sum((Bubble.between([(s.device_start, s.device_end) for s in run])
+                for run in steady_decode_runs(spans, min_batch)), Bubble(0.0, 0.0, 0))
 
 
 def in_flight_at_launch(spans: Sequence[RoundSpan]) -> list[int]:

@@ -1,0 +1,24 @@
+"""How the HTTP server is set up; its own module so the command line reads the defaults
+without importing FastAPI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: no authentication
+    max_body_bytes: int = 1 << 20
+    max_concurrency: int = 64  # requests generating at once
+    max_queue: int = 256  # requests waiting for a slot before 429
+    # on SIGTERM/SIGINT, how long requests in flight may take to finish before they are
+    # ended (service/shutdown.py); under Kubernetes' default 30 s termination grace
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"the shutdown grace period must be 0 seconds or more, not "
+                             f"{self.shutdown_grace_s}")

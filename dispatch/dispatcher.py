@@ -29,6 +29,7 @@ from eagerlm.dispatch.messages import (
     Submit,
 )
 from eagerlm.dispatch.service_thread import ServiceThread
+from eagerlm.errors import EngineClosed
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.loader.tokenizer import Tokenizer
@@ -90,7 +91,7 @@ class Dispatcher:
                sink: OutputSink) -> int:
         """Queue a request; returns its id. Raises for a request that can never run."""
         if self._closed:
-            raise RuntimeError("the engine is shut down")
+            raise EngineClosed("the engine is shut down")
         if not prompt_ids:
             raise EmptyPrompt()
         if len(prompt_ids) >= self.context_length:

@@ -1,19 +1,20 @@
-"""Errors a request can end with before or instead of generating."""
+"""Errors a request can end with before or instead of generating: kinds of
+`InvalidParameters` (eagerlm.errors). A request to an engine shut down gets `EngineClosed`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from eagerlm.errors import InvalidParameters
+
 if TYPE_CHECKING:
     from eagerlm.kernels.sampling import SamplingParams
 
 
-class RequestError(ValueError):
+class RequestError(InvalidParameters):
     """The request itself is invalid; other requests are unaffected. `param`: the field of
     an OpenAI request at fault, where one is (the HTTP error names it)."""
-
-    param: str | None = None
 
 
 class PromptTooLong(RequestError):

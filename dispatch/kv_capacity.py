@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eagerlm.errors import ContextTooLong, InvalidParameters
 from eagerlm.kernels.weight_memory import available_memory
 from eagerlm.vmm.device import Device
 from eagerlm.vmm.kv_layout import KVLayout
@@ -40,7 +41,7 @@ DEFAULT_HOST_POOL_BYTES = 1 << 30  # the cpu pool's floor by default (a few sess
 MIN_SESSION_TOKENS = 2  # a one-token prompt and its reply
 
 
-class KVPoolTooSmall(ValueError):
+class KVPoolTooSmall(ContextTooLong):
     """The KV page pool cannot hold one session of the context asked for (or any session
     at all). A configuration error, raised at start-up."""
 
@@ -105,7 +106,7 @@ def plan_capacity(device: Device, layout: KVLayout, model_context: int, *,
     Raises KVPoolTooSmall for a requested context one session cannot reach, or a pool
     that holds no session at all."""
     if not 0.0 < memory_fraction <= 1.0:
-        raise ValueError(f"memory_fraction {memory_fraction} is not in (0, 1]")
+        raise InvalidParameters(f"memory_fraction {memory_fraction} is not in (0, 1]")
     ps, tb = device.page_size, layout.token_bytes
     full = -(-model_context * tb // ps) * ps  # one session at the whole context
     if not device.host_accessible:

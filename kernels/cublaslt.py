@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from eagerlm.errors import DeviceUnavailable
 
 CUDA_R_16BF = 14  # cudaDataType_t values (library_types.h)
 CUDA_R_32F = 0
@@ -40,7 +41,7 @@ def alignment(ptr: int) -> int:
     return min(MAX_ALIGNMENT, ptr & -ptr) if ptr else MAX_ALIGNMENT
 
 
-class CublasLtUnavailable(RuntimeError):
+class CublasLtUnavailable(DeviceUnavailable):
     """nvmath-python (and the cuBLAS library) is needed for GEMMs on cuda:
     pip install 'eagerlm[cuda]'."""
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from eagerlm.errors import DeviceUnavailable, EngineFailure
+
 KERNEL_DIR = Path(__file__).resolve().parent / "cuda"
 ELF_MAGIC = b"\x7fELF"
 
@@ -43,7 +45,7 @@ ELF_MAGIC = b"\x7fELF"
 BASE_OPTIONS: tuple[str, ...] = ("--std=c++17", "-lineinfo", "--device-as-default-execution-space")
 
 
-class KernelCompileError(RuntimeError):
+class KernelCompileError(EngineFailure):
     """NVRTC rejected a source; `log` holds NVRTC's own messages (file:line: error...)."""
 
     def __init__(self, name: str, arch: str, log: str) -> None:
@@ -53,7 +55,7 @@ class KernelCompileError(RuntimeError):
         super().__init__(f"NVRTC failed to compile {name} for {arch}:\n{log.strip()}")
 
 
-class NvrtcUnavailable(RuntimeError):
+class NvrtcUnavailable(DeviceUnavailable):
     """NVRTC or the CUDA runtime headers are not installed (pip install nvidia-cuda-nvrtc
     nvidia-cuda-runtime, or `pip install eagerlm[cuda]`)."""
 

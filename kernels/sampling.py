@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from eagerlm.errors import InvalidParameters
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
@@ -72,12 +73,12 @@ _NUCLEUS_FIRST_GUESS = 64
 _NUCLEUS_GROWTH = 16
 
 
-class InvalidSamplingParams(ValueError):
+class InvalidSamplingParams(InvalidParameters):
     """A sampling parameter is out of range; `field` names it."""
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
-        super().__init__(f"{field} {message}")
+        super().__init__(f"{field} {message}", param=field)
 
 
 def _is_int(value: object) -> bool:

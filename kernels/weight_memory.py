@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import os
 
+from eagerlm.errors import ModelTooLarge
 from eagerlm.loader.model_file import ModelFile
-
-
-class ModelTooLarge(MemoryError):
-    """The model's weights, as the backend holds them, exceed the memory available."""
 
 
 def n_parameters(model: ModelFile) -> int:

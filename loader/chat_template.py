@@ -6,10 +6,11 @@ used. Either way the template is rendered in an immutable Jinja sandbox, because
 template is code that arrived inside a downloaded file: it must not reach Python
 internals, mutate the caller's messages, or turn a user's conversation into a traceback.
 Every failure of the template itself becomes a `ChatTemplateError`; a malformed list of
-messages is the caller's mistake and raises `ValueError`. The sandbox is also bounded
-(loader/template_sandbox.py): a render that runs longer than RENDER_TIME_LIMIT_S, builds a
-value longer than the longest prompt, or builds too much in all stops with a
-`ChatTemplateError` naming the limit, on whichever thread it runs, leaving nothing behind.
+messages is the caller's mistake and raises `InvalidParameters` (a ValueError). The
+sandbox is also bounded (loader/template_sandbox.py): a render that runs longer than
+RENDER_TIME_LIMIT_S, builds a value longer than the longest prompt, or builds too much in
+all stops with a `ChatTemplateError` naming the limit, on whichever thread it runs, leaving
+nothing behind.
 
 BOS convention (one rule, the one llama.cpp applies): templates are rendered with the real
 BOS text, so a template that writes `{{ bos_token }}` in the middle of a conversation (Llama
@@ -27,6 +28,7 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
+from eagerlm.errors import InvalidParameters
 from eagerlm.loader.errors import ModelFileError
 from eagerlm.loader.template_sandbox import (
     MAX_RENDERED_CHARS,
@@ -44,6 +46,8 @@ CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 
 class ChatTemplateError(ModelFileError):
     """The chat template is malformed, rejected the conversation, or tried something unsafe."""
+
+    param = "messages"  # what a request to the server renders with it
 
 
 class _TemplateRaised(jinja2.TemplateError):
@@ -233,25 +237,27 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
     already forbids mutation, this also rules out surprises from dict subclasses.
     """
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-        raise ValueError(
+        raise InvalidParameters(
             f"messages must be a list of {{'role': str, 'content': str}} dicts, "
-            f"got {type(messages).__name__}")
+            f"got {type(messages).__name__}", param="messages")
     if not messages:
-        raise ValueError("messages must contain at least one message")
+        raise InvalidParameters("messages must contain at least one message", param="messages")
     checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+            raise InvalidParameters(f"messages[{i}] must be a dict, got "
+                                    f"{type(message).__name__}", param="messages")
         for key in ("role", "content"):
             if key == "content" and _calls_tools(message) and message.get(key) is None:
                 continue  # an assistant turn that only called tools has no text
             if key not in message:
-                raise ValueError(f"messages[{i}] has no {key!r}")
+                raise InvalidParameters(f"messages[{i}] has no {key!r}", param="messages")
             if not isinstance(message[key], str):
-                raise ValueError(f"messages[{i}][{key!r}] must be a str, "
-                                 f"got {type(message[key]).__name__}")
+                raise InvalidParameters(f"messages[{i}][{key!r}] must be a str, got "
+                                        f"{type(message[key]).__name__}", param="messages")
         if not message["role"]:
-            raise ValueError(f"messages[{i}]['role'] must not be empty")
+            raise InvalidParameters(f"messages[{i}]['role'] must not be empty",
+                                    param="messages")
         checked.append(dict(message))
     return checked
 
@@ -329,7 +335,7 @@ class ChatTemplate:
         """Render `messages` to prompt text, substituting the given BOS/EOS texts verbatim.
 
         `extra` reaches the template as variables (e.g. `enable_thinking=False` for Qwen3,
-        `tools=[...]` for templates that support them). Raises `ValueError` for malformed
+        `tools=[...]` for templates that support them). Raises `InvalidParameters` for malformed
         messages and `ChatTemplateError` for anything the template does wrong.
         """
         context = dict(extra)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from eagerlm.errors import ContextTooLong, InvalidParameters, UnsupportedModel
 from eagerlm.loader.errors import ModelFileError, UnknownArchitecture, quoted
 from eagerlm.loader.gguf_file import GGUFFile
 from eagerlm.loader.metadata_schema import check_metadata
@@ -51,8 +52,8 @@ class RopeScalingType(enum.Enum):
         try:
             return cls(name)
         except ValueError:
-            raise ValueError(f"--rope-scaling must be one of "
-                             f"{', '.join(t.value for t in cls)}, got {name!r}") from None
+            raise InvalidParameters(f"--rope-scaling must be one of "
+                                    f"{', '.join(t.value for t in cls)}, got {name!r}") from None
 
 
 class Activation(enum.Enum):
@@ -60,10 +61,6 @@ class Activation(enum.Enum):
 
     SWIGLU = "swiglu"  # silu
     GEGLU = "geglu"  # gelu, tanh approximation
-
-
-class UnsupportedModel(ModelFileError):
-    """The file is well formed but uses a feature this engine does not implement."""
 
 
 @dataclass(frozen=True)
@@ -240,7 +237,7 @@ class ModelConfig:
         if not requested:
             return min(self.context_length, limit)
         if requested < 1:
-            raise ValueError(f"--ctx must be a positive number of tokens, got {requested}")
+            raise InvalidParameters(f"--ctx must be a positive number of tokens, got {requested}")
         if requested <= limit:
             return requested
         s = self.rope_scaling
@@ -272,16 +269,12 @@ class ModelConfig:
             beta_slow=s.beta_slow, original_context=s.original_context)
 
 
-class ContextTooLong(ValueError):
-    """A context longer than the model (with its rope scaling) supports was asked for."""
-
-
 @dataclass(frozen=True)
 class RopeOverride:
     """The user's rope scaling in place of the file's, as llama.cpp's --rope-scaling,
     --rope-scale and --yarn-orig-ctx: a field left None keeps the file's value. Values that
-    cannot be right whatever the file says are refused here (ValueError); the rest when it
-    is applied to a model (`apply`)."""
+    cannot be right whatever the file says are refused here (InvalidParameters); the rest
+    when it is applied to a model (`apply`)."""
 
     scaling: RopeScalingType | None = None
     factor: float | None = None  # --rope-scale: context extension factor
@@ -289,17 +282,17 @@ class RopeOverride:
 
     def __post_init__(self) -> None:
         if self.factor is not None and not (self.factor > 0 and math.isfinite(self.factor)):
-            raise ValueError(f"--rope-scale must be a positive number, got {self.factor}")
+            raise InvalidParameters(f"--rope-scale must be a positive number, got {self.factor}")
         if self.original_context is not None and (
                 isinstance(self.original_context, bool) or self.original_context < 1):
-            raise ValueError(f"--yarn-orig-ctx must be a positive number of tokens, got "
-                             f"{self.original_context}")
+            raise InvalidParameters(f"--yarn-orig-ctx must be a positive number of tokens, got "
+                                    f"{self.original_context}")
         if self.scaling is RopeScalingType.NONE and self.factor is not None:
-            raise ValueError("--rope-scale does not apply with --rope-scaling none")
+            raise InvalidParameters("--rope-scale does not apply with --rope-scaling none")
         if self.scaling is RopeScalingType.YARN and self.factor is not None \
                 and self.factor < 1:
-            raise ValueError(f"YaRN extends the context: --rope-scale must be at least 1, "
-                             f"got {self.factor:g}")
+            raise InvalidParameters(f"YaRN extends the context: --rope-scale must be at least 1, "
+                                    f"got {self.factor:g}")
 
     @classmethod
     def from_settings(cls, scaling: str | None, factor: float | None,
@@ -328,22 +321,22 @@ class RopeOverride:
         kind = self.scaling or file.type
         if kind is RopeScalingType.NONE:
             if self.factor is not None:
-                raise ValueError("--rope-scale needs --rope-scaling linear or yarn: the "
-                                 "model's rope scaling type is none")
+                raise InvalidParameters("--rope-scale needs --rope-scaling linear or yarn: the "
+                                        "model's rope scaling type is none")
             factor = 1.0
         elif self.factor is not None:
             factor = self.factor
         elif file.type is not RopeScalingType.NONE and file.factor != 1.0:
             factor = file.factor
         else:
-            raise ValueError(f"--rope-scaling {kind.value} needs --rope-scale F: the model's "
-                             f"rope has no scaling factor")
+            raise InvalidParameters(f"--rope-scaling {kind.value} needs --rope-scale F: the "
+                                    f"model's rope has no scaling factor")
         if kind is RopeScalingType.YARN and factor < 1:
-            raise ValueError(f"YaRN extends the context: --rope-scale must be at least 1, "
-                             f"got {factor:g}")
+            raise InvalidParameters(f"YaRN extends the context: --rope-scale must be at least 1, "
+                                    f"got {factor:g}")
         if self.original_context is not None and kind is not RopeScalingType.YARN:
-            raise ValueError(f"--yarn-orig-ctx applies only to --rope-scaling yarn (the "
-                             f"rope scaling here is {kind.value})")
+            raise InvalidParameters(f"--yarn-orig-ctx applies only to --rope-scaling yarn (the "
+                                    f"rope scaling here is {kind.value})")
         if file.type is RopeScalingType.YARN:
             unscaled = file.original_context
         elif file.type is RopeScalingType.LINEAR:

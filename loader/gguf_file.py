@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from eagerlm.errors import ModelNotFound
 from eagerlm.loader.errors import GGUFFormatError, MissingKey, UnsupportedTensorType, quoted
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
@@ -216,7 +217,7 @@ class GGUFFile:
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> GGUFFile:
         if not Path(path).is_file():
-            raise FileNotFoundError(f"model file not found: {path}")
+            raise ModelNotFound(f"model file not found: {path}")
         return cls(path)
 
     def _parse(self, buf: memoryview) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import regex
+from eagerlm.errors import InvalidParameters
 from eagerlm.loader.errors import MissingKey, ModelFileError, quoted
 
 SPACE_MARK = "\u2581"  # SentencePiece's visible space, "▁"
@@ -482,11 +483,12 @@ class Tokenizer:
         prefix-suffix-middle order, no repository context): [BOS] FIM_PRE prefix FIM_SUF
         suffix FIM_MID, the texts encoded without special tokens and without parsing
         control-token texts in them (code may well contain "<|fim_suffix|>"). The model
-        then writes the middle. ValueError for a vocabulary without them."""
+        then writes the middle. InvalidParameters for a vocabulary without them."""
         if not self.has_infill:
-            raise ValueError(
+            raise InvalidParameters(
                 "this model's vocabulary has no fill-in-the-middle tokens (FIM prefix, "
-                "suffix and middle), so it cannot complete between a prefix and a suffix")
+                "suffix and middle), so it cannot complete between a prefix and a suffix",
+                param="suffix")
         out = [self._required(self.bos_id, "BOS")] if self.add_bos else []
         out += [self.fim_pre_id, *self.encode(prefix, False, False),  # type: ignore[list-item]
                 self.fim_suf_id, *self.encode(suffix, False, False), self.fim_mid_id]

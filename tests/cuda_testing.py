@@ -15,8 +15,9 @@ rng = np.random.default_rng(1234)  # reseeded per test (tests/conftest.py)
 
 
 # "emulated-reverse": blocks, and a block's threads between synchronizations, run in the
-# reverse order (tests/emulated_gpu/cuda_emulation/runtime.h). A GPU promises no order, so every kernel
-# must give the same result both ways; one that races on shared or global memory does not.
+# reverse order (tests/emulated_gpu/cuda_emulation/runtime.h). A GPU promises no order, so
+# every kernel must give the same result both ways; one that races on shared or global
+# memory does not.
 # A test module of whole models sets FORWARD_SCHEDULE_ONLY: each kernel they run is tested
 # under both orders one by one.
 @pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu), "emulated",
@@ -156,6 +157,6 @@ def region_tensor(kv, shape):
 
 
 def is_emulated(device) -> bool:
-    """The emulated GPU (tests/emulated_gpu/gpu_emulator.py): about a thousand times slower than a real
-    one, so whole-model tests run shorter there."""
+    """The emulated GPU (tests/emulated_gpu/gpu_emulator.py): about a thousand times slower than a
+    real one, so whole-model tests run shorter there."""
     return "Fake" in device.name

@@ -30,9 +30,11 @@ from eagerlm.vmm.kv_layout import KVLayout
 
 
 @dataclass
-class Chunk:
-    """A piece of streamed output: new text, the token ids that produced it, and at the
-    end the reason generation finished."""
+class ReferenceChunk:
+    """One step of the reference loop: new text, the token that produced it, and at the
+    end the reason generation finished. Not the engine's `eagerlm.Chunk`: its logprobs are
+    the sampler's own `TokenLogprob`s, so tests check the engine's conversion to
+    `TokenLogprobs` (text pieces, bytes) against them rather than against themselves."""
 
     text: str
     token_ids: list[int]
@@ -56,7 +58,7 @@ class GenerationStats:
 
 @dataclass
 class SequentialGeneration:
-    """Iterate to stream `Chunk`s; `stats` is complete once iteration ends."""
+    """Iterate to stream `ReferenceChunk`s; `stats` is complete once iteration ends."""
 
     transformer: Transformer
     tokenizer: Tokenizer
@@ -76,7 +78,7 @@ class SequentialGeneration:
                                    cfg.vocab_size)
         self.params = self.params.resolve_seed()
 
-    def __iter__(self) -> Iterator[Chunk]:
+    def __iter__(self) -> Iterator[ReferenceChunk]:
         cfg, tok, params = self.transformer.config, self.tokenizer, self.params
         n_prompt = len(self.prompt_ids)
         budget = min(params.max_tokens, self.context - n_prompt)
@@ -102,7 +104,7 @@ class SequentialGeneration:
             self.stats.generated_tokens += 1
             self.stats.total_s = time.perf_counter() - t0
             text, finish = judge.accept(token)
-            yield Chunk(text, [token], finish, logprobs)
+            yield ReferenceChunk(text, [token], finish, logprobs)
             if finish is not None:
                 return
             batch = ForwardBatch.single([token], n_past, kv)

@@ -200,8 +200,8 @@ def looping_model(tmp_path_factory) -> Path:
 
 def test_cli_generate_with_a_looping_template_exits_2_with_one_line(looping_model):
     # the CLI's own entry point, with the class-wide limit lowered to keep the test fast
-    code = ("import sys; from loader.chat_template import ChatTemplate; "
-            "ChatTemplate.time_limit_s = 1.0; from service.cli import main; "
+    code = ("import sys; from eagerlm.loader.chat_template import ChatTemplate; "
+            "ChatTemplate.time_limit_s = 1.0; from eagerlm.service.cli.commands import main; "
             "sys.exit(main(sys.argv[1:]))")
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code, "generate", "-m", str(looping_model),

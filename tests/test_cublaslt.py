@@ -1,4 +1,5 @@
-"""kernels/cublaslt.py's plans, on the emulated GPU's cuBLASLt (tests/emulated_gpu/fake_cublaslt.py).
+"""kernels/cublaslt.py's plans, on the emulated GPU's cuBLASLt
+(tests/emulated_gpu/fake_cublaslt.py).
 
 The products themselves are checked against float64 numpy in tests/test_cuda_ops.py, on a
 GPU and on the emulator. Here: a plan (descriptors plus the heuristic's algorithm) is made

@@ -1,5 +1,6 @@
 """The decode attention kernels (kernels/cuda/attention_decode.cu) against the numpy
-reference, on a GPU (skipped without one) and on the emulated GPU of tests/emulated_gpu/gpu_emulator.py.
+reference, on a GPU (skipped without one) and on the emulated GPU of
+tests/emulated_gpu/gpu_emulator.py.
 
 Decode batches: every session has one new row whose key and value kv_append has just
 written; sessions of different lengths in one batch (n_past = 0, short, long enough to be

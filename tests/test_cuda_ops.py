@@ -1,7 +1,7 @@
 """The cuda ops against the numpy reference, on a GPU (skipped without one) and on the
-emulated GPU of tests/emulated_gpu/gpu_emulator.py (the same kernels compiled for the host, run with
-CUDA's block and warp semantics; cuBLASLt there is tests/emulated_gpu/fake_cublaslt.py, whose products
-are numpy's).
+emulated GPU of tests/emulated_gpu/gpu_emulator.py (the same kernels compiled for the host,
+run with CUDA's block and warp semantics; cuBLASLt there is
+tests/emulated_gpu/fake_cublaslt.py, whose products are numpy's).
 
 Every op runs on fresh random inputs; inputs are rounded to bf16 first, so the comparison
 measures the op and not the rounding of its inputs, and outputs are poisoned (NaN bytes)

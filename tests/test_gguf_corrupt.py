@@ -54,7 +54,9 @@ def _limit_address_space() -> None:
 def _child_env() -> dict[str, str]:
     # one BLAS thread: each reserves address space the limit would count
     return {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+            "MKL_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                         os.environ.get("PYTHONPATH")]))}
 
 
 def run_cli(path: Path) -> subprocess.CompletedProcess[str]:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 
 ROOT = Path(__file__).resolve().parents[1]

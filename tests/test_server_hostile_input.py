@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from eagerlm.errors import InvalidParameters
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.service.api.bounded_json import MAX_JSON_DEPTH, JSONRefused, loads, nesting_depth
 from eagerlm.service.api.engine import Engine
@@ -157,7 +158,7 @@ def test_an_error_message_quoting_unencodable_text_still_encodes(server, engine,
     """Error bodies are rendered as ASCII JSON: whatever a message quotes (here a lone
     surrogate in an exception's text), the reply encodes and says it."""
     def refuse(prompt):
-        raise ValueError("cannot take \ud800 here")
+        raise InvalidParameters("cannot take \ud800 here")
 
     monkeypatch.setattr(engine, "prepare", refuse)
     with httpx.Client(base_url=server.url, timeout=30) as http:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from eagerlm.errors import DeviceUnavailable, EngineFailure
+
 try:
     from cuda.bindings import driver as _driver
 except ImportError as exc:  # cuda-python itself missing: same outcome as having no driver
@@ -22,11 +24,11 @@ else:
     _IMPORT_ERROR = None
 
 
-class NoCudaDevice(RuntimeError):
+class NoCudaDevice(DeviceUnavailable):
     """No usable CUDA device: no driver library, cuInit failed, or zero devices."""
 
 
-class CudaError(RuntimeError):
+class CudaError(EngineFailure):
     """A driver call failed: which call, and the CUDA error it returned."""
 
     def __init__(self, call: str, code: int, name: str) -> None:

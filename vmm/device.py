@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+from eagerlm.errors import InvalidParameters
 
 if TYPE_CHECKING:
     from eagerlm.vmm.phymem import PhyMem
@@ -228,4 +229,4 @@ def open_device(spec: str = "cpu", *, page_size: int | None = None) -> Device:
         from eagerlm.vmm.cuda_device import CudaDevice
 
         return CudaDevice(int(index or 0), page_size=page_size)
-    raise ValueError(f"unknown device {spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+    raise InvalidParameters(f"unknown device {spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")

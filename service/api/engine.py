@@ -41,6 +41,7 @@ from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.messages import FinishReason, Output
 from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.errors import EngineFailure
 from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
 from eagerlm.loader.config import RopeOverride
 from eagerlm.loader.model_file import ModelFile
@@ -168,7 +169,7 @@ class Completion:
         return len(self.token_ids)
 
 
-class GenerationError(RuntimeError):
+class GenerationError(EngineFailure):
     """The engine failed (or shut down) while the request was running."""
 
 
@@ -468,7 +469,7 @@ class Engine:
 
     def prepare_infill(self, prefix: str, suffix: str) -> Prompt:
         """A fill-in-the-middle prompt: the model writes what goes between `prefix` and
-        `suffix` (Tokenizer.encode_infill). ValueError for a model without FIM tokens."""
+        `suffix` (Tokenizer.encode_infill). InvalidParameters for a model without FIM tokens."""
         return Prompt(tuple(self.tokenizer.encode_infill(prefix, suffix)))
 
     def prepare_chat(self, messages: Sequence[ChatMessage],

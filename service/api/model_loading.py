@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.cpu_backend import cpu_transformer
 from eagerlm.kernels.model import Transformer
 from eagerlm.loader.config import RopeOverride
@@ -56,13 +57,13 @@ class LoadedModel:
 
 
 def check_device(spec: str) -> None:
-    """Raise if `spec` cannot run a model here: a malformed spec (ValueError) or no CUDA
+    """Raise if `spec` cannot run a model here: a malformed spec (InvalidParameters) or no CUDA
     device (NoCudaDevice)."""
     kind, _, index = spec.partition(":")
     if kind == "cpu" and not index:
         return
     if kind != "cuda" or (index and not index.isdigit()):
-        raise ValueError(f"unknown device {spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+        raise InvalidParameters(f"unknown device {spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")
     device = open_device(spec)  # NoCudaDevice when there is no usable GPU
     device.close()
 

@@ -1,9 +1,10 @@
 """The `eagerlm` command line: generate, chat, serve, tokenize, perplexity.
 
 Every subcommand takes `--model PATH`; without it the demo model is used when its package
-is installed. Errors about the user's input (bad model file, bad parameters, prompt too
-long, a device this build cannot use) are printed as one line on stderr with exit status 2,
-never as a traceback.
+is installed. Errors about the user's input (an `EagerLMError`: bad model file, bad
+parameters, prompt too long, a device this build cannot use) are printed as one line on
+stderr with exit status 2, never as a traceback; the engine's own failure
+(`EngineFailure`: a CUDA call, a kernel build) likewise with exit status 1.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagerlm.dispatch.errors import RequestError
 from eagerlm.dispatch.scheduler import SchedulerConfig
-from eagerlm.kernels.weight_memory import ModelTooLarge
+from eagerlm.errors import EagerLMError, EngineFailure, InvalidParameters
 from eagerlm.loader.config import RopeOverride, RopeScalingType
-from eagerlm.loader.demo_model import DemoModelMissing, demo_model_path
-from eagerlm.loader.errors import ModelFileError
+from eagerlm.loader.demo_model import demo_model_path
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.service.api.model_loading import ProgressCallback
 from eagerlm.service.api.progress import ProgressBar
@@ -30,7 +29,6 @@ from eagerlm.service.cli.device_args import add_device_args, kv_budget_bytes
 from eagerlm.service.http.config import ServerConfig
 from eagerlm.service.measure.bench import add_bench_parser
 from eagerlm.service.measure.profiler import add_profile_parser
-from eagerlm.vmm.cuda_driver import CudaError, NoCudaDevice
 
 if TYPE_CHECKING:
     from eagerlm.kernels.sampling import SamplingParams
@@ -45,8 +43,19 @@ def _open(args: argparse.Namespace) -> ModelFile:
     return ModelFile.open(_model_path(args.model))
 
 
+def _read_text(name: str) -> str:
+    """The text of the file the user named ('-': stdin); unreadable is their mistake."""
+    if name == "-":
+        return sys.stdin.read()
+    try:
+        return Path(name).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidParameters(f"cannot read {name}: {e}") from None
+
+
 def _rope_override(args: argparse.Namespace) -> RopeOverride | None:
-    """The rope scaling flags, checked (ValueError: exit 2) before anything is loaded."""
+    """The rope scaling flags, checked (InvalidParameters: exit 2) before anything is
+    loaded."""
     return RopeOverride.from_settings(args.rope_scaling, args.rope_scale, args.yarn_orig_ctx)
 
 
@@ -210,7 +219,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     model = _open(args)
-    text = Path(args.file).read_text(encoding="utf-8") if args.file != "-" else sys.stdin.read()
+    text = _read_text(args.file)
     ids = model.tokenizer.encode(text, add_special=not args.no_bos)
     print(json.dumps(ids))
     return 0
@@ -221,7 +230,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
     model = ModelFile.open(_model_path(args.model), rope=_rope_override(args))
     model.config.context_for(args.ctx)  # a chunk the model cannot hold fails before loading
-    text = Path(args.file).read_text(encoding="utf-8")
+    text = _read_text(args.file)
     transformer = _load_transformer(model, args.quiet)
 
     def progress(i: int, ppl: float) -> None:
@@ -393,8 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ModelFileError, RequestError, DemoModelMissing, FileNotFoundError,
-            NoCudaDevice, CudaError, ModelTooLarge, ValueError) as e:
+    except EngineFailure as e:  # the engine failed, not the user's input
+        print(f"eagerlm: error: {e}", file=sys.stderr)
+        return 1
+    except EagerLMError as e:
         print(f"eagerlm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

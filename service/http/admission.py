@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 import anyio
+from eagerlm.errors import InvalidParameters
 
 
 class QueueFull(Exception):
@@ -21,7 +22,7 @@ class QueueFull(Exception):
 class AdmissionGate:
     def __init__(self, max_active: int, max_queued: int) -> None:
         if max_active < 1 or max_queued < 0:
-            raise ValueError("max_active must be >= 1 and max_queued >= 0")
+            raise InvalidParameters("max_active must be >= 1 and max_queued >= 0")
         self.max_active = max_active
         self.max_queued = max_queued
         self.active = 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eagerlm.errors import InvalidParameters
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -15,10 +17,10 @@ class ServerConfig:
     max_concurrency: int = 64  # requests generating at once
     max_queue: int = 256  # requests waiting for a slot before 429
     # on SIGTERM/SIGINT, how long requests in flight may take to finish before they are
-    # ended (service/shutdown.py); under Kubernetes' default 30 s termination grace
+    # ended (service/http/shutdown.py); under Kubernetes' default 30 s termination grace
     shutdown_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.shutdown_grace_s >= 0:
-            raise ValueError(f"the shutdown grace period must be 0 seconds or more, not "
-                             f"{self.shutdown_grace_s}")
+            raise InvalidParameters(f"the shutdown grace period must be 0 seconds or more, "
+                                    f"not {self.shutdown_grace_s}")

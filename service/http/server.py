@@ -50,9 +50,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
-from eagerlm.dispatch.errors import RequestError
 from eagerlm.dispatch.messages import FinishReason
-from eagerlm.loader.chat_template import ChatTemplateError
+from eagerlm.errors import EagerLMError, EngineClosed, EngineFailure
 from eagerlm.service.api.engine import Engine, GenerationError, MultiStream
 from eagerlm.service.api.metrics import PrometheusText
 from eagerlm.service.api.tool_calls import Reply, ToolCallParser
@@ -229,6 +228,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         return _ErrorResponse(exc, headers=headers)
+
+    @app.exception_handler(EagerLMError)
+    async def eagerlm_error(request: Request, exc: EagerLMError) -> JSONResponse:
+        return _ErrorResponse(_as_openai_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -416,13 +419,24 @@ def _model_card(engine: Engine, created: int) -> dict[str, Any]:
             "max_model_len": engine.context_length}
 
 
+def _as_openai_error(e: EagerLMError) -> OpenAIError:
+    """The one mapping of eagerlm's errors to HTTP: the request's own mistakes (invalid
+    parameters, a prompt or context too long, a chat template that refuses the messages)
+    are 400s naming the parameter at fault, a closed engine is a 503, and the engine's own
+    failure a 500."""
+    if isinstance(e, EngineFailure):
+        log.error("request failed", exc_info=e)
+        return OpenAIError(500, f"Generation failed: {e}")
+    if isinstance(e, EngineClosed):
+        return OpenAIError(503, f"The engine is shut down ({e}); retry on another instance "
+                                f"or once it is back.", code="engine_closed")
+    return bad_request(str(e), param=e.param)
+
+
 async def _prepare(fn: Callable[[], T]) -> T:
-    """Render and tokenize on a worker thread; the request's own mistakes become 400s."""
-    try:
-        return await anyio.to_thread.run_sync(fn)
-    except (ChatTemplateError, RequestError, ValueError) as e:
-        raise bad_request(str(e), param="messages" if isinstance(e, ChatTemplateError)
-                          else None) from None
+    """Render and tokenize on a worker thread. The request's own mistakes raise
+    `EagerLMError`s, which the app's handler answers with 400s."""
+    return await anyio.to_thread.run_sync(fn)
 
 
 async def _admitted_and_started(request: Request, ticket: Ticket,
@@ -430,10 +444,7 @@ async def _admitted_and_started(request: Request, ticket: Ticket,
     """Wait for a concurrency slot, then submit; a client leaving meanwhile cancels."""
     async def run() -> None:
         await ticket.wait()
-        try:
-            await streams.start()
-        except (RequestError, ValueError) as e:
-            raise bad_request(str(e), param=getattr(e, "param", None)) from None
+        await streams.start()  # a request the engine refuses raises an EagerLMError
     await _unless_disconnected(request, run)
 
 

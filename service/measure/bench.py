@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagerlm.errors import InvalidParameters
 from eagerlm.loader.tokenizer import Tokenizer
 from eagerlm.service.api.model_loading import check_device
 from eagerlm.service.measure.harness import (
@@ -144,8 +145,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     url = getattr(args, "url", None)
     if url is not None:
         if args.synthetic:
-            raise ValueError("--synthetic does not apply with --url (the server has its model);"
-                             " pass --model for the served model's tokenizer, or nothing")
+            raise InvalidParameters("--synthetic does not apply with --url (the server has its "
+                                    "model); pass --model for the served model's tokenizer, "
+                                    "or nothing")
         tokenizer = context = None
         if args.model:  # only the tokenizer is read: no weights are loaded
             from eagerlm.loader.model_file import ModelFile

@@ -23,6 +23,7 @@ from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.messages import Output
 from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.loader.model_file import ModelFile
@@ -118,8 +119,8 @@ def load_model(model_path: str | None, synthetic: str | None,
         if spec.context_length < min_context:
             spec = dataclasses.replace(spec, context_length=min_context)
     else:
-        raise ValueError(f"unknown synthetic model {synthetic!r}; choose from "
-                         f"{', '.join(synthetic_names())}")
+        raise InvalidParameters(f"unknown synthetic model {synthetic!r}; choose from "
+                                f"{', '.join(synthetic_names())}")
     tmpdir = tempfile.mkdtemp(prefix="eagerlm-synthetic-")
     try:
         path = write_synthetic_model(Path(tmpdir) / f"{synthetic}.gguf", spec)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.model import Transformer
 from eagerlm.loader.tokenizer import Tokenizer
@@ -43,11 +44,12 @@ def perplexity(transformer: Transformer, tokenizer: Tokenizer, text: str, ctx: i
     tokens = tokenizer.encode(text, add_special=True)
     bos_id = tokenizer.bos_id if tokenizer.add_bos else None
     if ctx < 4:
-        raise ValueError(f"--ctx must be at least 4, got {ctx}")
+        raise InvalidParameters(f"--ctx must be at least 4, got {ctx}")
     cfg.context_for(ctx)  # ContextTooLong past what the model (and its rope scaling) supports
     n_chunks = len(tokens) // ctx
     if n_chunks == 0:
-        raise ValueError(f"the text has {len(tokens)} tokens, fewer than one chunk of {ctx}")
+        raise InvalidParameters(f"the text has {len(tokens)} tokens, fewer than one chunk of "
+                                f"{ctx}")
     first = ctx // 2
     layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
     chunk_nll: list[float] = []

@@ -15,6 +15,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from eagerlm.errors import InvalidParameters
+
 
 @dataclass(frozen=True)
 class LengthRange:
@@ -25,7 +27,8 @@ class LengthRange:
 
     def __post_init__(self) -> None:
         if not 1 <= self.low <= self.high:
-            raise ValueError(f"bad length range {self.low}-{self.high}: need 1 <= low <= high")
+            raise InvalidParameters(f"bad length range {self.low}-{self.high}: need "
+                                    f"1 <= low <= high")
 
     @classmethod
     def parse(cls, text: str) -> LengthRange:
@@ -33,7 +36,8 @@ class LengthRange:
         try:
             return cls(int(low), int(high) if sep else int(low))
         except ValueError:
-            raise ValueError(f"bad length range {text!r}: expected N or MIN-MAX") from None
+            message = f"bad length range {text!r}: expected N or MIN-MAX"
+            raise InvalidParameters(message) from None
 
     def __str__(self) -> str:
         return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
@@ -49,9 +53,9 @@ class WorkloadSpec:
 
     def __post_init__(self) -> None:
         if self.n_requests < 1:
-            raise ValueError("the workload needs at least one request")
+            raise InvalidParameters("the workload needs at least one request")
         if not self.request_rate > 0:
-            raise ValueError("the request rate must be positive (inf: all at once)")
+            raise InvalidParameters("the request rate must be positive (inf: all at once)")
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,11 @@
 
 CI has no GPU, and a kernel that only ever compiles is a kernel nobody has seen run. So the
 tests also run the cuda backend on `EmulatedDriver`: the fake driver of
-tests/emulated_gpu/fake_cuda_driver.py (device memory is host memory, streams are threads, the driver's
-rules are kept) plus what kernels need:
+fake_cuda_driver.py beside this file (device memory is host memory, streams are threads,
+the driver's rules are kept) plus what kernels need:
 
 - `cuModuleLoadData` loads each `kernels/cuda/*.cu` compiled by g++ against
-  tests/emulated_gpu/cuda_emulation/runtime.h, which runs a grid block by block with the threads of a
+  cuda_emulation/runtime.h, which runs a grid block by block with the threads of a
   block as fibers that switch at every barrier and warp collective (see that header for
   what is and is not modelled). The sources are the very files NVRTC compiles; only
   `extern __shared__` declarations are rewritten to point at the launch's dynamic shared
@@ -19,8 +19,8 @@ rules are kept) plus what kernels need:
   NVRTC makes of the same source), and more than 48 KiB of dynamic shared memory
   without the opt-in.
 - stream-ordered allocation, memset and the synchronous copies;
-- cuBLASLt is tests/emulated_gpu/fake_cublaslt.py: the engine's own `eagerlm.kernels.cublaslt.Gemm` builds its
-  descriptors, preferences and plans against it, the library's documented contract is
+- cuBLASLt is fake_cublaslt.py: the engine's own `eagerlm.kernels.cublaslt.Gemm` builds
+  its descriptors, preferences and plans against it, the library's documented contract is
   checked (argument types, shapes, operand alignment, workspace), and the product is a
   numpy GEMM over the same bf16 bytes: cuBLASLt's kernels are NVIDIA's, not ours to test.
 
@@ -448,7 +448,7 @@ def emulated_gpu_for_test(row_exact_gemm: bool = False) -> Iterator[EmulatedDriv
 @contextlib.contextmanager
 def emulated_gpu(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
     """Within: `open_device("cuda")` gives a device on the emulated driver, kernels build
-    for the host, and cuBLASLt is tests/emulated_gpu/fake_cublaslt.py (`row_exact_gemm`: see there)."""
+    for the host, and cuBLASLt is fake_cublaslt.py (`row_exact_gemm`: see there)."""
     import eagerlm.kernels.cublaslt
     import eagerlm.kernels.cuda_kernels
     import eagerlm.vmm.cuda_driver

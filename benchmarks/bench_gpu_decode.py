@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagerlm.service.measure.harness import (
     DispatchSettings,
-    load_model,
+    open_measured_model,
     run_requests,
     start_engine,
     warm_up,
@@ -96,7 +96,7 @@ def main() -> None:
     results = []
     for shape in args.shapes.split(","):
         t0 = time.perf_counter()
-        loaded = load_model(None, shape, min_context=args.prompt + args.output + 16,
+        loaded = open_measured_model(None, shape, min_context=args.prompt + args.output + 16,
                             device="cuda")
         print(f"\n== {shape}: loaded in {time.perf_counter() - t0:.1f} s on "
               f"{loaded.device.name}")

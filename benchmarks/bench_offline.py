@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagerlm.loader.config import ModelConfig
 from eagerlm.service.measure.bench import bench_offline
-from eagerlm.service.measure.harness import DispatchSettings, load_model
+from eagerlm.service.measure.harness import DispatchSettings, open_measured_model
 from eagerlm.service.measure.workload import LengthRange, WorkloadSpec, make_workload
 
 # tokens per round (prefill chunks + decodes), the same for both engines: llama.cpp's
@@ -75,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
 
     workload = WorkloadSpec(args.num_requests, args.input_len, args.output_len, seed=args.seed)
-    loaded = load_model(args.model, None)
+    loaded = open_measured_model(args.model, None)
     requests = make_workload(workload, loaded.vocab_size, loaded.context_length)
     n_in = sum(len(r.prompt_ids) for r in requests)
     n_out = sum(r.max_tokens for r in requests)

@@ -38,6 +38,7 @@ from eagerlm.dispatch.messages import (
 from eagerlm.dispatch.prefix_cache import PrefixCache
 from eagerlm.dispatch.round_work import RoundWork, SamplerState, SeqWork
 from eagerlm.dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
+from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import MAX_LOGPROBS
 from eagerlm.vmm.device import Device, Event, HostBuffer, StreamError
@@ -79,6 +80,7 @@ class ControlThread:
                  lookahead: threading.Semaphore, context_length: int) -> None:
         self.device = device
         self.transformer = transformer
+        self.backend: RoundBackend = transformer.ops  # what a round asks of the backend
         self.pool = pool
         self.config = config
         self.inbox = inbox
@@ -87,7 +89,7 @@ class ControlThread:
         self.context_length = context_length
         cfg = transformer.config
         self.layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
-                               transformer.ops.kv_dtype)
+                               self.backend.kv_dtype)
         self.scheduler = Scheduler(config.scheduler, pool, self.layout, context_length,
                                    sync_event=_sync)
         self.scheduler.resolve_tokens = self._generated_tokens
@@ -97,10 +99,13 @@ class ControlThread:
         self.generated: dict[int, list[int]] = {}  # harvested samples, per session id
 
         sc = config.scheduler
-        # cuda ops enqueue on their own stream, which must be the round's compute stream
-        ops_stream = getattr(transformer.ops, "stream", None)
-        self._owns_compute = ops_stream is None  # the ops' stream outlives this thread
-        self.compute = ops_stream or device.stream("compute")
+        # a backend that enqueues on its own stream (cuda) makes it the rounds' compute
+        # stream, which then outlives this thread; one that computes when called (numpy)
+        # runs each round's work on a stream of ours
+        backend_stream = self.backend.stream
+        self._owns_compute = backend_stream is None
+        self.compute = backend_stream if backend_stream is not None else device.stream(
+            "compute")
         self.copy = device.stream("copy")
         n_slots = config.lookahead + 2
         meta_ints = sc.max_round_tokens * _ROW_FIELDS + sc.max_batch * _SEQ_FIELDS
@@ -122,10 +127,9 @@ class ControlThread:
         # stream; the control thread only says when to rebuild or forget a session's
         self._sampler_state = SamplerState(transformer.config.vocab_size)
         self._forget: list[int] = []
-        make_graphs = getattr(transformer.ops, "decode_graphs", None)
-        self._graphs = make_graphs(
+        self._graphs: DecodeRounds | None = self.backend.decode_graphs(
             transformer, self._token_buf, max_batch=sc.max_batch, max_context=context_length,
-            layout=self.layout, enabled=config.cuda_graphs) if make_graphs else None
+            layout=self.layout, enabled=config.cuda_graphs)
         self._records: list[_RoundRecord | None] = [None] * n_slots
         self.round_id = 0
         self.last_event: Event | None = None
@@ -287,7 +291,7 @@ class ControlThread:
                 rows[start:start + r.n_new, 1] = -1
             seqs[i] = (start, r.n_new, r.n_past, s.slot if r.samples else -1)
             assert s.region is not None
-            kvs.append(self.transformer.ops.session_kv(s.region))
+            kvs.append(self.backend.session_kv(s.region))
             seq_rows.append((start, r.n_new, r.n_past))
             rebuild = None
             if s.params.penalized and not s.counts_valid:

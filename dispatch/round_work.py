@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import SamplingParams
@@ -50,27 +51,29 @@ class RoundWork:
     """The device side of one round, launched on the compute stream: the inputs (host ids
     for prefill rows, the token buffer for decode rows), the forward, the sampler writing
     this round's samples to the token buffer and to the round's output buffer (and
-    logprobs, if asked). Backend-specific steps are ops (`round_inputs`, `sample_round`);
-    on cuda this runs at launch and enqueues kernels, on cpu it runs on the stream."""
+    logprobs, if asked). Backend-specific steps are the backend's (`RoundBackend`,
+    kernels/backend.py: `round_inputs`, `count_inputs`, `sample_round`...); on cuda this
+    runs at launch and enqueues kernels, on cpu it runs on the stream."""
 
     def __init__(self, transformer: Transformer, meta: Any, token_buf: Any, sampled: Any,
                  n_rows: int, seq_rows: list[tuple[int, int, int]], kvs: list[Any],
                  seq_work: list[SeqWork], state: SamplerState, forget: list[int],
                  logprob_out: tuple[Any, Any] | None) -> None:
         self.transformer = transformer
+        self.backend: RoundBackend = transformer.ops
         self.meta, self.token_buf, self.sampled = meta, token_buf, sampled
         self.n_rows, self.seq_rows = n_rows, seq_rows
         self.kvs, self.seq_work = kvs, seq_work
         self.state, self.forget = state, forget
         self.logprob_out = logprob_out
-        self.graph: tuple[Any, np.ndarray] | None = None  # (DecodeGraphs, host rows)
+        self.graph: tuple[DecodeRounds, np.ndarray] | None = None  # (graphs, host rows)
 
     def __call__(self) -> None:
-        ops = self.transformer.ops
+        backend = self.backend
         if self.graph is not None and self._replay(*self.graph):
             self.kvs = []
             return
-        tokens = ops.round_inputs(self.meta, self.n_rows, self.token_buf)
+        tokens = backend.round_inputs(self.meta, self.n_rows, self.token_buf)
         slices = [SeqSlice(st, n, past, kv)
                   for (st, n, past), kv in zip(self.seq_rows, self.kvs, strict=True)]
         counts = self._count_inputs(tokens)
@@ -81,7 +84,7 @@ class RoundWork:
         logit_rows = np.array([st + n - 1 for _, (st, n, _) in work], dtype=np.int64)
         batch = ForwardBatch(tokens, slices, logit_rows)
         logits = self.transformer.forward(batch)
-        ops.sample_round(
+        backend.sample_round(
             logits, [w.params for w, _ in work], [past + n for _, (_, n, past) in work],
             [counts.get(w.session_id) for w, _ in work],
             [biases[w.session_id] for w, _ in work], out=self.sampled,
@@ -89,7 +92,7 @@ class RoundWork:
             logprobs_out=self.logprob_out)
         self.kvs = []  # drop the views of the KV pages as soon as the work is done
 
-    def _replay(self, graphs: Any, rows: np.ndarray) -> bool:
+    def _replay(self, graphs: DecodeRounds, rows: np.ndarray) -> bool:
         """A decode round in which every session samples, through the decode graphs' fixed
         buffers (a replay, or their launches one by one), which also count penalized
         sessions' inputs and write logprobs where asked; False when it must take the
@@ -112,7 +115,7 @@ class RoundWork:
                  in zip(self._session_counts(), self.seq_rows, self._prompt_rows(), strict=True)
                  if c is not None]
         if spans:
-            self.transformer.ops.count_inputs(tokens, spans)
+            self.backend.count_inputs(tokens, spans)
         return self.state.counts
 
     def _forget_ended(self) -> None:
@@ -132,8 +135,8 @@ class RoundWork:
             if w.params.logit_bias:
                 bias = st.biases.get(w.session_id)
                 if bias is None:
-                    bias = st.biases[w.session_id] = self.transformer.ops.logit_bias(
-                        w.params, st.vocab)
+                    bias = st.biases[w.session_id] = self.backend.logit_bias(w.params,
+                                                                             st.vocab)
             out.append(bias)
         return out
 
@@ -148,7 +151,7 @@ class RoundWork:
                 out.append(None)
                 continue
             if w.rebuild is not None:  # once: a graph that cannot replay falls back here
-                st.counts[w.session_id] = self.transformer.ops.token_counts(
+                st.counts[w.session_id] = self.backend.token_counts(
                     st.vocab, w.rebuild[:w.prompt_len], w.rebuild[w.prompt_len:])
                 w.rebuild = None
             out.append(st.counts[w.session_id])

@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from eagerlm.kernels.batch import ForwardBatch
@@ -51,6 +51,12 @@ from eagerlm.loader.config import Activation, RopeParams, RopeStyle
 from eagerlm.vmm.cuda_driver import cu, driver
 from eagerlm.vmm.kv_layout import KVLayout
 
+if TYPE_CHECKING:
+    from eagerlm.kernels.cuda_graphs import DecodeGraphs
+    from eagerlm.kernels.model import Transformer
+    from eagerlm.vmm.device import DeviceBuffer, Stream
+    from eagerlm.vmm.kv_region import KVRegion
+
 
 @functools.lru_cache(maxsize=256)
 def _rope_constants(rope: RopeParams) -> tuple[float, float, float, float, float, float]:
@@ -62,10 +68,10 @@ def _rope_constants(rope: RopeParams) -> tuple[float, float, float, float, float
 
 
 class CudaOps(CudaSampling):
-    """Ops over DeviceTensors, all enqueued on one stream. Attention is its `attn`
-    (kernels/cuda_attention.py), the sampler's methods come from `CudaSampling`
-    (kernels/cuda_sampling.py), memory from its `memory` and staging ring
-    (kernels/cuda_memory.py)."""
+    """Ops over DeviceTensors, all enqueued on one stream: the cuda backend's `Backend`
+    (kernels/backend.py). Attention is its `attn` (kernels/cuda_attention.py), the
+    sampler's methods come from `CudaSampling` (kernels/cuda_sampling.py), memory from its
+    `memory` and staging ring (kernels/cuda_memory.py)."""
 
     name = "cuda"
     kv_dtype = KV_DTYPE
@@ -75,7 +81,8 @@ class CudaOps(CudaSampling):
                  poison_outputs: bool = False) -> None:
         self.device = device
         self.ctx = device.ctx
-        self.stream = stream if stream is not None else device.stream("compute")
+        # every op enqueues here, so the dispatcher's rounds use it as their compute stream
+        self.stream: Stream = stream if stream is not None else device.stream("compute")
         self.kernels = KernelLibrary(self.ctx)
         self.lm_head = lm_head  # the weight whose GEMM writes float32 logits
         self.poison_outputs = poison_outputs  # fill fresh outputs with NaN bytes (tests)
@@ -317,17 +324,19 @@ class CudaOps(CudaSampling):
     def contiguous_kv(self, layout: KVLayout, capacity: int) -> ContiguousDeviceKV:
         return ContiguousDeviceKV(self, dataclasses.replace(layout, dtype=KV_DTYPE), capacity)
 
-    def session_kv(self, region: Any) -> Any:
+    def session_kv(self, region: KVRegion) -> KVRegion:
         """The region itself: the kernels read its base pointer and strides."""
         return region
 
-    def round_inputs(self, rows: Any, n_rows: int, token_buf: Any) -> DeviceIds:
+    def round_inputs(self, rows: DeviceBuffer, n_rows: int,
+                     token_buf: DeviceBuffer) -> DeviceIds:
         """The embedding kernel gathers the ids on the device, from the metadata rows
         `[host id, token-buffer slot or -1]` and the token buffer."""
         return DeviceIds(rows.ptr, n_rows, token_buf.ptr)
 
-    def decode_graphs(self, transformer: Any, token_buf: Any, *, max_batch: int,
-                      max_context: int, layout: KVLayout, enabled: bool = True) -> Any:
+    def decode_graphs(self, transformer: Transformer, token_buf: DeviceBuffer, *,
+                      max_batch: int, max_context: int, layout: KVLayout,
+                      enabled: bool = True) -> DecodeGraphs:
         """Decode rounds replayed as CUDA graphs (kernels/cuda_graphs.py)."""
         from eagerlm.kernels.cuda_graphs import DecodeGraphs
 

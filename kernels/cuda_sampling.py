@@ -4,10 +4,10 @@ device, a round's inputs counted into them, the logit bias and penalties applied
 of the logits, the draw, and the sampled tokens' logprobs (kernels/cuda/sampler.cu; the
 rules are kernels/sampling.py's).
 
-`CudaSampling` holds these as methods of `CudaOps` (the names the dispatcher and the decode
-graphs call, shared with NumpyOps), each with a `*_device` form whose table is already on
-the device, which the decode graphs capture. The tables are made here, on the host,
-checked.
+`CudaSampling` holds these as methods of `CudaOps` (the sampling half of
+kernels/backend.py's `RoundBackend`, which NumpyOps also satisfies), each with a `*_device`
+form whose table is already on the device, which the decode graphs capture. The tables are
+made here, on the host, checked.
 """
 
 from __future__ import annotations

@@ -11,17 +11,22 @@ code reads in data-flow order:
 
 from __future__ import annotations
 
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.loader.config import Activation, ModelConfig, RopeParams
 from eagerlm.loader.weights import LayerWeights, ModelWeights
 
+if TYPE_CHECKING:
+    from eagerlm.kernels.backend import Backend
+
 A = TypeVar("A")  # a backend's array type
 
 
 class Ops(Protocol[A]):
-    """What a backend provides to the forward (see kernels/numpy_ops.py for the reference)."""
+    """What a backend provides to the forward (see kernels/numpy_ops.py for the reference;
+    what else it provides, for the dispatcher's rounds and single sessions, is
+    kernels/backend.py's `Backend`)."""
 
     def embed(self, table: A, ids: Any, scale: float) -> A: ...
     def rms_norm(self, x: A, w: A, eps: float) -> A: ...
@@ -36,17 +41,13 @@ class Ops(Protocol[A]):
     def attention(self, batch: ForwardBatch, layer: int, q: A, *, scale: float,
                   window: int) -> A: ...
 
-    # Beside the forward: `contiguous_kv(layout, capacity)` (one session's cache), and for
-    # the dispatcher's rounds `kv_dtype`, `session_kv(region)`,
-    # `round_inputs(rows, n_rows, token_buf)`, the penalties' `token_counts(...)` and
-    # `count_inputs(...)`, the logit bias's `logit_bias(...)`, and `sample_round(...)` (see
-    # NumpyOps for what each does).
-
 
 class Transformer(Generic[A]):
-    """A decoder-only transformer: config + weights + ops."""
+    """A decoder-only transformer: config + weights + ops. The forward uses only the ops'
+    `Ops`; whoever runs the transformer (the dispatcher, perplexity) uses the rest of its
+    `Backend`."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights[A], ops: Ops[A]) -> None:
+    def __init__(self, config: ModelConfig, weights: ModelWeights[A], ops: Backend[A]) -> None:
         self.config = config
         self.weights = weights
         self.ops = ops

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 from eagerlm.kernels.batch import ForwardBatch
@@ -25,34 +25,50 @@ from eagerlm.loader.config import Activation, RopeParams, RopeStyle
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout, TokenMajorKV
 
 if TYPE_CHECKING:
-    from eagerlm.vmm.device import HostBuffer as Buffer
+    from eagerlm.kernels.model import Transformer
+    from eagerlm.vmm.device import DeviceBuffer, HostBuffer, Stream
     from eagerlm.vmm.kv_region import KVRegion
 
 _GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 
 
+def _host_view(buf: DeviceBuffer, dtype: type[np.generic] = np.int32) -> np.ndarray:
+    """A device buffer's contents: on the cpu device, device memory is host memory
+    (vmm/cpu_device.py's HostArray)."""
+    return cast("HostBuffer", buf).array.view(dtype)
+
+
 class NumpyOps:
-    """Ops over numpy arrays. Activations are `[tokens, features]` float32."""
+    """Ops over numpy arrays. Activations are `[tokens, features]` float32. It is the cpu
+    backend's whole `Backend` (kernels/backend.py)."""
 
     name = "cpu"
     kv_dtype = np.dtype(np.float32)  # the KV cache element
+    stream: Stream | None = None  # it computes when called, on the dispatcher's own stream
 
-    # -- what the dispatcher's rounds need beside the forward --------------------------
+    # -- one session outside the dispatcher ---------------------------------------------
 
     def contiguous_kv(self, layout: KVLayout, capacity: int) -> ContiguousKV:
         """A single session's cache in one allocation (sequential loop, perplexity)."""
         return ContiguousKV(dataclasses.replace(layout, dtype=self.kv_dtype), capacity)
+
+    def to_numpy(self, t: np.ndarray) -> np.ndarray:
+        """The array itself: it is on the host already."""
+        return np.asarray(t)
+
+    # -- what the dispatcher's rounds need beside the forward (RoundBackend) ------------
 
     def session_kv(self, region: KVRegion) -> TokenMajorKV:
         """A session's KV as the ops read it: a view taken now, at launch, so the work on
         the stream sees fixed arrays while the control thread maps pages ahead."""
         return TokenMajorKV(region.tokens())
 
-    def round_inputs(self, rows: Buffer, n_rows: int, token_buf: Buffer) -> np.ndarray:
+    def round_inputs(self, rows: DeviceBuffer, n_rows: int,
+                     token_buf: DeviceBuffer) -> np.ndarray:
         """A round's token ids from its metadata rows `[host id, token-buffer slot or -1]`:
         decode inputs are read from the token buffer the previous round's sampler wrote."""
-        meta = rows.array.view(np.int32)[: 2 * n_rows].reshape(n_rows, 2)
-        buf = token_buf.array.view(np.int32)
+        meta = _host_view(rows)[: 2 * n_rows].reshape(n_rows, 2)
+        buf = _host_view(token_buf)
         return np.where(meta[:, 1] >= 0, buf[np.maximum(meta[:, 1], 0)],
                         meta[:, 0]).astype(np.int32)
 
@@ -79,8 +95,8 @@ class NumpyOps:
     def sample_round(self, logits: np.ndarray, params: Sequence[SamplingParams],
                      positions: Sequence[int], counts: Sequence[TokenCounts | None],
                      biases: Sequence[np.ndarray | None], *,
-                     out: Buffer, token_buf: Buffer, out_slots: Sequence[int],
-                     logprobs_out: tuple[Buffer, Buffer] | None = None) -> None:
+                     out: DeviceBuffer, token_buf: DeviceBuffer, out_slots: Sequence[int],
+                     logprobs_out: tuple[DeviceBuffer, DeviceBuffer] | None = None) -> None:
         """Sample one token per row into `out` and into the token buffer at `out_slots`;
         rows with penalties need their `counts`, rows with a logit bias their `biases`
         (from `logit_bias`). With `logprobs_out`, also each row's logprobs (rows whose
@@ -89,12 +105,12 @@ class NumpyOps:
         tokens = sample(logits, params, positions, counts, biases).astype(np.int32)
         slots = np.asarray(out_slots, np.int64)
         keep = slots >= 0  # as the device sampler: a negative slot writes no token buffer row
-        token_buf.array.view(np.int32)[slots[keep]] = tokens[keep]
-        out.array.view(np.int32)[: len(tokens)] = tokens
+        _host_view(token_buf)[slots[keep]] = tokens[keep]
+        _host_view(out)[: len(tokens)] = tokens
         if logprobs_out is None:
             return
-        values = logprobs_out[0].array.view(np.float32).reshape(-1, 1 + MAX_LOGPROBS)
-        top_ids = logprobs_out[1].array.view(np.int32).reshape(-1, MAX_LOGPROBS)
+        values = _host_view(logprobs_out[0], np.float32).reshape(-1, 1 + MAX_LOGPROBS)
+        top_ids = _host_view(logprobs_out[1]).reshape(-1, MAX_LOGPROBS)
         for i, p in enumerate(params):
             if p.logprobs is None:
                 continue
@@ -103,6 +119,12 @@ class NumpyOps:
             for j, (tid, v) in enumerate(lp.top):
                 values[i, 1 + j] = v
                 top_ids[i, j] = tid
+
+    def decode_graphs(self, transformer: Transformer, token_buf: DeviceBuffer, *,
+                      max_batch: int, max_context: int, layout: KVLayout,
+                      enabled: bool = True) -> None:
+        """None: every round runs eagerly (a numpy round has no launches to replay)."""
+        return None
 
     # -- elementwise and norms --------------------------------------------------------
 

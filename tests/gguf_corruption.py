@@ -507,11 +507,11 @@ def load_each(paths: list[str]) -> None:
     weights) and print one JSON line per file: "ok", "error" (a ModelFileError, its
     message) or "crash" (anything else: the exception's type and message)."""
     from eagerlm.loader.errors import ModelFileError
-    from eagerlm.service.api.model_loading import load_model
+    from eagerlm.service.api.model_loading import open_model
 
     for path in paths:
         try:
-            load_model(path, "cpu").close()
+            open_model(path, "cpu").close()
             out = {"outcome": "ok"}
         except ModelFileError as e:
             message = str(e)

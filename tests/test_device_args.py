@@ -1,6 +1,7 @@
 """The device flags mean the same in every command: `generate`, `chat` and `serve` (through
 `EngineSettings`) and `profile` and `bench` (through `DispatchSettings`) hand
---memory-fraction, --no-cuda-graphs and --kv-budget-mib to the dispatcher unchanged."""
+--memory-fraction, --no-cuda-graphs and --kv-budget-mib to the dispatcher unchanged; every
+command that runs a model, `perplexity` too, lists them."""
 
 from __future__ import annotations
 
@@ -53,3 +54,14 @@ def test_a_memory_fraction_outside_0_1_is_refused_with_the_reason(value, capsys)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--memory-fraction" in err and ("not in (0, 1]" in err or "not a number" in err)
+
+
+@pytest.mark.parametrize("argv", [["generate"], ["chat"], ["serve"], ["perplexity"],
+                                  ["profile"], ["bench", "offline"], ["bench", "online"]])
+def test_every_command_that_runs_a_model_lists_the_device_flags(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse([*argv, "--help"])
+    assert e.value.code == 0
+    usage = capsys.readouterr().out
+    for flag in ("--device", "--memory-fraction", "--no-cuda-graphs", "--kv-budget-mib"):
+        assert flag in usage, (argv, flag)

@@ -162,6 +162,33 @@ def test_eagerlm_generate_on_cuda_prints_the_cpu_backends_greedy_text(emulator, 
     assert texts[0] == texts[1] and texts[0].strip()
 
 
+def test_eagerlm_perplexity_on_cuda_is_the_cpu_backends_within_bf16(emulator, tmp_path,
+                                                                    capsys) -> None:
+    from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+    from eagerlm.service.cli.commands import main
+    from gguf import GGMLQuantizationType
+
+    path = str(write_synthetic_model(tmp_path / "m.gguf", tiny_spec(
+        "llama", weight_type=GGMLQuantizationType.BF16)))
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 6)
+    values, launches = [], []
+    for device in ("cpu", "cuda"):
+        launches.append(emulator.calls.get("cuLaunchKernel", 0))
+        assert main(["perplexity", "-m", path, str(text), "--ctx", "16", "-q",
+                     "--device", device]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert last.startswith("perplexity: ")
+        values.append(float(last.removeprefix("perplexity: ")))
+    assert launches[0] == 0 < emulator.calls.get("cuLaunchKernel", 0)  # cuda ran on the GPU
+    # bf16 activations and KV against float32 move the perplexity by 3e-4 of itself here
+    # (PPL_TOLERANCE leaves 30 times that)
+    assert abs(values[1] / values[0] - 1) < PPL_TOLERANCE, values
+
+
+PPL_TOLERANCE = 0.01
+
+
 def test_eagerlm_serve_on_cuda_streams_concurrent_chats(emulator, tmp_path) -> None:
     """The OpenAI-compatible server over a cuda engine: concurrent streamed chats, each
     the text the same request gets without streaming, and the KV pages all back after."""

@@ -209,14 +209,14 @@ def test_collector_sees_every_round_and_leaves_the_engines_traces_alone():
     """/metrics reads the same deque: the profiler must not take rounds out of it."""
     from eagerlm.service.measure.harness import (
         DispatchSettings,
-        load_model,
+        open_measured_model,
         run_requests,
         start_engine,
     )
     from eagerlm.service.measure.profiler import RoundCollector
     from eagerlm.service.measure.workload import LengthRange, WorkloadSpec, make_workload
 
-    loaded = load_model(None, "tiny")
+    loaded = open_measured_model(None, "tiny")
     try:
         reqs = make_workload(WorkloadSpec(3, LengthRange(4, 8), LengthRange(10, 20)), 512)
         with start_engine(loaded, DispatchSettings(max_batch=4), sync=False) as engine:

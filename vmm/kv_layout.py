@@ -70,3 +70,7 @@ class ContiguousKV(TokenMajorKV):
     def __init__(self, layout: KVLayout, capacity: int) -> None:
         self.layout = layout
         super().__init__(np.zeros((capacity, *layout.token_shape), dtype=layout.dtype))
+
+    def free(self) -> None:
+        """Nothing to give back before the last reference goes (a device cache's `free`,
+        kernels/device_tensor.py's ContiguousDeviceKV, returns its memory)."""

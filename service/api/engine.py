@@ -52,7 +52,7 @@ from eagerlm.service.api.metrics import EngineMetrics, PrometheusText, recent_st
 from eagerlm.service.api.model_loading import (
     LoadedModel,
     ProgressCallback,
-    load_model,
+    open_model,
 )
 from eagerlm.service.api.progress import log_progress
 
@@ -419,7 +419,7 @@ class Engine:
         """Load the model and start the dispatcher (blocking). `settings` are the fields
         of `EngineSettings`."""
         config = EngineSettings(**settings)
-        loaded = load_model(model_path, device, page_size=config.page_size,
+        loaded = open_model(model_path, device, page_size=config.page_size,
                             on_progress=on_progress or log_progress,
                             rope=config.rope_override(), max_context=config.max_context)
         try:

@@ -1,4 +1,6 @@
-"""Opening a model on a device, with progress a user can watch.
+"""Opening a model on a device, with progress a user can watch: `open_model`, the one
+function every caller uses (the Engine, so generate / chat / serve; perplexity; profile and
+bench through service/measure/harness.py).
 
 Loading is the one slow, silent step before anything else happens (dequantizing a few
 hundred MiB of weights takes seconds on the cpu backend), so it reports progress through a
@@ -45,7 +47,8 @@ ProgressCallback = Callable[[LoadProgress], None]
 
 @dataclass
 class LoadedModel:
-    """A model file, the device it runs on and its forward, ready for a dispatcher."""
+    """A model file, the device it runs on and its forward (whose `ops` are the device's
+    backend, kernels/backend.py), ready for a dispatcher or a forward of its own."""
 
     model: ModelFile
     device: Device
@@ -68,16 +71,20 @@ def check_device(spec: str) -> None:
     device.close()
 
 
-def load_model(path: str | os.PathLike[str], device: str = "cpu", *,
+def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
                page_size: int | None = None,
                on_progress: ProgressCallback | None = None,
                rope: RopeOverride | None = None,
                max_context: int | None = None) -> LoadedModel:
-    """Open the GGUF at `path`, check `device`, and load the weights for its backend.
+    """Open the GGUF at `path`, check `device` ("cpu", "cuda", "cuda:N"), and load the
+    weights for its backend: numpy on cpu (kernels/cpu_backend.py), CudaOps on cuda
+    (kernels/cuda_backend.py). `page_size` is the device's KV page size (None: its
+    default); `on_progress` is told each stage (a progress bar, a log line).
 
-    `rope` replaces the file's rope scaling; `max_context` (the context the engine will
-    ask for) is checked against what the model then supports before any weight is read,
-    so a context the model cannot serve fails in a second, not after the load."""
+    `rope` replaces the file's rope scaling; `max_context` (the context the caller will
+    ask for: the engine's, a perplexity chunk) is checked against what the model then
+    supports before any weight is read, so a context the model cannot serve fails in a
+    second, not after the load."""
     t0 = time.perf_counter()
 
     def report(stage: str, done: int = 0, total: int = 0) -> None:
@@ -86,6 +93,7 @@ def load_model(path: str | os.PathLike[str], device: str = "cpu", *,
 
     check_device(device)
     model = ModelFile.open(path, rope=rope)
+    dev: Device | None = None
     try:
         model.config.context_for(max_context)
         report("header")
@@ -101,6 +109,8 @@ def load_model(path: str | os.PathLike[str], device: str = "cpu", *,
             dev = open_device(device, page_size=page_size)
             transformer = cuda_transformer(model, dev, on_bytes=on_bytes)
     except BaseException:
+        if dev is not None:
+            dev.close()
         model.close()
         raise
     report("ready")

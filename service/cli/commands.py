@@ -59,17 +59,6 @@ def _rope_override(args: argparse.Namespace) -> RopeOverride | None:
     return RopeOverride.from_settings(args.rope_scaling, args.rope_scale, args.yarn_orig_ctx)
 
 
-def _load_transformer(model: ModelFile, quiet: bool):
-    from eagerlm.kernels.cpu_backend import cpu_transformer
-
-    t0 = time.perf_counter()
-    if not quiet:
-        print(f"loading {Path(model.path).name} ({model.config.architecture}, "
-              f"{model.config.n_layers} layers) on cpu...", file=sys.stderr, flush=True)
-    transformer = cpu_transformer(model)
-    if not quiet:
-        print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    return transformer
 
 
 def _progress(quiet: bool) -> ProgressCallback | None:
@@ -226,17 +215,26 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
+    from eagerlm.service.api.model_loading import open_model
     from eagerlm.service.measure.perplexity import perplexity
 
-    model = ModelFile.open(_model_path(args.model), rope=_rope_override(args))
-    model.config.context_for(args.ctx)  # a chunk the model cannot hold fails before loading
+    path = _model_path(args.model)
+    rope = _rope_override(args)
     text = _read_text(args.file)
-    transformer = _load_transformer(model, args.quiet)
+    if not args.quiet:
+        print(f"loading {Path(path).name} on {args.device}...", file=sys.stderr, flush=True)
+    # a chunk the model cannot hold (max_context) fails before any weight is read
+    loaded = open_model(path, args.device, rope=rope, max_context=args.ctx,
+                        on_progress=_progress(args.quiet))
 
     def progress(i: int, ppl: float) -> None:
         print(f"[{i + 1}]{ppl:.4f}", end=" ", file=sys.stderr, flush=True)
 
-    result = perplexity(transformer, model.tokenizer, text, args.ctx, on_chunk=progress)
+    try:
+        result = perplexity(loaded.transformer, loaded.model.tokenizer, text, args.ctx,
+                            on_chunk=progress)
+    finally:
+        loaded.close()
     print(f"\n{result.n_tokens} tokens, {result.n_chunks} chunks of {args.ctx}",
           file=sys.stderr)
     print(f"perplexity: {result.perplexity:.4f}")
@@ -389,9 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "line is 'perplexity: VALUE'.")
     p.add_argument("file", metavar="FILE", help="text file to score")
     model_arg(p)
+    add_device_args(p)  # the pool's flags are accepted and unused: a chunk has its own KV
     p.add_argument("--ctx", type=int, default=512, help="chunk size in tokens (default 512)")
     rope_args(p)
-    p.add_argument("--quiet", "-q", action="store_true", help="no loading messages")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no loading messages or progress bar")
     p.set_defaults(func=cmd_perplexity)
     add_profile_parser(sub)
     add_bench_parser(sub)

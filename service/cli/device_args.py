@@ -1,6 +1,7 @@
 """The command-line flags that choose the device and how the engine uses it, shared by
-every `eagerlm` command that runs a model (generate, chat, serve, profile, bench), so the
-same flag means the same thing everywhere."""
+every `eagerlm` command that runs a model (generate, chat, serve, perplexity, profile,
+bench), so the same flag means the same thing everywhere (perplexity uses only --device:
+its chunks' KV caches are outside the page pool)."""
 
 from __future__ import annotations
 

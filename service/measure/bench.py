@@ -29,12 +29,12 @@ from eagerlm.loader.tokenizer import Tokenizer
 from eagerlm.service.api.model_loading import check_device
 from eagerlm.service.measure.harness import (
     DispatchSettings,
-    LoadedModel,
+    MeasuredModel,
     add_engine_args,
     add_model_args,
     engine_settings,
     length_range,
-    load_model,
+    open_measured_model,
     rate,
     rate_label,
     run_requests,
@@ -76,7 +76,7 @@ class BenchResult:
                     "request_s": self.summary.request_s}}
 
 
-def run_engine(loaded: LoadedModel, settings: DispatchSettings,
+def run_engine(loaded: MeasuredModel, settings: DispatchSettings,
                requests: Sequence[PlannedRequest], sync: bool = False) -> list[RequestRecord]:
     """The workload through a fresh in-process engine (after a warm-up request)."""
     with start_engine(loaded, settings, sync) as engine:
@@ -84,7 +84,7 @@ def run_engine(loaded: LoadedModel, settings: DispatchSettings,
         return run_requests(engine, requests).records
 
 
-def bench_offline(loaded: LoadedModel, workload: WorkloadSpec, settings: DispatchSettings,
+def bench_offline(loaded: MeasuredModel, workload: WorkloadSpec, settings: DispatchSettings,
                   sync: bool = False) -> BenchResult:
     if math.isfinite(workload.request_rate):
         workload = dataclasses.replace(workload, request_rate=math.inf)
@@ -94,7 +94,7 @@ def bench_offline(loaded: LoadedModel, workload: WorkloadSpec, settings: Dispatc
                        _settings_json(settings, sync))
 
 
-def bench_online_engine(loaded: LoadedModel, workload: WorkloadSpec,
+def bench_online_engine(loaded: MeasuredModel, workload: WorkloadSpec,
                         settings: DispatchSettings, sync: bool = False) -> BenchResult:
     requests = make_workload(workload, loaded.vocab_size, loaded.context_length)
     records = run_engine(loaded, settings, requests, sync)
@@ -157,7 +157,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench_online_url(url, args.served_model, workload, tokenizer, context)
     else:
         need = args.input_len.high + args.output_len.high + 1
-        loaded = load_model(args.model, args.synthetic, min_context=need, device=args.device)
+        loaded = open_measured_model(args.model, args.synthetic, min_context=need,
+                                     device=args.device)
         try:
             run = bench_offline if args.bench_kind == "offline" else bench_online_engine
             result = run(loaded, workload, engine_settings(args), args.sync)

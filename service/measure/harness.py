@@ -1,4 +1,5 @@
-"""The engine under measurement: open a model (a GGUF file or a synthetic one), start a
+"""The engine under measurement: open a model (a GGUF file, or a synthetic one written
+here, both through the engine's `open_model`), start a
 dispatcher with given settings, and run a planned workload through it, timing every token
 where it reaches the user (the request's output sink, on the service thread).
 
@@ -24,13 +25,11 @@ from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.messages import Output
 from eagerlm.dispatch.scheduler import SchedulerConfig
 from eagerlm.errors import InvalidParameters
-from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import SamplingParams
-from eagerlm.loader.model_file import ModelFile
+from eagerlm.service.api.model_loading import LoadedModel, open_model
 from eagerlm.service.cli.device_args import add_device_args, kv_budget_bytes
 from eagerlm.service.measure.request_metrics import RequestRecord
 from eagerlm.service.measure.workload import LengthRange, PlannedRequest
-from eagerlm.vmm.device import Device
 
 
 @dataclass(frozen=True)
@@ -59,14 +58,11 @@ class DispatchSettings:
 
 
 @dataclass
-class LoadedModel:
-    """A model ready to serve on its device; `close` releases the device and removes a
-    synthetic model's temporary file."""
+class MeasuredModel(LoadedModel):
+    """A model opened by `open_model` for measurement, with the name reports give it;
+    `close` also removes a synthetic model's temporary file."""
 
-    model: ModelFile
-    transformer: Transformer
-    label: str
-    device: Device
+    label: str = ""
     _tmpdir: str | None = field(default=None, repr=False)
 
     @property
@@ -78,7 +74,7 @@ class LoadedModel:
         return self.model.config.context_length
 
     def close(self) -> None:
-        self.device.close()
+        super().close()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
@@ -91,21 +87,18 @@ def synthetic_names() -> list[str]:
     return ["tiny", *(f"tiny-{a}" for a in SUPPORTED_ARCHITECTURES), *SHAPES]
 
 
-def load_model(model_path: str | None, synthetic: str | None,
-               min_context: int = 256, device: str = "cpu") -> LoadedModel:
-    """Open `model_path`, or write the synthetic model `synthetic` (see `synthetic_names`:
-    `tiny` is a 2-layer qwen3 for tests, the others are real shapes with random weights)
-    to a temporary file; with neither, the demo model. Loaded on `device` the way the
-    engine loads (service/model_loading.py)."""
-    from eagerlm.service.api.model_loading import load_model as load_on_device
-
+def open_measured_model(model_path: str | None, synthetic: str | None,
+                        min_context: int = 256, device: str = "cpu") -> MeasuredModel:
+    """`open_model` (service/api/model_loading.py) on `device` of `model_path`, or of the
+    synthetic model `synthetic` (see `synthetic_names`: `tiny` is a 2-layer qwen3 for
+    tests, the others are real shapes with random weights) written to a temporary file
+    first; with neither, of the demo model."""
     if synthetic is None:
         if model_path is None:
             from eagerlm.loader.demo_model import demo_model_path
 
             model_path = demo_model_path()
-        on = load_on_device(model_path, device)
-        return LoadedModel(on.model, on.transformer, Path(model_path).name, on.device)
+        return _measured(open_model(model_path, device), Path(model_path).name)
 
     import dataclasses
 
@@ -124,15 +117,17 @@ def load_model(model_path: str | None, synthetic: str | None,
     tmpdir = tempfile.mkdtemp(prefix="eagerlm-synthetic-")
     try:
         path = write_synthetic_model(Path(tmpdir) / f"{synthetic}.gguf", spec)
-        on = load_on_device(path, device)
-        return LoadedModel(on.model, on.transformer, f"synthetic {synthetic}", on.device,
-                           tmpdir)
+        return _measured(open_model(path, device), f"synthetic {synthetic}", tmpdir)
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
         raise
 
 
-def start_engine(loaded: LoadedModel, settings: DispatchSettings, sync: bool) -> Dispatcher:
+def _measured(loaded: LoadedModel, label: str, tmpdir: str | None = None) -> MeasuredModel:
+    return MeasuredModel(loaded.model, loaded.device, loaded.transformer, label, tmpdir)
+
+
+def start_engine(loaded: MeasuredModel, settings: DispatchSettings, sync: bool) -> Dispatcher:
     return Dispatcher(loaded.device, loaded.transformer, loaded.model.tokenizer,
                       settings.dispatcher_config(sync))
 

@@ -4,6 +4,10 @@ So that figures compare directly with llama.cpp's: the whole text is tokenized o
 BOS when the model adds one), cut into `n_tokens // ctx` chunks of `ctx` tokens, the first
 token of each chunk replaced by BOS, each chunk evaluated in a fresh context, and only the
 second half of each chunk scored (tokens with at least ctx/2 tokens of context).
+
+It runs on either backend: the forward is the transformer's, the chunk's KV cache its
+backend's `contiguous_kv`, the logits brought to the host by its `to_numpy` (float32 on
+both; cuda computes in bf16, so its value differs from the cpu's by bf16 rounding).
 """
 
 from __future__ import annotations
@@ -51,7 +55,10 @@ def perplexity(transformer: Transformer, tokenizer: Tokenizer, text: str, ctx: i
         raise InvalidParameters(f"the text has {len(tokens)} tokens, fewer than one chunk of "
                                 f"{ctx}")
     first = ctx // 2
-    layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+    ops = transformer.ops
+    # one cache for every chunk: each is a fresh context from position 0, which
+    # overwrites what the previous chunk wrote before attention reads it
+    kv = ops.contiguous_kv(KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), ctx)
     chunk_nll: list[float] = []
     total = 0.0
     for c in range(n_chunks):
@@ -60,14 +67,14 @@ def perplexity(transformer: Transformer, tokenizer: Tokenizer, text: str, ctx: i
         if bos_id is not None:
             chunk[0] = bos_id
         rows = np.arange(first, ctx - 1, dtype=np.int64)
-        kv = transformer.ops.contiguous_kv(layout, ctx)
         batch = ForwardBatch.single(chunk, 0, kv, logit_rows=rows)
-        logp = log_softmax(np.asarray(transformer.forward(batch)))
+        logp = log_softmax(ops.to_numpy(transformer.forward(batch)))
         nll = -logp[np.arange(len(rows)), targets]
         total += float(nll.sum())
         chunk_nll.append(float(nll.mean()))
         if on_chunk is not None:
             on_chunk(c, math.exp(total / ((c + 1) * len(rows))))
+    kv.free()  # after to_numpy, which waited for the last forward
     n_scored = n_chunks * (ctx - 1 - first)
     return PerplexityResult(math.exp(total / n_scored), len(tokens), n_chunks, n_scored,
                             chunk_nll)

@@ -37,13 +37,13 @@ from eagerlm.dispatch.messages import RoundTrace
 from eagerlm.service.api.model_loading import check_device
 from eagerlm.service.measure.harness import (
     DispatchSettings,
-    LoadedModel,
+    MeasuredModel,
     RunResult,
     add_engine_args,
     add_model_args,
     engine_settings,
     length_range,
-    load_model,
+    open_measured_model,
     rate,
     rate_label,
     run_requests,
@@ -161,7 +161,7 @@ class ModeProfile:
     clock_uncertainty_s: float
 
 
-def profile_mode(loaded: LoadedModel, settings: ProfileSettings, mode: str,
+def profile_mode(loaded: MeasuredModel, settings: ProfileSettings, mode: str,
                  requests: Sequence[PlannedRequest]) -> ModeProfile:
     """One run of the workload in `mode` ("eager" or "sync") with the collector on."""
     if mode not in MODES:
@@ -204,7 +204,7 @@ class Overhead:
         return sum(self.collector_cpu_s) / sum(self.on_wall_s)
 
 
-def measure_overhead(loaded: LoadedModel, settings: ProfileSettings,
+def measure_overhead(loaded: MeasuredModel, settings: ProfileSettings,
                      requests: Sequence[PlannedRequest], repeats: int) -> Overhead:
     """Alternate off/on runs on one eager engine; the prefix cache is flushed between runs
     so each does the same work."""
@@ -323,7 +323,7 @@ def write_outputs(out_dir: Path, profiles: Sequence[ModeProfile], overhead: Over
     return ProfileOutputs(trace, summary, js, png_path), text
 
 
-def run_profile(loaded: LoadedModel, settings: ProfileSettings, out_dir: Path,
+def run_profile(loaded: MeasuredModel, settings: ProfileSettings, out_dir: Path,
                 overhead_repeats: int = 0, png: bool = True
                 ) -> tuple[list[ModeProfile], Overhead | None, ProfileOutputs, str]:
     """Everything `eagerlm profile` does once the model is loaded."""
@@ -353,7 +353,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     need = args.prompt_len.high + args.output_len.high + 1
     if not args.quiet:
         print("loading the model...", file=sys.stderr, flush=True)
-    loaded = load_model(args.model, args.synthetic, min_context=need, device=args.device)
+    loaded = open_measured_model(args.model, args.synthetic, min_context=need, device=args.device)
     try:
         if not args.quiet:
             print(f"profiling {loaded.label}: {workload.n_requests} requests, prompt "

@@ -1,0 +1,133 @@
+"""What a backend owes the rest of the engine, written down as Protocols both backends
+satisfy (NumpyOps, kernels/numpy_ops.py; CudaOps, kernels/cuda_ops.py with
+kernels/cuda_sampling.py); tests/test_backend_contract.py checks that they do.
+
+- `Ops` (kernels/model.py): the forward's ops, one per step of `Transformer.forward`.
+- `RoundBackend`: what the dispatcher (dispatch/control_thread.py, dispatch/round_work.py)
+  asks of a backend beside the forward to run a round: where its work is enqueued, a
+  session's KV as the ops read it, the round's inputs, the sampler and its per-session
+  state, and the decode graphs where the backend has them. An optional capability is a
+  member that says "none here" (`stream` is None, `decode_graphs` returns None), never an
+  attribute the dispatcher probes for.
+- `Backend`: both, plus what runs one session outside the dispatcher (the sequential
+  reference loop, perplexity): a contiguous KV cache and logits brought to the host.
+
+The per-session sampler state and a round's inputs are in the backend's own form (host
+arrays and `TokenCounts` on cpu, device tensors on cuda): the dispatcher only hands them
+back to the backend, so they are `Any` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+from eagerlm.kernels.model import Ops
+
+if TYPE_CHECKING:
+    from eagerlm.kernels.model import Transformer
+    from eagerlm.kernels.sampling import SamplingParams
+    from eagerlm.vmm.device import DeviceBuffer, Stream
+    from eagerlm.vmm.kv_layout import KVLayout
+    from eagerlm.vmm.kv_region import KVRegion
+
+A = TypeVar("A")  # a backend's array type (np.ndarray, DeviceTensor)
+
+
+@runtime_checkable
+class DecodeRounds(Protocol):
+    """Pure-decode rounds through fixed buffers (cuda: kernels/cuda_graphs.py's
+    `DecodeGraphs`), as `RoundWork` runs them and the control thread closes them."""
+
+    def run(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
+            params: Sequence[SamplingParams], out: Any, out_slots: Sequence[int],
+            counts: Sequence[tuple[Any, int] | None] | None = None,
+            logprobs_out: tuple[Any, Any] | None = None,
+            biases: Sequence[Any | None] | None = None) -> bool:
+        """Run the decode round (one row per session); False when it does not fit a
+        bucket and must take the general path."""
+        ...
+
+    def close(self) -> None:
+        """Free the graphs and their buffers, after the stream has finished every replay."""
+        ...
+
+
+@runtime_checkable
+class RoundBackend(Protocol[A]):
+    """The backend's duties toward the dispatcher, beside the forward's `Ops`."""
+
+    # The KV cache's element type: the page pool and the sessions' regions are laid out
+    # with it before any round runs (float32 on cpu, bf16 bits on cuda).
+    kv_dtype: np.dtype
+
+    # The stream the ops enqueue their work on, which must then be the rounds' compute
+    # stream (cuda: kernels are launched on it as RoundWork runs). None where the ops
+    # compute when called (numpy): the control thread makes its own compute stream and
+    # runs each round's work on it.
+    stream: Stream | None
+
+    def session_kv(self, region: KVRegion) -> Any:
+        """A session's KV as the ops read it, taken at launch (cpu: a view of the pages
+        mapped now, as the control thread maps ahead meanwhile; cuda: the region itself,
+        whose base pointer and strides the kernels read)."""
+        ...
+
+    def round_inputs(self, rows: DeviceBuffer, n_rows: int, token_buf: DeviceBuffer) -> Any:
+        """A round's token ids from its metadata rows `[host id, token-buffer slot or -1]`
+        (int32 pairs in `rows`): decode inputs exist only in the token buffer the previous
+        round's sampler wrote, so the backend gathers them where they are."""
+        ...
+
+    def token_counts(self, vocab: int, prompt: Sequence[int], output: Sequence[int]) -> Any:
+        """A penalized session's token counts, built from its tokens so far: when it
+        first samples, or after a preemption. From then on `count_inputs` keeps them up
+        to date, in the backend's memory, where the sampled tokens are."""
+        ...
+
+    def count_inputs(self, tokens: Any, spans: Sequence[tuple[Any, int, int, int]]) -> None:
+        """Add a round's inputs (`round_inputs`' result) to the sessions' counts: per span
+        (counts, first row, rows, how many of those rows are still prompt tokens)."""
+        ...
+
+    def logit_bias(self, params: SamplingParams, vocab: int) -> A:
+        """A session's logit bias in the sampler's form, float32 [vocab], made once per
+        session (it stays with the sampler until the session ends)."""
+        ...
+
+    def sample_round(self, logits: A, params: Sequence[SamplingParams],
+                     positions: Sequence[int], counts: Sequence[Any | None],
+                     biases: Sequence[A | None], *, out: DeviceBuffer,
+                     token_buf: DeviceBuffer, out_slots: Sequence[int],
+                     logprobs_out: tuple[DeviceBuffer, DeviceBuffer] | None = None) -> None:
+        """Sample one token per logit row into `out` (int32) and into the token buffer at
+        `out_slots` (a negative slot writes none): the next round reads its decode inputs
+        there. Penalized rows need their `counts`, biased rows their `biases`; with
+        `logprobs_out`, also each row's logprobs (float32 [n, 1 + MAX_LOGPROBS], int32
+        [n, MAX_LOGPROBS]) for rows whose params ask for them."""
+        ...
+
+    def decode_graphs(self, transformer: Transformer, token_buf: DeviceBuffer, *,
+                      max_batch: int, max_context: int, layout: KVLayout,
+                      enabled: bool = True) -> DecodeRounds | None:
+        """Fixed buffers (and CUDA graphs, when `enabled`) for pure-decode rounds, made
+        once per dispatcher; None where the backend runs every round eagerly (numpy)."""
+        ...
+
+
+@runtime_checkable
+class Backend(Ops[A], RoundBackend[A], Protocol[A]):
+    """Everything a backend provides: the forward's `Ops`, the dispatcher's
+    `RoundBackend`, and what one session run outside the dispatcher needs."""
+
+    name: str  # the device kind it runs on: "cpu", "cuda"
+
+    def contiguous_kv(self, layout: KVLayout, capacity: int) -> Any:
+        """One session's KV cache in one allocation of `capacity` tokens (the sequential
+        reference loop, perplexity); its `free()` gives the memory back."""
+        ...
+
+    def to_numpy(self, t: A) -> np.ndarray:
+        """`t` on the host (float32 for float data), after the work that writes it."""
+        ...

@@ -22,10 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_timing import copy_bandwidth, open_gpu, time_on_stream
 from eagerlm.kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F
 from eagerlm.kernels.cuda_ops import CudaOps
-
-from benchmarks.gpu_timing import copy_bandwidth, open_gpu, time_on_stream
 
 MODELS = {
     "qwen3-0.6b": {"q": (2048, 1024), "kv": (1024, 1024), "o": (1024, 2048),

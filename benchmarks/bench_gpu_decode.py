@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_timing import copy_bandwidth
 from eagerlm.service.measure.harness import (
     DispatchSettings,
     open_measured_model,
@@ -38,8 +39,6 @@ from eagerlm.service.measure.harness import (
 )
 from eagerlm.service.measure.round_timeline import DeviceClock, spans_from_traces, timeline_stats
 from eagerlm.service.measure.workload import PlannedRequest
-
-from benchmarks.gpu_timing import copy_bandwidth
 
 
 def bytes_per_token(loaded, context: int) -> int:

@@ -29,14 +29,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_timing import open_gpu
 from eagerlm.kernels.cuda_backend import CudaWeights, free_weights, load_cuda_weights
 from eagerlm.kernels.cuda_ops import CudaOps
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import SHAPES, write_synthetic_model
 from eagerlm.loader.weights import build_weights
 from eagerlm.vmm.cuda_driver import cu, driver
-
-from benchmarks.gpu_timing import open_gpu
 
 
 def pinned_bandwidth(ops: CudaOps, nbytes: int = 256 << 20, reps: int = 10) -> float:

@@ -25,6 +25,7 @@ import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from eagerlm.dispatch.messages import (
     AddSession,
     ControlStopped,

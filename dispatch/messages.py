@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
 from eagerlm.vmm.device import Event
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
+
 from eagerlm.kernels.model import Ops
 
 if TYPE_CHECKING:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from eagerlm.errors import DeviceUnavailable
 
 CUDA_R_16BF = 14  # cudaDataType_t values (library_types.h)

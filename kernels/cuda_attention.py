@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.device_tensor import (
     KV_DTYPE,

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from gguf import GGMLQuantizationType
+
 from eagerlm.kernels.cuda_ops import CudaOps
 from eagerlm.kernels.device_tensor import DeviceTensor
 from eagerlm.kernels.model import Transformer
@@ -23,7 +25,6 @@ from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.slab_loader import LoadStats, SlabLoader
 from eagerlm.loader.weights import ModelWeights, build_weights
 from eagerlm.vmm.device import DeviceBuffer, Memory, Stream
-from gguf import GGMLQuantizationType
 
 Q = GGMLQuantizationType
 DEQUANT_KERNEL = {

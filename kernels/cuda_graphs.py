@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cuda_attention import SEQ_DESC, BatchMeta
 from eagerlm.kernels.cuda_ops import CudaOps

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from eagerlm.kernels.device_tensor import DeviceTensor
 from eagerlm.vmm.cuda_driver import cu, driver
 from eagerlm.vmm.device import Event, HostBuffer

@@ -31,6 +31,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cuda_attention import CudaAttention
 from eagerlm.kernels.cuda_kernels import KernelLibrary

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from eagerlm.kernels.device_tensor import DeviceIds, DeviceTensor, check_tensor
 from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,

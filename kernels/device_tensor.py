@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
 from eagerlm.vmm.kv_layout import KVLayout
 from eagerlm.vmm.kv_region import StridedView
 

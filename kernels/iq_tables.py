@@ -26,8 +26,9 @@ import sys
 from collections.abc import Sequence
 
 import numpy as np
-from eagerlm.kernels.nvrtc_build import KERNEL_DIR
 from gguf import quants
+
+from eagerlm.kernels.nvrtc_build import KERNEL_DIR
 
 HEADER = KERNEL_DIR / "iq_tables.cuh"
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
+
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,

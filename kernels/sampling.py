@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from eagerlm.errors import InvalidParameters
 
 MAX_STOP_STRINGS = 16

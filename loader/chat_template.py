@@ -28,6 +28,9 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
+from jinja2 import meta, nodes
+from jinja2.ext import Extension
+
 from eagerlm.errors import InvalidParameters
 from eagerlm.loader.errors import ModelFileError
 from eagerlm.loader.template_sandbox import (
@@ -38,8 +41,6 @@ from eagerlm.loader.template_sandbox import (
     dumps_bounded,
     run_bounded,
 )
-from jinja2 import meta, nodes
-from jinja2.ext import Extension
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from eagerlm.errors import ContextTooLong, InvalidParameters, UnsupportedModel
 from eagerlm.loader.errors import ModelFileError, UnknownArchitecture, quoted
 from eagerlm.loader.gguf_file import GGUFFile

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from gguf import GGUFValueType
+
 from eagerlm.loader.errors import InvalidMetadata
 from eagerlm.loader.gguf_file import GGUFFile
-from gguf import GGUFValueType
 
 V = GGUFValueType
 

@@ -20,9 +20,10 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
+
 from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
 from eagerlm.loader.tiny_vocab import TinyVocab, bpe_vocab, spm_vocab
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 
 Q = GGMLQuantizationType
 

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 import regex
-from eagerlm.loader.tokenizer import BYTE_ALPHABET, PRE_TOKENIZERS, SPACE_MARK
 from gguf import TokenType
+
+from eagerlm.loader.tokenizer import BYTE_ALPHABET, PRE_TOKENIZERS, SPACE_MARK
 
 SAMPLE_TEXT = '''\
 The river runs past the old mill, and in the morning the light comes through the trees

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import regex
+
 from eagerlm.errors import InvalidParameters
 from eagerlm.loader.errors import MissingKey, ModelFileError, quoted
 

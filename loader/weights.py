@@ -13,10 +13,11 @@ from dataclasses import dataclass, fields
 from typing import Generic, TypeVar
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
 from eagerlm.loader.config import ModelConfig
 from eagerlm.loader.errors import GGUFFormatError, UnsupportedTensorType, quoted
 from eagerlm.loader.gguf_file import GGUFFile, TensorInfo
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 T = TypeVar("T")
 

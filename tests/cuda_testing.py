@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from gguf import GGUFReader, GGUFValueType
+
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 
 V = GGUFValueType
 U32_MAX, U64_MAX, I64_MAX = (1 << 32) - 1, (1 << 64) - 1, (1 << 63) - 1

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.dispatch.token_judge import TokenJudge

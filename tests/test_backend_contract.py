@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pytest
+
 from eagerlm.kernels.backend import Backend, DecodeRounds, RoundBackend
 from eagerlm.kernels.model import Ops
 from eagerlm.kernels.numpy_ops import NumpyOps
@@ -84,7 +85,6 @@ def test_cuda_ops_satisfies_the_backend_contract() -> None:
     from eagerlm.kernels.cuda_ops import CudaOps
     from eagerlm.kernels.device_tensor import KV_DTYPE
     from eagerlm.vmm.device import Stream, open_device
-
     from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
 
     with emulated_gpu_for_test():

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+
 from eagerlm.service.measure.bench import add_bench_parser, bench_online_url
 from eagerlm.service.measure.request_metrics import Distribution, RequestRecord, summarize
 from eagerlm.service.measure.workload import LengthRange, WorkloadSpec, make_workload

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from eagerlm.loader.chat_template import CHAT_TEMPLATE_KEY, ChatTemplate, ChatTemplateError
 from eagerlm.loader.errors import ModelFileError
 

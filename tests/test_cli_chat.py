@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.service.cli.commands import main
 

@@ -14,13 +14,13 @@ import ctypes
 
 import numpy as np
 import pytest
+
 from eagerlm.kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F, alignment
 
 
 @pytest.fixture()
 def emulated():
     from eagerlm.vmm.device import open_device
-
     from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
 
     with emulated_gpu_for_test() as drv:

@@ -14,12 +14,12 @@ import dataclasses
 import random
 
 import pytest
+
 from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.scheduler import SchedulerConfig
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
-
 from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
 from tests.test_dispatcher import random_workload, run_workload
 
@@ -134,7 +134,6 @@ def test_an_evicted_prefix_waits_for_the_copy_that_reads_it(gpu, model) -> None:
     import threading
 
     from eagerlm.kernels.sampling import SamplingParams
-
     from tests.test_dispatcher import Collector
 
     prompt = [(7 * i + 3) % 500 + 5 for i in range(40)]
@@ -167,7 +166,6 @@ def test_a_session_cancelled_before_its_first_round_waits_for_its_prefix_copy(gp
 
     from eagerlm.dispatch.messages import FinishReason
     from eagerlm.kernels.sampling import SamplingParams
-
     from tests.test_dispatcher import Collector
 
     prompt = [(5 * i + 2) % 500 + 5 for i in range(40)]

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from eagerlm.kernels.cuda_graphs import batch_buckets, context_bucket
 from eagerlm.kernels.sampling import SamplingParams
-
 from tests.cuda_testing import device, rng  # noqa: F401  (fixtures)
 
 FORWARD_SCHEDULE_ONLY = True  # whole models: see tests/cuda_testing.py
@@ -85,9 +85,10 @@ def _run(device, model, transformer, prompts, params, *, graphs: bool, spy: list
 
 
 def _qwen3(tmp_path, **rope: Any):
+    from gguf import GGMLQuantizationType
+
     from eagerlm.loader.model_file import ModelFile
     from eagerlm.loader.synthetic import SyntheticSpec, write_synthetic_model
-    from gguf import GGMLQuantizationType
 
     # head_dim 32: the smallest the flash-decoding kernel serves, so the captured decode
     # rounds run attention_decode.cu (with 16 they would take the general kernel)

@@ -19,6 +19,8 @@ import math
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType, quants
+
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,
@@ -26,8 +28,6 @@ from eagerlm.kernels.sampling import (
 )
 from eagerlm.loader.config import Activation, RopeParams, RopeStyle
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
-from gguf import GGMLQuantizationType, quants
-
 from tests.cuda_testing import (  # noqa: F401  (fixtures)
     REF,
     appended_batches,

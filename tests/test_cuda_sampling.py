@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,
     SamplingParams,
@@ -19,7 +20,6 @@ from eagerlm.kernels.sampling import (
     sample,
     token_logprob,
 )
-
 from tests.cuda_testing import device, ops, rng  # noqa: F401  (fixtures)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from eagerlm.loader.demo_model import demo_model_available, demo_model_path
 
 pytestmark = [
@@ -101,7 +102,6 @@ def test_dispatcher_on_the_demo_model_equals_each_request_alone(demo):
     from eagerlm.dispatch.scheduler import SchedulerConfig
     from eagerlm.kernels.sampling import SamplingParams
     from eagerlm.vmm.device import open_device
-
     from tests.sequential_reference import SequentialGeneration
 
     model, tf = demo

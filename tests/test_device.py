@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+
 from eagerlm.vmm.cuda_driver import CudaError, NoCudaDevice, check
 from eagerlm.vmm.device import Device, StreamError, open_device
 from eagerlm.vmm.host_views import ViewsAlive

@@ -6,6 +6,7 @@ command that runs a model, `perplexity` too, lists them."""
 from __future__ import annotations
 
 import pytest
+
 from eagerlm.service.api.engine import EngineSettings
 from eagerlm.service.cli.commands import _engine_settings, build_parser
 from eagerlm.service.measure.harness import engine_settings

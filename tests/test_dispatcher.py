@@ -11,6 +11,7 @@ import random
 import time
 
 import pytest
+
 from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.messages import FinishReason, Output
@@ -20,7 +21,6 @@ from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.vmm.device import open_device
-
 from tests.sequential_reference import SequentialGeneration
 
 PAGE = 4096

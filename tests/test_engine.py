@@ -9,6 +9,7 @@ import time
 
 import anyio
 import pytest
+
 from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
@@ -18,7 +19,6 @@ from eagerlm.service.api.engine import Engine, GenerationError, TokenLogprobs
 from eagerlm.service.api.model_loading import LoadProgress
 from eagerlm.service.api.sync_engine import SyncEngine
 from eagerlm.vmm.cuda_driver import CudaError, NoCudaDevice
-
 from tests.sequential_reference import SequentialGeneration
 
 BACKENDS = ["asyncio", "trio"]

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
+
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cpu_backend import cpu_transformer
 from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import IQ_TYPES, tiny_spec, write_synthetic_model
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
-from gguf import GGMLQuantizationType as Q
-
 from tests.reference_forward import reference_logits
 
 # gemma3 needs 6 layers to have a global one (layer 5); a window of 4 over 12 tokens

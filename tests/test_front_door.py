@@ -9,9 +9,10 @@ import argparse
 import ast
 from pathlib import Path
 
+import pytest
+
 import eagerlm
 import eagerlm.errors
-import pytest
 from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, RequestError, TokenOutOfVocabulary
 from eagerlm.dispatch.kv_capacity import KVPoolTooSmall
 from eagerlm.kernels.cublaslt import CublasLtUnavailable
@@ -29,7 +30,6 @@ from eagerlm.loader.errors import (
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.service.cli.commands import build_parser, main
 from eagerlm.vmm.cuda_driver import CudaError, NoCudaDevice
-
 from tests.test_gguf_file import gguf_bytes, llama_kvs, llama_tensors
 
 E = eagerlm.errors
@@ -216,9 +216,10 @@ def test_the_server_maps_each_category_to_an_openai_error(error, status, param):
 
 def test_the_server_answers_a_closed_engine_with_503_and_bad_input_with_400(model_path):
     pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
     from eagerlm import Engine
     from eagerlm.service.http.server import create_app
-    from fastapi.testclient import TestClient
 
     engine = Engine.load(model_path, page_size=16384, kv_budget_bytes=16 << 20,
                          model_name="tiny")

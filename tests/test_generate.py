@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+
 from eagerlm.dispatch.errors import PromptTooLong
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_backend import cpu_transformer
@@ -14,7 +15,6 @@ from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.service.cli.commands import _sampling, build_parser, main
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
-
 from tests.sequential_reference import FinishReason, SequentialGeneration
 
 

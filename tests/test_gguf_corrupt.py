@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from eagerlm.loader.errors import InvalidMetadata
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import tiny_spec
-
 from tests.gguf_corruption import (
     ARCH,
     HARMLESS,

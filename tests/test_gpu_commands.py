@@ -74,8 +74,9 @@ def test_bench_prefill_attention(emulator, monkeypatch, capsys) -> None:
 
 
 def test_bench_load(emulator, monkeypatch, capsys, tmp_path) -> None:
-    from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
     from gguf import GGMLQuantizationType
+
+    from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 
     path = write_synthetic_model(tmp_path / "m.gguf", tiny_spec(
         "qwen3", weight_type=GGMLQuantizationType.Q8_0))
@@ -144,9 +145,10 @@ def test_eagerlm_bench_offline_on_cuda(emulator, tmp_path, capsys) -> None:
 
 def test_eagerlm_generate_on_cuda_prints_the_cpu_backends_greedy_text(emulator, tmp_path,
                                                                       capsys) -> None:
+    from gguf import GGMLQuantizationType
+
     from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
     from eagerlm.service.cli.commands import main
-    from gguf import GGMLQuantizationType
 
     path = str(write_synthetic_model(tmp_path / "m.gguf", tiny_spec(
         "llama", weight_type=GGMLQuantizationType.BF16)))
@@ -164,9 +166,10 @@ def test_eagerlm_generate_on_cuda_prints_the_cpu_backends_greedy_text(emulator, 
 
 def test_eagerlm_perplexity_on_cuda_is_the_cpu_backends_within_bf16(emulator, tmp_path,
                                                                     capsys) -> None:
+    from gguf import GGMLQuantizationType
+
     from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
     from eagerlm.service.cli.commands import main
-    from gguf import GGMLQuantizationType
 
     path = str(write_synthetic_model(tmp_path / "m.gguf", tiny_spec(
         "llama", weight_type=GGMLQuantizationType.BF16)))
@@ -195,10 +198,10 @@ def test_eagerlm_serve_on_cuda_streams_concurrent_chats(emulator, tmp_path) -> N
     import concurrent.futures
 
     import openai
+
     from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
     from eagerlm.service.api.engine import Engine
     from eagerlm.service.http.server import ServerConfig, create_app
-
     from tests.test_server import LiveServer
 
     path = write_synthetic_model(tmp_path / "m.gguf", tiny_spec("qwen3", context_length=256))

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+
 from eagerlm.kernels import nvrtc_build as nb
 from eagerlm.kernels.cuda_attention import SEQ_DESC
 from eagerlm.kernels.cuda_kernels import SIGNATURES, expected_params

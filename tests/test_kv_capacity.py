@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import anyio
 import httpx
 import pytest
+
 from eagerlm.dispatch.errors import PromptTooLong
 from eagerlm.dispatch.kv_capacity import KVPoolTooSmall, plan_capacity
 from eagerlm.kernels.sampling import SamplingParams
@@ -23,7 +24,6 @@ from eagerlm.service.cli.commands import main
 from eagerlm.service.http.server import ServerConfig, create_app
 from eagerlm.vmm.device import open_device
 from eagerlm.vmm.kv_layout import KVLayout
-
 from tests.test_server import LiveServer, assert_idle_and_nothing_leaked, sse_payloads
 
 MODEL = "tiny-qwen3"

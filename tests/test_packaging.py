@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 
 ROOT = Path(__file__).resolve().parents[1]

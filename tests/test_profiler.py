@@ -10,6 +10,7 @@ import json
 from collections import Counter
 
 import pytest
+
 from eagerlm.service.measure.profiler import add_profile_parser
 from eagerlm.service.measure.request_metrics import RequestRecord
 from eagerlm.service.measure.round_timeline import (

@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 import pytest
+
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_backend import cpu_transformer
 from eagerlm.kernels.numpy_ops import NumpyOps
@@ -39,7 +40,6 @@ from eagerlm.service.api.engine import EngineSettings
 from eagerlm.service.cli.commands import main
 from eagerlm.service.measure.perplexity import perplexity
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
-
 from tests.fixtures.make_yarn_reference import CASES, OUT_PATH, case_spec, case_tokens
 
 YARN = RopeScalingType.YARN

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+
 from eagerlm.kernels.sampling import (
     InvalidSamplingParams,
     SamplingParams,

@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+
 from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.service.api.engine import Engine, Logprob, TokenLogprobs
@@ -29,7 +30,6 @@ from eagerlm.service.http.openai_protocol import (
     completion_logprobs_body,
 )
 from eagerlm.service.http.server import ServerConfig, create_app
-
 from tests.sequential_reference import SequentialGeneration
 
 MODEL = "tiny-qwen3"

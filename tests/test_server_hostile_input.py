@@ -15,13 +15,13 @@ import time
 
 import httpx
 import pytest
+
 from eagerlm.errors import InvalidParameters
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.service.api.bounded_json import MAX_JSON_DEPTH, JSONRefused, loads, nesting_depth
 from eagerlm.service.api.engine import Engine
 from eagerlm.service.api.tool_calls import ToolCallFormat, ToolCallParser
 from eagerlm.service.http.server import ServerConfig, create_app
-
 from tests.test_server import LiveServer, assert_idle_and_nothing_leaked, sse_payloads
 
 MODEL = "tiny-hostile"

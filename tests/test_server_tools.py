@@ -17,13 +17,13 @@ import re
 import httpx
 import openai
 import pytest
+
 from eagerlm.loader.chat_template import ChatTemplate
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.service.api.engine import Engine
 from eagerlm.service.api.tool_calls import ToolCallFormat
 from eagerlm.service.http.openai_protocol import OpenAIError, parse_chat_request
 from eagerlm.service.http.server import ServerConfig, create_app
-
 from tests.test_chat_template import LLAMA31_TEMPLATE, QWEN25_TEMPLATE
 from tests.test_server import LiveServer, assert_idle_and_nothing_leaked, sse_payloads
 
@@ -387,6 +387,7 @@ def test_the_python_api_shows_tools_and_its_text_parses_as_the_server_does(engin
     """Engine.chat_complete(tools=...) renders the tools into the prompt (the same ids as
     prepare_chat with them); the reply is text, and ToolCallParser makes it the call."""
     import anyio
+
     from eagerlm.dispatch.messages import FinishReason
     from eagerlm.kernels.sampling import SamplingParams
     from eagerlm.service.api.tool_calls import ToolCallParser, format_of_template

@@ -14,6 +14,7 @@ import inspect
 from typing import Any
 
 import pytest
+
 from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import DispatcherConfig
 from eagerlm.dispatch.scheduler import SchedulerConfig

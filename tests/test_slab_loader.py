@@ -22,6 +22,8 @@ import threading
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType, quants
+
 from eagerlm.loader.gguf_file import TensorInfo
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.slab_loader import SizePool, SlabLoader
@@ -31,7 +33,6 @@ from eagerlm.service.api.model_loading import LoadProgress
 from eagerlm.service.api.progress import ProgressBar
 from eagerlm.vmm.cpu_device import CpuDevice
 from eagerlm.vmm.device import DeviceBuffer, Memory, Stream
-from gguf import GGMLQuantizationType, quants
 
 Q = GGMLQuantizationType
 
@@ -275,7 +276,6 @@ def test_a_model_too_large_for_the_gpu_is_refused_before_any_upload(model_path,
     from eagerlm.kernels.cuda_ops import CudaOps
     from eagerlm.kernels.weight_memory import ModelTooLarge
     from eagerlm.vmm.device import open_device
-
     from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
 
     with emulated_gpu_for_test() as drv:

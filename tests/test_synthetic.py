@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType, quants
+
 from eagerlm.loader.gguf_file import GGUFFile
 from eagerlm.loader.synthetic import RANDOM_BYTE_TYPES, bf16_bits, tiny_spec, write_synthetic_model
-from gguf import GGMLQuantizationType, quants
 
 
 def test_bf16_bits_round_as_gguf_does() -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from eagerlm.loader import tiny_vocab
 from eagerlm.loader.errors import MissingKey, ModelFileError
 from eagerlm.loader.gguf_file import GGUFFile

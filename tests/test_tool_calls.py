@@ -9,9 +9,9 @@ import random
 import re
 
 import pytest
+
 from eagerlm.loader.chat_template import ChatTemplate
 from eagerlm.service.api.tool_calls import Reply, ToolCallFormat, ToolCallParser, format_of_template
-
 from tests.test_chat_template import LLAMA3_VOCAB, LLAMA31_TEMPLATE, QWEN25_TEMPLATE
 
 TOOLS = ("get_weather", "get_time")

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+
 from eagerlm.vmm.cuda_driver import NoCudaDevice
 from eagerlm.vmm.device import Device, Memory, MemoryRange, Stream, open_device
 from eagerlm.vmm.host_views import ViewsAlive

@@ -22,15 +22,15 @@ import threading
 import time
 from collections.abc import Iterator
 
-import eagerlm.vmm.cuda_driver
 import numpy as np
 import pytest
+
+import eagerlm.vmm.cuda_driver
 from eagerlm.vmm.cuda_device import CudaDevice
 from eagerlm.vmm.cuda_driver import CudaError, NoCudaDevice
 from eagerlm.vmm.device import Device, open_device
 from eagerlm.vmm.host_views import ViewsAlive
 from eagerlm.vmm.page_pool import PagePool
-
 from tests.emulated_gpu.fake_cuda_driver import _GRANULARITY, _VALIDATE, FakeDriver, R
 from tests.test_device import (  # noqa: F401  (collected again here, on the fake device)
     test_a_never_recorded_event_counts_as_complete,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
 from eagerlm.vmm.cuda_driver import CudaContext, CudaError, cu, driver, error_name
 from eagerlm.vmm.device import Device, DeviceBuffer, Event, Gate, HostBuffer, Memory, Stream
 from eagerlm.vmm.host_views import HostViews

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
 from eagerlm.errors import InvalidParameters
 
 if TYPE_CHECKING:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from eagerlm.vmm.device import Event, HostBuffer, Stream
 from eagerlm.vmm.host_views import HostViews, TrackedRange
 from eagerlm.vmm.kv_layout import KVLayout

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+
 from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.messages import FinishReason, Output

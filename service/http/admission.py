@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 import anyio
+
 from eagerlm.errors import InvalidParameters
 
 

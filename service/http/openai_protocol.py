@@ -64,6 +64,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.kernels.sampling import (
     MAX_LOGIT_BIAS,
@@ -81,7 +83,6 @@ from eagerlm.service.api.tool_calls import (
     ToolCallParser,
     format_of_template,
 )
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_CHOICES = 16  # n
 MAX_PROMPTS = 64  # prompts in one /v1/completions request

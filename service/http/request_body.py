@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.requests import Request
+
 from eagerlm.service.api import bounded_json
 from eagerlm.service.http.openai_protocol import OpenAIError, bad_request, brief
-from starlette.requests import Request
 
 JSON_MEDIA_TYPE = "application/json"
 

@@ -50,6 +50,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.errors import EagerLMError, EngineClosed, EngineFailure
 from eagerlm.service.api.engine import Engine, GenerationError, MultiStream
@@ -91,11 +97,6 @@ from eagerlm.service.http.shutdown import (
     send_error,
     shutting_down,
 )
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("eagerlm.server")
 

@@ -31,8 +31,9 @@ from types import FrameType
 
 import anyio
 import uvicorn
-from eagerlm.service.http.openai_protocol import OpenAIError
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from eagerlm.service.http.openai_protocol import OpenAIError
 
 AFTER_GRACE_S = 5  # uvicorn's backstop once streams have been ended: bytes left unsent
 

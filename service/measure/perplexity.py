@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
 from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.model import Transformer

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cuda.bindings import driver as real
+
 from eagerlm.vmm.virmem import _MAP_FIXED, _RESERVE_FLAGS, _libc, _mmap
 
 R = real.CUresult

@@ -449,10 +449,11 @@ def emulated_gpu_for_test(row_exact_gemm: bool = False) -> Iterator[EmulatedDriv
 def emulated_gpu(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
     """Within: `open_device("cuda")` gives a device on the emulated driver, kernels build
     for the host, and cuBLASLt is fake_cublaslt.py (`row_exact_gemm`: see there)."""
+    import pytest
+
     import eagerlm.kernels.cublaslt
     import eagerlm.kernels.cuda_kernels
     import eagerlm.vmm.cuda_driver
-    import pytest
 
     _compiler()
     try:

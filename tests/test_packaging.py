@@ -11,6 +11,7 @@ kernels` fails.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import zipfile
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from eagerlm.loader.demo_model import DEMO_PACKAGE
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,3 +103,9 @@ def test_installed_in_a_fresh_environment_eagerlm_works_and_the_bare_names_do_no
                           "--temperature", "0", "-q"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300)
     assert gen.returncode == 0, gen.stderr
+    if importlib.util.find_spec(DEMO_PACKAGE) is not None:  # the demo extra is installed
+        demo = subprocess.run([str(venv / "bin" / "eagerlm"), "generate", "--prompt",
+                               "The capital of France is", "--max-tokens", "4", "-q"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert demo.returncode == 0, demo.stderr
+        assert demo.stdout.strip() and "generated 4 tokens" in demo.stderr, demo

@@ -12,7 +12,8 @@ from __future__ import annotations
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.dispatch.stop_strings import StopMatcher
 from eagerlm.kernels.sampling import SamplingParams
-from eagerlm.loader.tokenizer import IncrementalDetokenizer, Tokenizer
+from eagerlm.loader.detokenizer import IncrementalDetokenizer
+from eagerlm.loader.tokenizer import Tokenizer
 
 
 class TokenJudge:

@@ -27,7 +27,8 @@ import numpy as np
 import regex
 from gguf import TokenType
 
-from eagerlm.loader.tokenizer import BYTE_ALPHABET, PRE_TOKENIZERS, SPACE_MARK
+from eagerlm.loader.pretokenizers import BYTE_ALPHABET, PRE_TOKENIZERS
+from eagerlm.loader.tokenizer import SPACE_MARK
 
 SAMPLE_TEXT = '''\
 The river runs past the old mill, and in the morning the light comes through the trees

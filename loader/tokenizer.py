@@ -13,24 +13,21 @@ tokenizers the vocabularies came from:
   left), symbols that are not tokens fall back to `<0xNN>` byte tokens;
 - model `gpt2` (byte-level BPE, `llm_tokenizer_bpe`): the pre-tokenizer named by
   `tokenizer.ggml.pre` splits the text into words, each word's UTF-8 bytes are spelled
-  with GPT-2's byte-to-unicode alphabet, and merges apply lowest rank first;
+  with GPT-2's byte-to-unicode alphabet (both in loader/pretokenizers.py), and merges
+  apply lowest rank first;
 - the end-of-generation set and the attribute fix-ups are derived from token texts the
-  way llama.cpp derives them, since GGUF files do not say.
+  way llama.cpp derives them, since GGUF files do not say (loader/special_tokens.py).
 
-Where llama.cpp's behaviour depends on hash-map iteration order (which of several
-candidate texts becomes `eot_id`) the smallest id is taken; the end-of-generation set
-does not depend on it. Character classes (\\p{L}, \\p{N}, \\s...) come from the `regex`
-package, whose Unicode tables may be newer than llama.cpp's: code points assigned in
-between can split differently.
+This module holds the encoding and decoding algorithms; the tables they run on are
+llama.cpp's and live beside it: loader/pretokenizers.py (word splitting and the byte
+alphabet) and loader/special_tokens.py (token attributes and special-token rules).
+Streaming text out token by token is loader/detokenizer.py.
 """
 
 from __future__ import annotations
 
-import codecs
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import IntFlag
 from typing import Any
 
 import numpy as np
@@ -38,174 +35,22 @@ import regex
 
 from eagerlm.errors import InvalidParameters
 from eagerlm.loader.errors import MissingKey, ModelFileError, quoted
+from eagerlm.loader.pretokenizers import BYTE_TO_CHAR, CHAR_TO_BYTE, PRE_TOKENIZERS
+from eagerlm.loader.special_tokens import (
+    BYTE,
+    DEFAULT_IDS,
+    HIDDEN,
+    ID_KEYS,
+    NORMAL,
+    SPECIAL,
+    TYPE_TO_ATTR,
+    TokenAttr,
+    settle_special_tokens,
+)
 
 SPACE_MARK = "\u2581"  # SentencePiece's visible space, "▁"
 _C_SPACES = " \t\n\v\f\r"  # what C's isspace() accepts in the "C" locale
 _WORD_CACHE_LIMIT = 1 << 16
-
-
-class TokenAttr(IntFlag):
-    """llama.cpp's `llama_token_attr` bits (a token can carry several)."""
-
-    UNDEFINED = 0
-    UNKNOWN = 1 << 0
-    UNUSED = 1 << 1
-    NORMAL = 1 << 2
-    CONTROL = 1 << 3
-    USER_DEFINED = 1 << 4
-    BYTE = 1 << 5
-    NORMALIZED = 1 << 6
-    LSTRIP = 1 << 7
-    RSTRIP = 1 << 8
-    SINGLE_WORD = 1 << 9
-
-
-# GGUF `tokenizer.ggml.token_type` value (gguf.TokenType; 0 = undefined) -> attribute.
-_TYPE_TO_ATTR = np.array([TokenAttr.UNDEFINED, TokenAttr.NORMAL, TokenAttr.UNKNOWN,
-                          TokenAttr.CONTROL, TokenAttr.USER_DEFINED, TokenAttr.UNUSED,
-                          TokenAttr.BYTE], dtype=np.int64)
-# Plain ints for the hot paths (IntFlag arithmetic is slow).
-_SPECIAL = int(TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN)
-_HIDDEN = int(TokenAttr.CONTROL | TokenAttr.UNKNOWN)  # not rendered unless asked for
-_CONTROL, _NORMAL, _BYTE = int(TokenAttr.CONTROL), int(TokenAttr.NORMAL), int(TokenAttr.BYTE)
-_LSTRIP, _RSTRIP = int(TokenAttr.LSTRIP), int(TokenAttr.RSTRIP)
-_UNUSED = int(TokenAttr.UNUSED)
-
-
-def _gpt2_byte_alphabet() -> list[str]:
-    """GPT-2's printable stand-in for every byte: printable Latin-1 bytes stand for
-    themselves, the rest map to U+0100 upwards in byte order."""
-    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = [""] * 256
-    extra = 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(0x100 + extra)
-            extra += 1
-    return chars
-
-
-BYTE_ALPHABET: tuple[str, ...] = tuple(_gpt2_byte_alphabet())
-_BYTE_TO_CHAR = {b: c for b, c in enumerate(BYTE_ALPHABET)}  # for str.translate
-_CHAR_TO_BYTE = {c: b for b, c in enumerate(BYTE_ALPHABET)}
-
-# --- pre-tokenizers ----------------------------------------------------------------------
-
-# llama.cpp runs hand-written scanners for these three expressions; they match what the
-# expressions match, so the `regex` package runs the expressions themselves. The GPT-2
-# one gets llama.cpp's fallback `\s+` for a single space before a non-space.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# llama.cpp's default list runs through std::regex on a "collapsed" text in which every
-# non-ASCII code point stands for its category; these are the same sets, uncollapsed.
-_DEFAULT = (r"[\p{P}$+<=>^~|]+", _GPT2, r"\p{N}+", r"[0-9]{3}")
-_DIGIT_THEN_GPT2 = (r"\p{N}", _GPT2)
-
-
-@dataclass(frozen=True)
-class PreTokenizer:
-    """How llama.cpp splits text into words for one family of `tokenizer.ggml.pre` values.
-
-    Each stage splits every chunk the previous stage produced: matches and the text
-    between them both become chunks, as in llama.cpp's `unicode_regex_split`.
-    `ignore_merges` takes a word that is itself a token as that token (Llama 3);
-    `clean_spaces` is the vocabulary's `clean_up_tokenization_spaces`, which llama.cpp
-    applies only in `llama_detokenize`.
-    """
-
-    stages: tuple[str, ...]
-    clean_spaces: bool = True
-    ignore_merges: bool = False
-    add_bos: bool = False
-    default_bos: bool = True  # whether the model's default BOS id (11) stands
-    _compiled: tuple[regex.Pattern[str], ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_compiled", tuple(regex.compile(s) for s in self.stages))
-
-    def split(self, text: str) -> list[str]:
-        chunks = [text]
-        for pattern in self._compiled:
-            out: list[str] = []
-            for chunk in chunks:
-                pos = 0
-                for m in pattern.finditer(chunk):
-                    start, end = m.span()
-                    if start > pos:
-                        out.append(chunk[pos:start])
-                    out.append(chunk[start:end])
-                    pos = end
-                if pos < len(chunk):
-                    out.append(chunk[pos:])
-            chunks = out
-        return chunks
-
-
-def _family(pre: PreTokenizer, *names: str) -> dict[str, PreTokenizer]:
-    return dict.fromkeys(names, pre)
-
-
-# `tokenizer.ggml.pre` values whose llama.cpp pre-tokenizer is one of the above, with the
-# flags llama.cpp's vocabulary loader sets for each.
-PRE_TOKENIZERS: dict[str, PreTokenizer] = {
-    **_family(PreTokenizer(_DEFAULT), "default", ""),
-    **_family(PreTokenizer((_GPT2,)), "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat",
-              "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum", "modern-bert", "jina-v1-en",
-              "jina-v2-code", "roberta-bpe", "mpt", "olmo", "exaone4"),
-    **_family(PreTokenizer((_GPT2,), clean_spaces=False), "trillion", "granite-docling"),
-    **_family(PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True), "llama3",
-              "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-              "jina-v5-nano"),
-    **_family(PreTokenizer((_LLAMA3,)), "dbrx", "smaug-bpe"),
-    **_family(PreTokenizer((_LLAMA3,), default_bos=False), "chatglm-bpe"),
-    **_family(PreTokenizer((_LLAMA3,), ignore_merges=True, default_bos=False), "glm4", "glm5"),
-    **_family(PreTokenizer((_QWEN2,), clean_spaces=False), "qwen2", "deepseek-r1-qwen",
-              "kormo", "f2llmv2", "hunyuan", "solar-open"),
-    **_family(PreTokenizer((_QWEN2,)), "megrez", "stablelm2"),
-    **_family(PreTokenizer(_DIGIT_THEN_GPT2), "starcoder", "refact", "codeshell", "exaone",
-              "minerva-7b", "mellum2"),
-    **_family(PreTokenizer(_DIGIT_THEN_GPT2, clean_spaces=False), "command-r", "smollm"),
-}
-
-# --- special-token texts llama.cpp recognises (llama_vocab::impl::load) --------------------
-
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-              "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
-              "<end_of_utterance>")
-_EOM_TEXTS = ("<|eom_id|>",)
-_FIM_TEXTS = {
-    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
-                "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
-                "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
-                "▁<MID>", "<|code_middle|>", "<|middle|>"),
-    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "fim_sep": ("<|file_sep|>",),
-}
-_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
-              "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
-              "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
-              "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[")
-_ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  # gpt-oss
-
-# Metadata keys for special ids, in llama.cpp's reading order (later keys win).
-_ID_KEYS = (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("eot", "eot_token_id"),
-            ("eom", "eom_token_id"), ("unk", "unknown_token_id"),
-            ("sep", "seperator_token_id"), ("pad", "padding_token_id"),
-            ("mask", "mask_token_id"), ("fim_pre", "fim_pre_token_id"),
-            ("fim_suf", "fim_suf_token_id"), ("fim_mid", "fim_mid_token_id"),
-            ("fim_pad", "fim_pad_token_id"), ("fim_rep", "fim_rep_token_id"),
-            ("fim_sep", "fim_sep_token_id"), ("fim_pre", "prefix_token_id"),
-            ("fim_suf", "suffix_token_id"), ("fim_mid", "middle_token_id"))
-_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}}
 MODELS = ("llama", "gpt2")
 
 
@@ -254,15 +99,19 @@ class Tokenizer:
         self._ranks = {m: i for i, m in reversed(list(enumerate(merges)))}
         self.bos_id = ids.get("bos")
         self.eos_id = ids.get("eos")
-        self.eot_id = ids.get("eot")
-        self.eom_id = ids.get("eom")
         self.unk_id = ids.get("unk")
         self.pad_id = ids.get("pad")
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.add_space_prefix = add_space_prefix
         self.clean_spaces = False if self._spm else self._pre_tokenizer.clean_spaces
-        self.end_ids = self._settle_special_tokens(dict(ids), model_name, architecture)
+        special = settle_special_tokens(self._tokens, self._token_to_id, self._attrs, ids,
+                                        pre, model_name, architecture)
+        self.eot_id, self.eom_id = special.ids.get("eot"), special.ids.get("eom")
+        self.fim_pre_id, self.fim_suf_id, self.fim_mid_id = (
+            special.ids.get("fim_pre"), special.ids.get("fim_suf"), special.ids.get("fim_mid"))
+        self.end_ids = special.end_ids
+        self._specials_parsed, self._specials_plain = special.parsed, special.plain
         self._byte_ids = [self._byte_token(b) for b in range(256)] if self._spm else []
         self._pieces: list[bytes | None] = [None] * len(self._tokens)
         self._word_cache: dict[str, list[int]] = {}
@@ -301,18 +150,18 @@ class Tokenizer:
                                  field=_key("merges"))
         scores = cls._per_token(md, "scores", n, 0.0)
         types = cls._per_token(md, "token_type", n, 1).astype(np.int64)
-        in_range = (types >= 0) & (types < len(_TYPE_TO_ATTR))
-        attrs = np.where(in_range, _TYPE_TO_ATTR[np.clip(types, 0, len(_TYPE_TO_ATTR) - 1)],
+        in_range = (types >= 0) & (types < len(TYPE_TO_ATTR))
+        attrs = np.where(in_range, TYPE_TO_ATTR[np.clip(types, 0, len(TYPE_TO_ATTR) - 1)],
                          int(TokenAttr.UNDEFINED))
         pre_tok = PRE_TOKENIZERS.get(pre) if model == "gpt2" else None
 
-        ids: dict[str, int | None] = dict(_DEFAULT_IDS[model])
+        ids: dict[str, int | None] = dict(DEFAULT_IDS[model])
         if pre_tok is not None and not pre_tok.default_bos:
             ids["bos"] = None
         for name in list(ids):
             if ids[name] is not None and ids[name] >= n:
                 ids[name] = None
-        for name, key in _ID_KEYS:
+        for name, key in ID_KEYS:
             value = md.get(_key(key))
             if value is not None and 0 <= int(value) < n:
                 ids[name] = int(value)
@@ -341,78 +190,6 @@ class Tokenizer:
                                  field=_key(name))
         return arr[:n]
 
-    def _settle_special_tokens(self, ids: dict[str, int | None], model_name: str,
-                         architecture: str) -> frozenset[int]:
-        """Fix attributes and find the end-of-generation set as llama.cpp's loader does:
-        from ids in the metadata and from well-known token texts, since GGUF files do not
-        mark end tokens."""
-        attrs, t2i = self._attrs, self._token_to_id
-
-        def found(texts: Iterable[str]) -> list[int]:
-            return [t2i[t] for t in texts if t in t2i]
-
-        def make_control(tid: int) -> None:
-            attrs[tid] |= _CONTROL
-
-        # Several candidates: llama.cpp takes the first its hash map yields; the first in
-        # list order is what it yields for the Llama 3 and Qwen 2 vocabularies.
-        for name, texts in (("eot", _EOT_TEXTS), ("eom", _EOM_TEXTS), *_FIM_TEXTS.items()):
-            if ids.get(name) is None and (hits := found(texts)):
-                ids[name] = hits[0]
-                make_control(hits[0])
-        self.eot_id, self.eom_id = ids.get("eot"), ids.get("eom")
-        self.fim_pre_id, self.fim_suf_id, self.fim_mid_id = (
-            ids.get("fim_pre"), ids.get("fim_suf"), ids.get("fim_mid"))
-        for tid, text in enumerate(self._tokens):  # control tokens named "unused"
-            if attrs[tid] & _CONTROL and "unused" in text:
-                attrs[tid] |= _UNUSED
-
-        eog = {ids[k] for k in ("fim_pad", "fim_rep", "fim_sep") if ids.get(k) is not None}
-        for tid in found(_EOG_TEXTS):
-            eog.add(tid)
-            make_control(tid)
-        for tid in found(_ALWAYS_RENDERED):
-            attrs[tid] = int(TokenAttr.USER_DEFINED)
-        eog.update(ids[k] for k in ("eos", "eot", "eom") if ids.get(k) is not None)
-
-        # o200k_harmony and solar-open: "<|end|>" ends a message, not the generation.
-        texts = {self._tokens[t]: t for t in eog}
-        has_call = "<|call|>" in texts or "<|calls|>" in texts
-        if "<|end|>" in texts and has_call and ("<|return|>" in texts or "<|flush|>" in texts):
-            eog.discard(texts["<|end|>"])
-            attrs[texts["<|end|>"]] = int(TokenAttr.USER_DEFINED)
-        # gemma4 and plamo have an ordinary "</s>".
-        if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
-            eog.discard(texts["</s>"])
-            attrs[texts["</s>"]] = _NORMAL
-
-        # Special tokens are cut out of the text longest first (by UTF-8 length).
-        special = [i for i, a in enumerate(attrs) if a & _SPECIAL]
-        special.sort(key=lambda i: -len(self._tokens[i].encode("utf-8", "surrogateescape")))
-
-        # Per-model attributes llama.cpp sets by name (after the cache above is built).
-        name = model_name.lower()
-        if any(p in self.pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or any(
-                a in architecture for a in ("nomic-bert-moe", "jina-bert-v3")):
-            if "<mask>" in t2i:
-                attrs[t2i["<mask>"]] |= _LSTRIP
-        elif "phi-3" in name or "phi3" in name:
-            for tid in special:
-                attrs[tid] |= _RSTRIP
-            for text, on in (("</s>", True), ("<unk>", False), ("<s>", False),
-                             ("<|endoftext|>", False)):
-                if text in t2i:
-                    tid = t2i[text]
-                    attrs[tid] = attrs[tid] | _RSTRIP if on else attrs[tid] & ~_RSTRIP
-        elif "modern-bert" in name and "[MASK]" in t2i:
-            attrs[t2i["[MASK]"]] |= _LSTRIP
-
-        entries = [(i, self._tokens[i], bool(attrs[i] & _LSTRIP), bool(attrs[i] & _RSTRIP))
-                   for i in special]
-        self._specials_parsed = entries
-        self._specials_plain = [e for e in entries if not attrs[e[0]] & _HIDDEN]
-        return frozenset(eog)
-
     def _byte_token(self, b: int) -> int | None:
         """The token of one raw byte (SPM byte fallback): <0xNN>, else the byte itself."""
         tid = self._token_to_id.get(f"<0x{b:02X}>")
@@ -439,7 +216,7 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         """Whether the token is cut out of text before tokenizing (control, user-defined
         or unknown), as llama.cpp's special-token cache has it."""
-        return bool(self._attrs[token_id] & _SPECIAL)
+        return bool(self._attrs[token_id] & SPECIAL)
 
     def __repr__(self) -> str:
         return (f"Tokenizer(model={self.model!r}, pre={self.pre!r}, "
@@ -605,7 +382,7 @@ class Tokenizer:
         """llm_tokenizer_bpe on one pre-tokenized word."""
         t2i = self._token_to_id
         spelled = word.encode("utf-8", "surrogatepass").decode("latin-1").translate(
-            _BYTE_TO_CHAR)
+            BYTE_TO_CHAR)
         if self._pre_tokenizer.ignore_merges and spelled in t2i:
             return [t2i[spelled]]
         ids = []
@@ -661,7 +438,7 @@ class Tokenizer:
         """The token's bytes as llama.cpp's token_to_piece renders them: ▁ becomes a space
         (SPM), byte-level spelling is undone (BPE), byte tokens give their byte, control
         and unknown tokens give their text only when `special`."""
-        if not special and self._attrs[token_id] & _HIDDEN:
+        if not special and self._attrs[token_id] & HIDDEN:
             return b""
         piece = self._pieces[token_id]
         if piece is None:
@@ -670,13 +447,13 @@ class Tokenizer:
 
     def _render(self, token_id: int) -> bytes:
         attr, text = self._attrs[token_id], self._tokens[token_id]
-        if attr & _SPECIAL:
+        if attr & SPECIAL:
             return text.encode("utf-8", "surrogateescape")
-        if attr & _NORMAL:
+        if attr & NORMAL:
             if self._spm:
                 return text.replace(SPACE_MARK, " ").encode("utf-8", "surrogateescape")
             return self._unspell(text)
-        if attr & _BYTE:
+        if attr & BYTE:
             return bytes([_c_hex_prefix(text[3:5]) & 0xFF])
         return b""  # unused / undefined tokens render as nothing
 
@@ -687,7 +464,7 @@ class Tokenizer:
         out = bytearray()
         raw = text.encode("utf-8", "surrogateescape")
         for ch in text:
-            b = _CHAR_TO_BYTE.get(ch)
+            b = CHAR_TO_BYTE.get(ch)
             if b is not None:
                 out.append(b)
                 continue
@@ -727,50 +504,3 @@ def _clean_up_spaces(data: bytes) -> bytes:
     data = regex.sub(rb" (?=[?!.,])", b"", data)
     data = data.replace(b" ' ", b"'")
     return regex.sub(rb" '(?=[sm]|re|ve)", b"'", data)
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of ids into text as it arrives.
-
-    All outputs joined equal `tokenizer.decode(all ids, skip_special)`; a piece that ends
-    inside a UTF-8 character is held back until the character completes, so no output
-    holds half a character (U+FFFD appears only for bytes that can never be valid). Work
-    per token is constant: only the incomplete tail of the last character is buffered.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
-        self._tok = tokenizer
-        self._skip = skip_special
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._first = True
-        self._strip = tokenizer.add_space_prefix
-        self._held: int | None = None  # a possibly-final EOS that decode would drop
-
-    def push(self, token_id: int) -> str:
-        """Add one token; returns the text that is now complete."""
-        tok, out = self._tok, ""
-        if self._held is not None:
-            out = self._emit(self._held)
-            self._held = None
-        if self._first:
-            self._first = False
-            if self._skip and tok.add_bos and token_id == tok.bos_id:
-                self._strip = False
-                return out
-        if self._skip and tok.add_eos and token_id == tok.eos_id:
-            self._held = token_id
-            return out
-        return out + self._emit(token_id)
-
-    def _emit(self, token_id: int) -> str:
-        piece = self._tok.piece(token_id, not self._skip)
-        if self._strip:
-            self._strip = False
-            if piece[:1] == b" ":
-                piece = piece[1:]
-        return self._utf8.decode(piece)
-
-    def flush(self) -> str:
-        """End of stream: the rest, with any incomplete character as U+FFFD."""
-        self._held = None
-        return self._utf8.decode(b"", final=True)

@@ -24,7 +24,7 @@ from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.service.api.engine import Engine, Logprob, TokenLogprobs
 from eagerlm.service.http.admission import AdmissionGate, QueueFull
-from eagerlm.service.http.openai_protocol import (
+from eagerlm.service.http.openai_responses import (
     LOGPROB_FLOOR,
     chat_logprobs_body,
     completion_logprobs_body,

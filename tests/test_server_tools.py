@@ -22,7 +22,8 @@ from eagerlm.loader.chat_template import ChatTemplate
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.service.api.engine import Engine
 from eagerlm.service.api.tool_calls import ToolCallFormat
-from eagerlm.service.http.openai_protocol import OpenAIError, parse_chat_request
+from eagerlm.service.http.openai_errors import OpenAIError
+from eagerlm.service.http.openai_requests import parse_chat_request
 from eagerlm.service.http.server import ServerConfig, create_app
 from tests.test_chat_template import LLAMA31_TEMPLATE, QWEN25_TEMPLATE
 from tests.test_server import LiveServer, assert_idle_and_nothing_leaked, sse_payloads

@@ -23,10 +23,12 @@ from typing import Any
 import pytest
 
 from eagerlm.loader import tiny_vocab
+from eagerlm.loader.detokenizer import IncrementalDetokenizer
 from eagerlm.loader.errors import MissingKey, ModelFileError
 from eagerlm.loader.gguf_file import GGUFFile
+from eagerlm.loader.special_tokens import TokenAttr
 from eagerlm.loader.tiny_vocab import bpe_vocab, spm_vocab
-from eagerlm.loader.tokenizer import IncrementalDetokenizer, TokenAttr, Tokenizer
+from eagerlm.loader.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -21,7 +21,7 @@ from typing import Any
 from starlette.requests import Request
 
 from eagerlm.service.api import bounded_json
-from eagerlm.service.http.openai_protocol import OpenAIError, bad_request, brief
+from eagerlm.service.http.openai_errors import OpenAIError, bad_request, brief
 
 JSON_MEDIA_TYPE = "application/json"
 

@@ -13,7 +13,7 @@ What a client can count on:
   makes it a 500 (JSON nested too deep or holding a lone surrogate is a 400:
   service/request_body.py), and a 500 of a bug is counted in /metrics like any response;
 - a field the engine cannot honour is refused, never silently ignored
-  (service/openai_protocol.py);
+  (service/http/openai_requests.py);
 - penalties (`presence_penalty`, `frequency_penalty`, and vLLM's `repetition_penalty`),
   `logit_bias` ({"token id": bias in [-100, 100]}; an id outside the vocabulary is a 400)
   and log-probabilities (chat: `logprobs` + `top_logprobs`; completions: `logprobs: N`) in
@@ -63,14 +63,19 @@ from eagerlm.service.api.metrics import PrometheusText
 from eagerlm.service.api.tool_calls import Reply, ToolCallParser
 from eagerlm.service.http.admission import AdmissionGate, QueueFull, Ticket
 from eagerlm.service.http.config import ServerConfig
-from eagerlm.service.http.openai_protocol import (
+from eagerlm.service.http.openai_errors import OpenAIError, bad_request, brief
+from eagerlm.service.http.openai_requests import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_PROMPTS,
-    OpenAIError,
+    parse_chat_request,
+    parse_completion_request,
+    parse_detokenize_request,
+    parse_tokenize_request,
+    resolve_max_tokens,
+)
+from eagerlm.service.http.openai_responses import (
     ResponseIds,
     Usage,
-    bad_request,
-    brief,
     chat_chunk_body,
     chat_completion_body,
     chat_finish_reason,
@@ -79,11 +84,6 @@ from eagerlm.service.http.openai_protocol import (
     completion_chunk_body,
     completion_logprobs_body,
     finish_reason,
-    parse_chat_request,
-    parse_completion_request,
-    parse_detokenize_request,
-    parse_tokenize_request,
-    resolve_max_tokens,
     text_length,
     tool_call_delta,
     usage_chunk_body,

@@ -33,7 +33,7 @@ import anyio
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from eagerlm.service.http.openai_protocol import OpenAIError
+from eagerlm.service.http.openai_errors import OpenAIError
 
 AFTER_GRACE_S = 5  # uvicorn's backstop once streams have been ended: bytes left unsent
 

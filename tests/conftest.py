@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -17,3 +22,22 @@ def _seeded_rng(request) -> None:
 
     seed = zlib.crc32(request.node.nodeid.encode())
     cuda_testing.rng.bit_generator.state = np.random.PCG64(seed).state
+
+
+@pytest.fixture(scope="session")
+def checkout_copy(tmp_path_factory) -> Path:
+    """The checkout's files as git would hand them over (tracked, and untracked but not
+    ignored): no build outputs, no install. What the GPU machine receives, and a clean
+    tree to build the wheel in (a build in the checkout itself would leave build/ there,
+    whose stale files a later build would pack)."""
+    dest = tmp_path_factory.mktemp("checkout") / "eagerlm"
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                            capture_output=True, text=True)
+    if listed.returncode:
+        pytest.skip("not a git checkout")
+    for name in filter(None, listed.stdout.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    return dest

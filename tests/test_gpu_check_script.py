@@ -11,29 +11,8 @@ would run with `--help` (imports and flags checked, nothing measured).
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def bare_copy(tmp_path_factory) -> Path:
-    """The checkout's files as git would hand them over: no build outputs, no install."""
-    dest = tmp_path_factory.mktemp("checkout") / "eagerlm"
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                            capture_output=True, text=True)
-    if listed.returncode:
-        pytest.skip("not a git checkout")
-    for name in filter(None, listed.stdout.split("\0")):
-        source = ROOT / name
-        if source.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, dest / name)
-    return dest
 
 
 def gpu_check(copy: Path, out: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
@@ -43,21 +22,21 @@ def gpu_check(copy: Path, out: Path, *argv: str, **env: str) -> subprocess.Compl
                           capture_output=True, text=True, timeout=900)
 
 
-def test_the_tests_part_imports_eagerlm_from_the_copy_and_runs_emulated_cases(bare_copy,
+def test_the_tests_part_imports_eagerlm_from_the_copy_and_runs_emulated_cases(checkout_copy,
                                                                              tmp_path):
     out = tmp_path / "out"
-    done = gpu_check(bare_copy, out, "tests",
+    done = gpu_check(checkout_copy, out, "tests",
                      GPU_CHECK_TESTS="emulated and (embed or rms_norm) and not reverse")
     log = (out / "gpu_tests.log").read_text()
     assert done.returncode == 0, done.stdout + done.stderr
     assert " passed" in log and " failed" not in log and "error" not in log.lower(), log
     where = (out / "device.txt").read_text()
-    assert f"eagerlm from {bare_copy.resolve()}" in where, where  # not this checkout
+    assert f"eagerlm from {checkout_copy.resolve()}" in where, where  # not this checkout
 
 
-def test_the_dry_part_starts_every_benchmark_the_script_runs(bare_copy, tmp_path):
+def test_the_dry_part_starts_every_benchmark_the_script_runs(checkout_copy, tmp_path):
     out = tmp_path / "out"
-    done = gpu_check(bare_copy, out, "dry")
+    done = gpu_check(checkout_copy, out, "dry")
     assert done.returncode == 0, done.stdout + done.stderr
     logs = "".join(p.read_text() for p in out.glob("*.log"))
     started = logs.count("== ")

@@ -28,11 +28,13 @@ FOLDERS = ("vmm", "loader", "dispatch", "kernels", "service")
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def wheel(tmp_path_factory, checkout_copy) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    # no build isolation: CI and the GPU machine have setuptools, and this needs no network
+    # built from a copy (conftest.checkout_copy), so no build/ is left in the checkout;
+    # no build isolation: CI has setuptools and wheel (the test extra), and no network is
+    # needed
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(out), str(ROOT)], check=True,
+                    "--no-build-isolation", "-w", str(out), str(checkout_copy)], check=True,
                    capture_output=True, text=True)
     (whl,) = out.glob("eagerlm-*.whl")
     return whl

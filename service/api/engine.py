@@ -89,6 +89,9 @@ class EngineSettings:
     cuda_graphs: bool = ControlConfig.cuda_graphs
     chat_turns_remembered: int = DEFAULT_MAX_TURNS  # see service/api/chat_tokens.py
     model_name: str | None = None  # the name clients use; default: the file's stem
+    # how the cpu backend holds weights: "quantized" (the file's blocks, compiled kernels)
+    # or "float" (float32); None: the device's default (cpu: quantized; cuda takes none)
+    weights: str | None = None
 
     def __post_init__(self) -> None:
         self.rope_override()  # bad values fail here, before anything is loaded
@@ -421,7 +424,8 @@ class Engine:
         config = EngineSettings(**settings)
         loaded = open_model(model_path, device, page_size=config.page_size,
                             on_progress=on_progress or log_progress,
-                            rope=config.rope_override(), max_context=config.max_context)
+                            rope=config.rope_override(), max_context=config.max_context,
+                            weights=config.weights)
         try:
             return cls(loaded, config)
         except BaseException:

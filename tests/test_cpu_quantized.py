@@ -23,8 +23,12 @@ from eagerlm.kernels.cpu_backend import cpu_transformer, held_bytes
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.kernels.quantized import FUSED, QuantizedMatrix, quantized_linear
 from eagerlm.loader.model_file import ModelFile
-from eagerlm.loader.synthetic import RANDOM_BYTE_TYPES, random_blocks, tiny_spec, \
-    write_synthetic_model
+from eagerlm.loader.synthetic import (
+    RANDOM_BYTE_TYPES,
+    random_blocks,
+    tiny_spec,
+    write_synthetic_model,
+)
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 

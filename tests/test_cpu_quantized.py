@@ -210,7 +210,7 @@ def test_the_demo_model_is_held_in_at_most_1_1_times_its_file(demo):
 def test_the_demo_models_logits_on_the_quantized_path_equal_the_float_path(demo):
     """Prefill (tiles) and decode (fused kernels) against the float32 path over 64 tokens
     of the llama.cpp reference text; bounded like the synthetic models' (1e-4 of the
-    logits' scale: measured 1e-5)."""
+    logits' scale: measured 2e-6)."""
     from pathlib import Path
 
     tokens = [int(t) for t in np.load(Path(__file__).parent / "fixtures" /

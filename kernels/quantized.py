@@ -41,8 +41,10 @@ FUSED: dict[GGMLQuantizationType, tuple[Gemv, Dequant]] = {
     Q.Q6_K: (k.gemv_q6_k, k.dequant_q6_k),
 }
 # Rows of x up to which the fused kernel runs. Its cost grows with the rows (it decodes
-# the blocks again for each), the tile path's barely (one dequantization, then BLAS).
-FUSED_MAX_ROWS = 4
+# the blocks again for each), the tile path's barely (one dequantization, then BLAS);
+# measured on 2 cores (the demo model's shapes, Q5_0 / Q4_K / Q6_K / Q8_0) the two cross
+# between 8 and 16 rows.
+FUSED_MAX_ROWS = 8
 TILE_ELEMENTS = 1 << 18  # weights per tile: 1 MiB of float32, cache-sized
 
 # numba's workqueue threading layer (used where neither OpenMP nor TBB is installed) must

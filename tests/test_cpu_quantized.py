@@ -66,7 +66,7 @@ def assert_close_to_float64_matmul(y: np.ndarray, x: np.ndarray, w: QuantizedMat
 @pytest.mark.parametrize("n_rows", [1, 2, 3, 7])
 @pytest.mark.parametrize("qtype", FUSED_TYPES, ids=lambda q: q.name)
 def test_each_fused_kernel_equals_float64_dequantize_then_matmul(qtype, n_rows):
-    """The fused GEMV itself, called directly (7 rows is past the rows the linear sends it)."""
+    """The fused GEMV itself, called directly, on decode batches of 1 to 7 rows."""
     rng = np.random.default_rng(int(qtype) * 10 + n_rows)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
     x = rng.standard_normal((n_rows, IN_FEATURES)).astype(np.float32)

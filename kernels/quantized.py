@@ -48,7 +48,8 @@ FUSED_MAX_ROWS = 8
 TILE_ELEMENTS = 1 << 18  # weights per tile: 1 MiB of float32, cache-sized
 
 # numba's workqueue threading layer (used where neither OpenMP nor TBB is installed) must
-# not be entered by two threads at once; two engines in one process share the kernels.
+# not be entered by two threads at once; two engines in one process share the parallel
+# kernels (the GEMVs).
 _KERNEL_LOCK = threading.Lock()
 
 
@@ -85,8 +86,7 @@ class QuantizedMatrix:
         """Rows start .. start + len(out) as float32 into `out`."""
         fused = FUSED.get(self.qtype)
         if fused is not None:
-            with _KERNEL_LOCK:
-                fused[1](self.blocks, start, out)
+            fused[1](self.blocks, start, out)  # one thread: no lock needed
         else:
             out[:] = _dequantize_other(self.blocks[start:start + len(out)], self.qtype
                                        ).reshape(out.shape)

@@ -181,9 +181,26 @@ def test_too_large_counts_the_blocks_the_quantized_path_holds(synthetic, monkeyp
 
 def test_an_unknown_weights_mode_is_refused(synthetic):
     from eagerlm.errors import InvalidParameters
+    from eagerlm.service.api.engine import EngineSettings
 
     with pytest.raises(InvalidParameters, match="'quantized' or 'float'"):
         cpu_transformer(synthetic, weights="int4")
+    with pytest.raises(InvalidParameters, match="'quantized' or 'float'"):
+        EngineSettings(weights="int4")
+
+
+def test_the_engine_and_the_cli_pass_the_weights_setting_to_the_cpu_backend(synthetic):
+    from eagerlm.service.api.engine import Engine
+    from eagerlm.service.cli.commands import build_parser
+
+    args = build_parser().parse_args(["generate", "-p", "hi", "--weights", "float"])
+    assert args.weights == "float"
+    for weights, held in (("float", np.ndarray), (None, QuantizedMatrix)):
+        engine = Engine.load(synthetic.path, weights=weights)
+        try:
+            assert isinstance(engine.loaded.transformer.weights.layers[0].wq, held)
+        finally:
+            engine.shutdown()
 
 
 # -- the demo model ---------------------------------------------------------------------------

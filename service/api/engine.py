@@ -41,7 +41,8 @@ from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.messages import FinishReason, Output
 from eagerlm.dispatch.scheduler import SchedulerConfig
-from eagerlm.errors import EngineFailure
+from eagerlm.errors import EngineFailure, InvalidParameters
+from eagerlm.kernels.cpu_backend import WEIGHTS_MODES
 from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
 from eagerlm.loader.config import RopeOverride
 from eagerlm.loader.model_file import ModelFile
@@ -95,6 +96,9 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         self.rope_override()  # bad values fail here, before anything is loaded
+        if self.weights is not None and self.weights not in WEIGHTS_MODES:
+            raise InvalidParameters(f"weights must be 'quantized' or 'float', "
+                                    f"not {self.weights!r}")
 
     def rope_override(self) -> RopeOverride | None:
         """The rope scaling settings as the loader takes them (None: the file's)."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.quantized import QuantizedMatrix, quantized_linear
 from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,
     SamplingParams,
@@ -40,8 +41,9 @@ def _host_view(buf: DeviceBuffer, dtype: type[np.generic] = np.int32) -> np.ndar
 
 
 class NumpyOps:
-    """Ops over numpy arrays. Activations are `[tokens, features]` float32. It is the cpu
-    backend's whole `Backend` (kernels/backend.py)."""
+    """Ops over numpy arrays. Activations are `[tokens, features]` float32; matrices are
+    float32 arrays or `QuantizedMatrix` blocks. It is the cpu backend's whole `Backend`
+    (kernels/backend.py)."""
 
     name = "cpu"
     kv_dtype = np.dtype(np.float32)  # the KV cache element
@@ -129,7 +131,13 @@ class NumpyOps:
 
     # -- elementwise and norms --------------------------------------------------------
 
-    def embed(self, table: np.ndarray, ids: np.ndarray, scale: float) -> np.ndarray:
+    def embed(self, table: np.ndarray | QuantizedMatrix, ids: np.ndarray,
+              scale: float) -> np.ndarray:
+        """Rows `ids` of the table times `scale`; a quantized table's rows are dequantized
+        as they are looked up (kernels/quantized.py)."""
+        if isinstance(table, QuantizedMatrix):
+            x = table.take(ids)
+            return x * np.float32(scale) if scale != 1.0 else x
         x = table[ids]
         return x * np.float32(scale) if scale != 1.0 else x.copy()
 
@@ -144,9 +152,11 @@ class NumpyOps:
         h = residual + x
         return h, self.rms_norm(h, w, eps)
 
-    def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        """x @ w^T with w stored (out_features, in_features), as GGUF stores it."""
-        y = x @ w.T
+    def linear(self, x: np.ndarray, w: np.ndarray | QuantizedMatrix,
+               bias: np.ndarray | None = None) -> np.ndarray:
+        """x @ w^T with w stored (out_features, in_features), as GGUF stores it: a float32
+        array, or the file's blocks (kernels/quantized.py's compiled kernels)."""
+        y = quantized_linear(x, w) if isinstance(w, QuantizedMatrix) else x @ w.T
         return y + bias if bias is not None else y
 
     def gated_ffn_act(self, gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:

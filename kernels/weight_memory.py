@@ -1,8 +1,9 @@
 """Whether a model's weights fit in the memory they are loaded into, asked before loading.
 
-Without the question, a model too large for the cpu backend's float32 weights is ended
-midway by the kernel's out-of-memory killer, and one too large for the GPU fails on some
-allocation deep in the slab loader; with it, the user reads the size, the room and what to
+Without the question, a model too large for the cpu backend (which holds the file's blocks,
+or float32 when asked: kernels/cpu_backend.py's `held_bytes`) is ended midway by the
+kernel's out-of-memory killer, and one too large for the GPU fails on some allocation deep
+in the slab loader; with it, the user reads the size, the room and what to
 do, and nothing has been loaded.
 """
 

@@ -178,20 +178,21 @@ def test_cli_malformed_model_file(tmp_path, capsys):
 
 def test_a_model_too_large_for_memory_is_refused_before_loading(model, model_path,
                                                                 monkeypatch, capsys):
-    """The float32 size is 4 bytes per parameter, counted here from the file's tensor table
-    independently of the backend; with exactly that much available the model loads, with
-    one byte less it is refused before loading, in words that say what to do."""
+    """The float32 size (weights="float") is 4 bytes per parameter, counted here from the
+    file's tensor table independently of the backend; with exactly that much available the
+    model loads, with one byte less it is refused before loading, in words that say what to
+    do. (The quantized path's count: tests/test_cpu_quantized.py.)"""
     from eagerlm.kernels import cpu_backend
     from eagerlm.kernels.weight_memory import ModelTooLarge
 
     m, _ = model
     need = 4 * sum(int(np.prod(t.shape)) for t in m.gguf.tensors.values())
     monkeypatch.setattr(cpu_backend, "available_memory", lambda: need)
-    cpu_transformer(m)
+    cpu_transformer(m, weights="float")
     monkeypatch.setattr(cpu_backend, "available_memory", lambda: need - 1)
     with pytest.raises(ModelTooLarge, match="--device cuda"):
-        cpu_transformer(m)
-    assert main(["generate", "-m", model_path, "-p", "hi"]) == 2
+        cpu_transformer(m, weights="float")
+    assert main(["generate", "-m", model_path, "-p", "hi", "--weights", "float"]) == 2
     err = capsys.readouterr().err
     assert (f"eagerlm: error: the cpu backend holds weights as float32: {need / 2**20:.1f} MiB"
             in err)

@@ -42,7 +42,8 @@ from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.messages import FinishReason, Output
 from eagerlm.dispatch.scheduler import SchedulerConfig
-from eagerlm.errors import EngineFailure
+from eagerlm.errors import EngineFailure, InvalidParameters
+from eagerlm.kernels.cpu_backend import WEIGHTS_MODES
 from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
 from eagerlm.loader.config import RopeOverride
 from eagerlm.loader.model_file import ModelFile
@@ -90,9 +91,15 @@ class EngineSettings:
     cuda_graphs: bool = ControlConfig.cuda_graphs
     chat_turns_remembered: int = DEFAULT_MAX_TURNS  # see service/api/chat_tokens.py
     model_name: str | None = None  # the name clients use; default: the file's stem
+    # how the cpu backend holds weights: "quantized" (the file's blocks, compiled kernels)
+    # or "float" (float32); None: the device's default (cpu: quantized; cuda takes none)
+    weights: str | None = None
 
     def __post_init__(self) -> None:
         self.rope_override()  # bad values fail here, before anything is loaded
+        if self.weights is not None and self.weights not in WEIGHTS_MODES:
+            raise InvalidParameters(f"weights must be 'quantized' or 'float', "
+                                    f"not {self.weights!r}")
 
     def rope_override(self) -> RopeOverride | None:
         """The rope scaling settings as the loader takes them (None: the file's)."""
@@ -422,7 +429,8 @@ class Engine:
         config = EngineSettings(**settings)
         loaded = open_model(model_path, device, page_size=config.page_size,
                             on_progress=on_progress or log_progress,
-                            rope=config.rope_override(), max_context=config.max_context)
+                            rope=config.rope_override(), max_context=config.max_context,
+                            weights=config.weights)
         try:
             return cls(loaded, config)
         except BaseException:

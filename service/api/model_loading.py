@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from eagerlm.errors import InvalidParameters
-from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.kernels.cpu_backend import WEIGHTS_MODES, cpu_transformer
 from eagerlm.kernels.model import Transformer
 from eagerlm.loader.config import RopeOverride
 from eagerlm.loader.model_file import ModelFile
@@ -29,13 +29,16 @@ from eagerlm.vmm.device import Device, open_device
 
 @dataclass(frozen=True)
 class LoadProgress:
-    """One step of loading: `stage` is "header", "weights" or "ready"; `done` of `total`
-    counts bytes of weights (0 of 0 for the other stages)."""
+    """One step of loading: `stage` is "header", "weights", "compile" or "ready"; `done` of
+    `total` counts bytes of weights (0 of 0 for the other stages). "compile" (cpu, quantized
+    weights) comes twice: before the compiled kernels are built or read from their disk
+    cache, with `seconds` None, and after, with the seconds it took."""
 
     stage: str
     done: int = 0
     total: int = 0
     elapsed_s: float = 0.0
+    seconds: float | None = None
 
     @property
     def fraction(self) -> float:
@@ -75,7 +78,8 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
                page_size: int | None = None,
                on_progress: ProgressCallback | None = None,
                rope: RopeOverride | None = None,
-               max_context: int | None = None) -> LoadedModel:
+               max_context: int | None = None,
+               weights: str | None = None) -> LoadedModel:
     """Open the GGUF at `path`, check `device` ("cpu", "cuda", "cuda:N"), and load the
     weights for its backend: numpy on cpu (kernels/cpu_backend.py), CudaOps on cuda
     (kernels/cuda_backend.py). `page_size` is the device's KV page size (None: its
@@ -84,14 +88,24 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
     `rope` replaces the file's rope scaling; `max_context` (the context the caller will
     ask for: the engine's, a perplexity chunk) is checked against what the model then
     supports before any weight is read, so a context the model cannot serve fails in a
-    second, not after the load."""
+    second, not after the load.
+
+    `weights` is how the cpu backend holds them: "quantized" (the default: the file's
+    blocks, compiled kernels) or "float" (float32, the reference path). The cuda backend
+    holds bf16 matrices and takes no choice yet: a value there is refused."""
     t0 = time.perf_counter()
 
-    def report(stage: str, done: int = 0, total: int = 0) -> None:
+    def report(stage: str, done: int = 0, total: int = 0,
+               seconds: float | None = None) -> None:
         if on_progress is not None:
-            on_progress(LoadProgress(stage, done, total, time.perf_counter() - t0))
+            on_progress(LoadProgress(stage, done, total, time.perf_counter() - t0, seconds))
 
     check_device(device)
+    if weights is not None and weights not in WEIGHTS_MODES:
+        raise InvalidParameters(f"weights must be 'quantized' or 'float', not {weights!r}")
+    if weights is not None and device != "cpu":
+        raise InvalidParameters(f"weights={weights!r} is for the cpu backend; the cuda backend "
+                                "holds bf16 matrices and takes no choice yet")
     model = ModelFile.open(path, rope=rope)
     dev: Device | None = None
     try:
@@ -101,7 +115,9 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
             report("weights", done, total)
 
         if device == "cpu":
-            transformer = cpu_transformer(model, on_bytes)
+            transformer = cpu_transformer(
+                model, on_bytes, weights="quantized" if weights is None else weights,
+                on_compile=lambda seconds: report("compile", seconds=seconds))
             dev = open_device(device, page_size=page_size)
         else:
             from eagerlm.kernels.cuda_backend import cuda_transformer

@@ -36,6 +36,10 @@ class ProgressBar:
     def __call__(self, p: LoadProgress) -> None:
         if p.stage == "weights":
             self.update(p.done, p.total)
+        elif p.stage == "compile":
+            self.stream.write("compiling cpu kernels (first use, cached)... " if p.seconds is None
+                              else f"{p.seconds:.1f} s\n")
+            self.stream.flush()
         elif p.stage == "ready":
             self.stream.write(f"loaded in {p.elapsed_s:.1f} s\n")
             self.stream.flush()
@@ -68,5 +72,7 @@ def log_progress(p: LoadProgress) -> None:
     """The load on the "eagerlm" logger: the weights' size once loaded, then the time."""
     if p.stage == "ready":
         log.info("model loaded in %.1f s", p.elapsed_s)
+    elif p.stage == "compile" and p.seconds is not None:
+        log.info("compiling cpu kernels (first use, cached): %.1f s", p.seconds)
     elif p.stage == "weights" and p.done == p.total:
         log.info("weights: %.1f MiB", p.total / 2**20)

@@ -75,6 +75,7 @@ def _engine_settings(args: argparse.Namespace, **settings: object) -> dict[str, 
     settings["kv_budget_bytes"] = kv_budget_bytes(args.kv_budget_mib)
     settings["memory_fraction"] = args.memory_fraction
     settings["cuda_graphs"] = args.cuda_graphs
+    settings["weights"] = args.weights
     return settings
 
 
@@ -225,7 +226,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         print(f"loading {Path(path).name} on {args.device}...", file=sys.stderr, flush=True)
     # a chunk the model cannot hold (max_context) fails before any weight is read
     loaded = open_model(path, args.device, rope=rope, max_context=args.ctx,
-                        on_progress=_progress(args.quiet))
+                        on_progress=_progress(args.quiet), weights=args.weights)
 
     def progress(i: int, ppl: float) -> None:
         print(f"[{i + 1}]{ppl:.4f}", end=" ", file=sys.stderr, flush=True)

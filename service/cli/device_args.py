@@ -23,11 +23,15 @@ def memory_fraction(text: str) -> float:
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    """--device, --memory-fraction, --no-cuda-graphs and --kv-budget-mib."""
+    """--device, --weights, --memory-fraction, --no-cuda-graphs and --kv-budget-mib."""
     p.add_argument("--device", "-d", default="cpu", metavar="DEVICE",
                    help="where to run: 'cpu', 'cuda' or 'cuda:N' (default cpu; the cuda "
                         "backend is new and not yet verified on a GPU; without a GPU it "
                         "says so and exits)")
+    p.add_argument("--weights", choices=("quantized", "float"), default=None,
+                   help="how the cpu backend holds the weights: 'quantized' (default: the "
+                        "file's blocks, read by compiled kernels) or 'float' (float32, four "
+                        "bytes per value: the reference path); cpu only")
     fraction = DispatcherConfig.memory_fraction
     p.add_argument("--memory-fraction", type=memory_fraction, default=fraction, metavar="F",
                    help="share of the memory still free after loading the weights that "

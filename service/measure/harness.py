@@ -88,17 +88,19 @@ def synthetic_names() -> list[str]:
 
 
 def open_measured_model(model_path: str | None, synthetic: str | None,
-                        min_context: int = 256, device: str = "cpu") -> MeasuredModel:
+                        min_context: int = 256, device: str = "cpu",
+                        weights: str | None = None) -> MeasuredModel:
     """`open_model` (service/api/model_loading.py) on `device` of `model_path`, or of the
     synthetic model `synthetic` (see `synthetic_names`: `tiny` is a 2-layer qwen3 for
     tests, the others are real shapes with random weights) written to a temporary file
-    first; with neither, of the demo model."""
+    first; with neither, of the demo model. `weights`: as `open_model`'s."""
     if synthetic is None:
         if model_path is None:
             from eagerlm.loader.demo_model import demo_model_path
 
             model_path = demo_model_path()
-        return _measured(open_model(model_path, device), Path(model_path).name)
+        return _measured(open_model(model_path, device, weights=weights),
+                         Path(model_path).name)
 
     import dataclasses
 
@@ -117,7 +119,8 @@ def open_measured_model(model_path: str | None, synthetic: str | None,
     tmpdir = tempfile.mkdtemp(prefix="eagerlm-synthetic-")
     try:
         path = write_synthetic_model(Path(tmpdir) / f"{synthetic}.gguf", spec)
-        return _measured(open_model(path, device), f"synthetic {synthetic}", tmpdir)
+        return _measured(open_model(path, device, weights=weights), f"synthetic {synthetic}",
+                         tmpdir)
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
         raise

@@ -353,7 +353,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     need = args.prompt_len.high + args.output_len.high + 1
     if not args.quiet:
         print("loading the model...", file=sys.stderr, flush=True)
-    loaded = open_measured_model(args.model, args.synthetic, min_context=need, device=args.device)
+    loaded = open_measured_model(args.model, args.synthetic, min_context=need, device=args.device,
+                                 weights=args.weights)
     try:
         if not args.quiet:
             print(f"profiling {loaded.label}: {workload.n_requests} requests, prompt "

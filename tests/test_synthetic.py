@@ -54,18 +54,22 @@ def test_the_default_draw_is_normal(tmp_path) -> None:
         assert np.abs(w).max() > 3 / np.sqrt(512)
 
 
+@pytest.mark.parametrize("uniform", [False, True], ids=["normal", "uniform"])
 @pytest.mark.parametrize("qtype", sorted(RANDOM_BYTE_TYPES, key=lambda q: q.name),
                          ids=lambda q: q.name)
-def test_random_block_weights_are_finite_and_of_the_float_draws_scale(tmp_path,
-                                                                      qtype) -> None:
+def test_random_block_weights_are_finite_and_of_the_float_draws_scale(tmp_path, qtype,
+                                                                      uniform) -> None:
     """gguf-py cannot quantize the K-quants and IQ types, so their blocks are random
     bytes with each block's float16 scale set (IQ1_M's spread over four nibbles) to give
     the block the RMS of its float draw, and a K-quant's minimum so that it averages zero.
     Read back through gguf-py's dequantization: every weight finite, each matrix's mean
     near zero and its standard deviation the draw's (1 for the embedding, 1/sqrt(fan_in)
     for the others) within 10%, nothing beyond 8 of them: a model of random blocks has
-    activations of a real model's size, not ones that blow up through the layers."""
-    spec = tiny_spec("llama", d_model=256, head_dim=64, d_ff=512, weight_type=qtype)
+    activations of a real model's size, not ones that blow up through the layers. The real
+    shapes (uniform_init) draw no values for these types, only the block scales: the same
+    holds of them."""
+    spec = tiny_spec("llama", d_model=256, head_dim=64, d_ff=512, weight_type=qtype,
+                     uniform_init=uniform)
     with GGUFFile.open(write_synthetic_model(tmp_path / "iq.gguf", spec)) as f:
         for name, fan_in in (("token_embd.weight", None), ("blk.0.ffn_down.weight", 512),
                              ("blk.1.attn_q.weight", 256)):
@@ -101,3 +105,14 @@ def test_llama3_rope_writes_rope_freqs_as_llama_3_files_hold_them(tmp_path) -> N
     assert model.config.rope_freq_factors
     np.testing.assert_array_equal(model.gguf.tensor_bytes("rope_freqs.weight").view(np.float32),
                                   llama3_rope_factors(tiny))
+
+
+def test_the_output_matrix_can_have_its_own_type(tmp_path) -> None:
+    """Q4_K_M files hold token_embd as Q4_K and output as Q6_K; `output_type` writes that."""
+    Q = GGMLQuantizationType
+    spec = tiny_spec("llama", d_model=256, head_dim=64, d_ff=512, weight_type=Q.Q4_K,
+                     output_type=Q.Q6_K, uniform_init=True)
+    with GGUFFile.open(write_synthetic_model(tmp_path / "m.gguf", spec)) as f:
+        assert f.tensor_info("output.weight").qtype == Q.Q6_K
+        assert f.tensor_info("token_embd.weight").qtype == Q.Q4_K
+        assert f.tensor_info("blk.1.ffn_down.weight").qtype == Q.Q4_K

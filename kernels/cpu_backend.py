@@ -67,6 +67,7 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
             handle = QuantizedMatrix.of(info.qtype, info.shape, f.tensor_bytes(info.name))
         else:
             handle = dequantize(f, info)
+        f.drop_pages(info.name)  # a copy: the mapped pages would count twice in the RSS
         done += info.n_bytes
         if on_bytes is not None:
             on_bytes(done, total)

@@ -359,6 +359,23 @@ class GGUFFile:
         info = self.tensor_info(name)
         return np.frombuffer(self._mmap, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
 
+    def drop_pages(self, name: str) -> None:
+        """Unmap a tensor's pages from this process once a copy of it is made (the cpu
+        backend copies every tensor): file pages read through the map stay in its resident
+        set until unmapped, so a loaded model would otherwise count twice there (an 8B Q4_K
+        file: 9.4 GB peak RSS instead of 5). The page cache keeps them, and a later read
+        through the map faults them back in, so this changes no data; pages shared with a
+        neighbouring tensor are dropped too, equally harmlessly."""
+        advise = getattr(mmap, "MADV_DONTNEED", None)
+        if self._mmap is None or advise is None:
+            return
+        info = self.tensor_info(name)
+        start = info.offset - info.offset % mmap.PAGESIZE
+        end = min(info.offset + info.n_bytes, len(self._mmap))
+        if end > start:
+            with contextlib.suppress(OSError, ValueError):  # advice only
+                self._mmap.madvise(advise, start, end - start)
+
     def close(self) -> None:
         mm = getattr(self, "_mmap", None)
         if mm is not None:

@@ -237,3 +237,16 @@ def test_the_demo_models_logits_on_the_quantized_path_equal_the_float_path(demo)
     for q, f in zip(quant, float_, strict=True):
         assert np.max(np.abs(q - f)) <= 1e-4 * np.max(np.abs(f))
         assert (q.argmax(-1) == f.argmax(-1)).mean() >= 0.98
+
+
+def test_dropping_a_tensors_mapped_pages_keeps_its_bytes(synthetic):
+    """The cpu backend unmaps each tensor's pages once copied (`GGUFFile.drop_pages`, so an
+    8B model does not count twice in the RSS: tests/test_cpu_large_model.py); a read of the
+    map after that faults the same bytes back in, the neighbours' included."""
+    f = synthetic.gguf
+    names = list(f.tensors)
+    before = {n: f.tensor_bytes(n).copy() for n in names}
+    for n in names:
+        f.drop_pages(n)
+    for n in names:
+        np.testing.assert_array_equal(f.tensor_bytes(n), before[n])

@@ -9,7 +9,8 @@ llama.cpp (llama-cpp-python, same threads, same prompt and token counts as
 - weights held: bytes the backend holds for the weights (the sum over the Transformer's
   distinct weight handles), beside the GGUF file's size;
 - peak RSS of a whole `eagerlm generate` (one subprocess per weights mode, its peak resident
-  set read with `os.wait4`), and of `llama_cpp_peer.py` in a subprocess the same way;
+  set read with `getrusage(RUSAGE_CHILDREN)` in a small launcher process), and of
+  `llama_cpp_peer.py`'s measurement in a subprocess the same way;
 - first-use compile time of the quantized kernels: a subprocess loads the model with
   `NUMBA_CACHE_DIR` pointing at an empty directory (cold: numba compiles), then another one
   with the same directory (warm: read from the cache);
@@ -151,18 +152,30 @@ def _child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Runs argv[2:] and writes its peak RSS (KiB) to the file argv[1]. A child's ru_maxrss counts
+# what the process it was forked from held (Linux takes the forked copy's high-water mark at
+# exec), so the measured command is started from this small launcher, not from the
+# benchmark's process with a model loaded.
+_LAUNCHER = """
+import resource, subprocess, sys
+rc = subprocess.run(sys.argv[2:]).returncode
+with open(sys.argv[1], "w") as f:
+    f.write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+sys.exit(rc)
+"""
+
+
 def run_child(cmd: list[str], env: dict[str, str]) -> tuple[str, int]:
     """Run `cmd`; (its stdout, its peak RSS in bytes). Raises on a non-zero exit."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT)
-        _, status, usage = os.wait4(p.pid, 0)
-        p.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        rss_file = os.path.join(tmp, "maxrss")
+        p = subprocess.run([sys.executable, "-c", _LAUNCHER, rss_file, *cmd],
+                           capture_output=True, env=env, cwd=ROOT)
         if p.returncode != 0:
             raise RuntimeError(f"{cmd[:4]} exited {p.returncode}: "
-                               f"{err.read().decode(errors='replace')[-2000:]}")
-        return out.read().decode(errors="replace"), usage.ru_maxrss * 1024  # KiB on Linux
+                               f"{p.stderr.decode(errors='replace')[-2000:]}")
+        with open(rss_file) as f:
+            return p.stdout.decode(errors="replace"), int(f.read()) * 1024  # KiB on Linux
 
 
 def _check_child_imports_this_eagerlm() -> None:

@@ -15,8 +15,13 @@ float32 GEMM rate numpy reaches here (best of a few 2048^3 products). The defaul
 sized for a 2-core cpu; the reference benchmarks' shape (256 requests, 100-1024 tokens) is
 `--num-requests 256 --input-len 100-1024 --output-len 100-1024`.
 
-Run: `python benchmarks/bench_offline.py [--model PATH] [--num-requests 8]
-[--input-len 32-64] [--output-len 32-64] [--max-batch 8] [--threads 2] [--json out.json]`
+On a shared machine, `--repeats N` runs the whole sequence N times (the engines alternate
+within each pass) and reports the median and range of each figure; `--dispatch eager` and
+`--peer-parallel 8` leave out runs that a comparison does not need.
+
+Run: `python benchmarks/bench_offline.py [--model PATH] [--weights quantized|float]
+[--num-requests 8] [--input-len 32-64] [--output-len 32-64] [--max-batch 8] [--threads 2]
+[--dispatch eager,sync] [--peer-parallel 1,8] [--repeats 1] [--json out.json]`
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -70,12 +76,20 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8,
                     help="eagerlm's max batch and llama.cpp's parallel sequences")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    ap.add_argument("--weights", default=None, choices=("quantized", "float"),
+                    help="how eagerlm's cpu backend holds the weights (default: its default)")
+    ap.add_argument("--dispatch", default="eager,sync", help="eagerlm dispatch modes")
+    ap.add_argument("--peer-parallel", default=None,
+                    help="llama.cpp parallel sequences to run, comma-separated "
+                         "(default: 1 and --max-batch)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="passes over every engine; median and range reported")
     ap.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
     workload = WorkloadSpec(args.num_requests, args.input_len, args.output_len, seed=args.seed)
-    loaded = open_measured_model(args.model, None)
+    loaded = open_measured_model(args.model, None, weights=args.weights)
     requests = make_workload(workload, loaded.vocab_size, loaded.context_length)
     n_in = sum(len(r.prompt_ids) for r in requests)
     n_out = sum(r.max_tokens for r in requests)
@@ -83,24 +97,31 @@ def main() -> None:
     gflop = (2 * body * n_in + 2 * (body + head) * n_out) / 1e9
     peak = gemm_gflops()
     roof = n_out / (gflop / peak)
-
-    results: dict[str, dict] = {}
-    settings = DispatchSettings(max_batch=args.max_batch, max_round_tokens=ROUND_TOKENS)
-    for mode in ("eager", "sync"):
-        s = bench_offline(loaded, workload, settings, sync=mode == "sync").summary
-        results[f"eagerlm {mode}, batch<={args.max_batch}"] = {
-            "output_tok_s": s.output_tok_s, "wall_s": s.duration_s,
-            "ttft_mean_s": s.ttft.mean / 1e3}
     path = str(loaded.model.path)
-    loaded.close()
+    pairs = [(r.prompt_ids, r.max_tokens) for r in requests]
+    parallel = ([int(n) for n in args.peer_parallel.split(",")] if args.peer_parallel
+                else list(dict.fromkeys((1, args.max_batch))))
     if not args.no_peer:
         from benchmarks.llama_cpp_batched import run_llama_cpp_workload
 
-        pairs = [(r.prompt_ids, r.max_tokens) for r in requests]
-        for n_par in dict.fromkeys((1, args.max_batch)):
-            r = run_llama_cpp_workload(path, pairs, n_parallel=n_par, n_threads=args.threads,
-                                       n_batch=ROUND_TOKENS)
-            results[f"llama.cpp {args.threads} threads, parallel {n_par}"] = r
+    runs: dict[str, list[dict]] = {}
+    settings = DispatchSettings(max_batch=args.max_batch, max_round_tokens=ROUND_TOKENS)
+    weights = f", {args.weights} weights" if args.weights else ""
+    for _ in range(args.repeats):
+        for mode in [m.strip() for m in args.dispatch.split(",") if m.strip()]:
+            s = bench_offline(loaded, workload, settings, sync=mode == "sync").summary
+            runs.setdefault(f"eagerlm {mode}{weights}, batch<={args.max_batch}", []).append({
+                "output_tok_s": s.output_tok_s, "wall_s": s.duration_s,
+                "ttft_mean_s": s.ttft.mean / 1e3})
+        if not args.no_peer:
+            for n_par in parallel:
+                r = run_llama_cpp_workload(path, pairs, n_parallel=n_par,
+                                           n_threads=args.threads, n_batch=ROUND_TOKENS)
+                runs.setdefault(f"llama.cpp {args.threads} threads, parallel {n_par}",
+                                []).append(r)
+    loaded.close()
+    results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+               for name, rs in runs.items()}
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; float32 GEMM "
           f"{peak:.0f} GFLOP/s; model {Path(path).name}")
@@ -108,17 +129,21 @@ def main() -> None:
           f"{args.output_len} (seed {args.seed}): {n_in} prompt + {n_out} output tokens, "
           f"{gflop:.0f} GFLOP")
     print(f"compute roofline at that rate: {roof:.1f} output tok/s\n")
+    if args.repeats > 1:
+        print(f"{args.repeats} passes: median (range)\n")
     print("| engine | output tok/s | of roofline | wall s | mean TTFT s |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['output_tok_s']:.1f} | {r['output_tok_s'] / roof:.0%} | "
+        tok_s = [x["output_tok_s"] for x in runs[name]]
+        spread = f" ({min(tok_s):.1f}-{max(tok_s):.1f})" if len(tok_s) > 1 else ""
+        print(f"| {name} | {r['output_tok_s']:.1f}{spread} | {r['output_tok_s'] / roof:.0%} | "
               f"{r['wall_s']:.2f} | {r['ttft_mean_s']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "gemm_gflops": peak, "roofline_tok_s": roof,
             "workload": {"n": args.num_requests, "input_len": str(args.input_len),
                          "output_len": str(args.output_len), "seed": args.seed},
-            "results": results}, indent=1))
+            "results": results, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

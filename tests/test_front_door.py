@@ -143,7 +143,7 @@ CLI_CASES = [  # (argv after `generate -m MODEL -q`, or a model of its own; cate
                  id="unknown device"),
     pytest.param(["-p", "hi", "--device", "cuda:99"], E.DeviceUnavailable, "CUDA device",
                  id="no such GPU"),
-    pytest.param(["-p", "hi"], E.ModelTooLarge, "float32", id="model too large"),
+    pytest.param(["-p", "hi"], E.ModelTooLarge, "memory is available", id="model too large"),
 ]
 
 

@@ -4,13 +4,15 @@
 matrix: the file's bytes, `[rows, row_bytes]`, so it takes what the file takes. The ops
 (kernels/numpy_ops.py) accept it wherever they accept a float32 matrix:
 
-- `quantized_linear(x, w)`: x @ w^T. With at most `FUSED_MAX_ROWS` rows of x (decode) and a
-  type with compiled kernels (`FUSED`: Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K: what Q4_K_M,
-  Q5_K_M and Q8_0 files hold, Q5_0 where a row is not whole 256-value superblocks) it is
-  one fused dequantize-dot pass over the blocks (kernels/cpu_quant_kernels.py).
-  Otherwise `TILE_ELEMENTS` worth of weight rows at a time is dequantized into one reused
-  float32 buffer (the compiled dequantizers, or gguf-py's for the other types) and
-  multiplied by BLAS into its slice of the output: one tile is all the extra memory.
+- `quantized_linear(x, w)`: x @ w^T. For a type with compiled kernels (`FUSED`: Q4_0,
+  Q5_0, Q8_0, Q4_K, Q5_K, Q6_K: what Q4_K_M, Q5_K_M and Q8_0 files hold, Q5_0 where a row
+  is not whole 256-value superblocks; kernels/cpu_quant_kernels.py) one row of x (decode at
+  batch 1) is one fused dequantize-dot pass over the blocks, and up to `FEW_ROWS` rows
+  decode each weight row once into an L1 buffer and dot it with every row. Beyond that
+  (prefill, big batches), and for every other type, `TILE_ELEMENTS` worth of weight rows
+  at a time is dequantized into a reused float32 buffer (the compiled dequantizer, or
+  gguf-py's) and multiplied by BLAS, one share of the output rows per core
+  (kernels/cpu_threads.py): a tile per core is all the extra memory.
 - `QuantizedMatrix.take(ids)`: rows dequantized (the embedding lookup).
 """
 
@@ -20,33 +22,40 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
+import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from eagerlm.kernels import cpu_quant_kernels as k
+from eagerlm.kernels.cpu_threads import core_count, core_workers
 from eagerlm.loader.weights import dequantize_blocks
 
 Q = GGMLQuantizationType
 
 Gemv = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
-Dequant = Callable[[np.ndarray, int, np.ndarray], None]
 
-# The types with compiled kernels: (fused gemv, row dequantizer).
-FUSED: dict[GGMLQuantizationType, tuple[Gemv, Dequant]] = {
-    Q.Q4_0: (k.gemv_q4_0, k.dequant_q4_0),
-    Q.Q5_0: (k.gemv_q5_0, k.dequant_q5_0),
-    Q.Q8_0: (k.gemv_q8_0, k.dequant_q8_0),
-    Q.Q4_K: (k.gemv_q4_k, k.dequant_q4_k),
-    Q.Q5_K: (k.gemv_q5_k, k.dequant_q5_k),
-    Q.Q6_K: (k.gemv_q6_k, k.dequant_q6_k),
+# The types with compiled kernels, and their one-row fused GEMV; their rows decode through
+# `k.dequant` / `k.gemv_rows` with the GGML type id.
+FUSED: dict[GGMLQuantizationType, Gemv] = {
+    Q.Q4_0: k.gemv_q4_0,
+    Q.Q5_0: k.gemv_q5_0,
+    Q.Q8_0: k.gemv_q8_0,
+    Q.Q4_K: k.gemv_q4_k,
+    Q.Q5_K: k.gemv_q5_k,
+    Q.Q6_K: k.gemv_q6_k,
 }
-# Rows of x up to which the fused kernel runs. Its cost grows with the rows (it decodes
-# the blocks again for each), the tile path's barely (one dequantization, then BLAS);
-# measured on 2 cores (the demo model's shapes, Q5_0 / Q4_K / Q6_K / Q8_0) the two cross
-# between 8 and 16 rows.
-FUSED_MAX_ROWS = 8
+# How a product is computed, by the rows of x (measured on 2 cores, the demo model's
+# matrices, docs/performance.md): one row, the fused GEMV (never a decoded value in
+# memory); up to `FEW_ROWS`, `gemv_rows` (each weight row decoded once into an L1 buffer,
+# dotted with every row of x); beyond, tiles dequantized and multiplied by BLAS.
+FEW_ROWS = 16
 TILE_ELEMENTS = 1 << 18  # weights per tile: 1 MiB of float32, cache-sized
+# Below this many multiply-adds a GEMV runs on the calling thread alone: waking numba's
+# sleeping workers costs ~40 µs, more than a 256 x 640 GEMV takes on one core.
+SERIAL_MAX_VALUES = 1 << 18
+_CORES = min(core_count(), numba.config.NUMBA_NUM_THREADS)
 
 # numba's workqueue threading layer (used where neither OpenMP nor TBB is installed) must
 # not be entered by two threads at once; two engines in one process share the parallel
@@ -85,9 +94,8 @@ class QuantizedMatrix:
 
     def dequantize_rows(self, start: int, out: np.ndarray) -> np.ndarray:
         """Rows start .. start + len(out) as float32 into `out`."""
-        fused = FUSED.get(self.qtype)
-        if fused is not None:
-            fused[1](self.blocks, start, out)  # one thread: no lock needed
+        if self.qtype in FUSED:
+            k.dequant(self.blocks, int(self.qtype), start, out)  # one thread: no lock
         else:
             out[:] = _dequantize_other(self.blocks[start:start + len(out)], self.qtype
                                        ).reshape(out.shape)
@@ -119,24 +127,44 @@ def quantized_linear(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
     n = x.shape[0]
     out_features, in_features = w.shape
     y = np.empty((n, out_features), np.float32)
-    fused = FUSED.get(w.qtype)
-    if fused is not None and n <= FUSED_MAX_ROWS:
+    if w.qtype in FUSED and n <= FEW_ROWS:
+        threads = 1 if n * out_features * in_features < SERIAL_MAX_VALUES else _CORES
         with _KERNEL_LOCK:
-            fused[0](w.blocks, x, y)
+            numba.set_num_threads(threads)
+            if n == 1:
+                FUSED[w.qtype](w.blocks, x, y)
+            else:
+                k.gemv_rows(w.blocks, int(w.qtype), x, y)
         return y
-    tile_rows = max(1, min(out_features, TILE_ELEMENTS // in_features))
-    tile = np.empty((tile_rows, in_features), np.float32)
-    for start in range(0, out_features, tile_rows):
-        part = tile[:min(tile_rows, out_features - start)]
-        w.dequantize_rows(start, part)
-        y[:, start:start + len(part)] = x @ part.T
+    workers = core_workers()
+    workers.run(partial(_tiles_of_share, x, w, y, workers.local))
     return y
+
+
+def _tiles_of_share(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: threading.local,
+                    share: int, shares: int) -> None:
+    """Output rows of share `share` of `shares` (contiguous): a tile of `TILE_ELEMENTS`
+    weights at a time dequantized into this thread's buffer, times x by BLAS."""
+    out_features, in_features = w.shape
+    tile_rows = max(1, min(out_features, TILE_ELEMENTS // in_features))
+    per_share = -(-out_features // shares)
+    start, stop = share * per_share, min(out_features, (share + 1) * per_share)
+    tile = getattr(local, "tile", None)
+    if tile is None or tile.size < tile_rows * in_features:
+        tile = local.tile = np.empty(TILE_ELEMENTS + in_features, np.float32)
+    for s in range(start, stop, tile_rows):
+        rows = min(tile_rows, stop - s)
+        part = tile[:rows * in_features].reshape(rows, in_features)
+        w.dequantize_rows(s, part)
+        y[:, s:s + rows] = x @ part.T
 
 
 def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> float:
     """Compile (or load from numba's disk cache) the kernels of `qtypes`, on tiny inputs;
-    returns the seconds it took. The first forward would otherwise pay it."""
+    returns the seconds it took. The first forward would otherwise pay it. Also starts the
+    many-rows path's workers (and so sets BLAS to one thread: kernels/cpu_threads.py)."""
     t0 = time.perf_counter()
+    core_workers()
     for qtype in sorted(set(qtypes) & FUSED.keys()):
         block, type_size = GGML_QUANT_SIZES[qtype]
         w = QuantizedMatrix(qtype, (1, block), np.zeros((1, type_size), np.uint8))

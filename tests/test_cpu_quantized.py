@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import random
 
+import numba
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from eagerlm.kernels import quantized
+from eagerlm.kernels import cpu_quant_kernels, quantized
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_backend import cpu_transformer, held_bytes
 from eagerlm.kernels.numpy_ops import NumpyOps
@@ -66,13 +67,22 @@ def assert_close_to_float64_matmul(y: np.ndarray, x: np.ndarray, w: QuantizedMat
 @pytest.mark.parametrize("n_rows", [1, 2, 3, 7])
 @pytest.mark.parametrize("qtype", FUSED_TYPES, ids=lambda q: q.name)
 def test_each_fused_kernel_equals_float64_dequantize_then_matmul(qtype, n_rows):
-    """The fused GEMV itself, called directly, on decode batches of 1 to 7 rows."""
+    """The kernels themselves, called directly: the one-row fused GEMV on each row of x,
+    and the few-rows GEMV (rows decoded once, dotted with every row of x) on 1 to 7 rows;
+    the two also run serially (one numba thread), as small matrices do."""
     rng = np.random.default_rng(int(qtype) * 10 + n_rows)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
     x = rng.standard_normal((n_rows, IN_FEATURES)).astype(np.float32)
-    y = np.empty((n_rows, OUT_FEATURES), np.float32)
-    FUSED[qtype][0](w.blocks, x, y)
-    assert_close_to_float64_matmul(y, x, w)
+    for threads in (numba.config.NUMBA_NUM_THREADS, 1):
+        numba.set_num_threads(threads)
+        one_row = np.empty((n_rows, OUT_FEATURES), np.float32)
+        for j in range(n_rows):
+            FUSED[qtype](w.blocks, x[j:j + 1], one_row[j:j + 1])
+        assert_close_to_float64_matmul(one_row, x, w)
+        few_rows = np.empty((n_rows, OUT_FEATURES), np.float32)
+        cpu_quant_kernels.gemv_rows(w.blocks, int(qtype), x, few_rows)
+        assert_close_to_float64_matmul(few_rows, x, w)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
 
 
 @pytest.mark.parametrize("qtype", FUSED_TYPES, ids=lambda q: q.name)

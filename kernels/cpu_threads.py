@@ -1,0 +1,71 @@
+"""How the cpu backend's quantized matmuls use the machine's cores.
+
+Two kinds of parallel work share the cores: the fused GEMVs (numba `prange`, OpenMP
+threads) and the many-rows path (a tile of weights dequantized, then BLAS). Left alone,
+numpy's OpenBLAS starts its own threads for each product and keeps them spinning after
+it, and on a 2-core machine they and numba's threads took turns being descheduled inside
+each other's barriers: the 126 tile products of the demo model's layers at 8 rows took
+0.4-1.5 s instead of 80 ms, even with the machine otherwise idle. So once the cpu backend
+holds quantized weights, numpy's BLAS runs on one thread in this process (threadpoolctl;
+OpenBLAS's threads then sleep) and the many-rows path parallelizes itself: `CoreWorkers`
+splits the output rows in one contiguous share per core, and each worker dequantizes its
+share tile by tile into its own reused buffer and multiplies it with single-threaded BLAS
+(numba and BLAS both release the GIL). The rest of the forward's numpy products
+(attention) are small beside the weights' and run on the calling thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from threadpoolctl import threadpool_limits
+
+
+def core_count() -> int:
+    """The cores this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover (macOS, Windows)
+        return max(1, os.cpu_count() or 1)
+
+
+class CoreWorkers:
+    """One thread per core, each with its own state (`local`, e.g. its tile buffer); `run`
+    calls `part(i, parts)` for every share i on them and waits. The calling thread runs
+    share 0 itself, so a call costs one hand-off, not two."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.parts = workers or core_count()
+        self._pool = (ThreadPoolExecutor(self.parts - 1, thread_name_prefix="eagerlm-cpu")
+                      if self.parts > 1 else None)
+        self.local = threading.local()
+
+    def run(self, part: Callable[[int, int], None]) -> None:
+        futures = [self._pool.submit(part, i, self.parts) for i in range(1, self.parts)
+                   ] if self._pool is not None else []
+        try:
+            part(0, self.parts)
+        finally:
+            for f in futures:
+                f.result()
+
+
+_workers: CoreWorkers | None = None
+_blas_limit: threadpool_limits | None = None
+_init_lock = threading.Lock()
+
+
+def core_workers() -> CoreWorkers:
+    """The process's workers (created on first use), with BLAS set to one thread."""
+    global _workers, _blas_limit
+    with _init_lock:
+        if _workers is None:
+            # Kept for the life of the process: limited only around the many-rows path,
+            # OpenBLAS's threads, woken by any other product of the forward (attention,
+            # a float matrix), still spun through the next tile products.
+            _blas_limit = threadpool_limits(1, user_api="blas")
+            _workers = CoreWorkers()
+    return _workers

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 
 def core_count() -> int:
@@ -54,18 +54,41 @@ class CoreWorkers:
 
 
 _workers: CoreWorkers | None = None
-_blas_limit: threadpool_limits | None = None
-_init_lock = threading.Lock()
+_lock = threading.Lock()
 
 
 def core_workers() -> CoreWorkers:
-    """The process's workers (created on first use), with BLAS set to one thread."""
-    global _workers, _blas_limit
-    with _init_lock:
+    """The process's workers, created on first use."""
+    global _workers
+    with _lock:
         if _workers is None:
-            # Kept for the life of the process: limited only around the many-rows path,
-            # OpenBLAS's threads, woken by any other product of the forward (attention,
-            # a float matrix), still spun through the next tile products.
-            _blas_limit = threadpool_limits(1, user_api="blas")
             _workers = CoreWorkers()
-    return _workers
+        return _workers
+
+
+def hold_blas_to_one_thread() -> None:
+    """Set numpy's BLAS to one thread, for the rest of the process (each time a quantized
+    cpu backend is built: a BLAS library loaded since is caught too; ~5 ms). Limited only
+    around the many-rows path, OpenBLAS's threads, woken by any other product of the
+    forward (attention), still spun through the next tile products."""
+    ThreadpoolController().select(user_api="blas").limit(limits=1)
+
+
+SPLIT_MIN_ROWS = 32  # fewer rows stay on the calling thread: a hand-off costs ~20-50 µs
+
+
+def by_rows(n_rows: int, part: Callable[[int, int], None], *, causal: bool = False) -> None:
+    """`part(start, stop)` over one contiguous share of `n_rows` rows per core (numpy
+    releases the GIL in its loops), or over all of them on the calling thread when they
+    are few. `causal`: row i costs about i (a prompt's attention), so the shares are cut
+    at n * sqrt(i / cores) to take equal time."""
+    workers = core_workers()
+    if n_rows < SPLIT_MIN_ROWS or workers.parts == 1:
+        part(0, n_rows)
+        return
+
+    def cut(i: int, parts: int) -> int:
+        share = (i / parts) ** 0.5 if causal else i / parts
+        return min(n_rows, round(n_rows * share))
+
+    workers.run(lambda i, parts: part(cut(i, parts), cut(i + 1, parts)))

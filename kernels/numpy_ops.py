@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.batch import ForwardBatch, SeqSlice
+from eagerlm.kernels.cpu_threads import by_rows
 from eagerlm.kernels.quantized import QuantizedMatrix, quantized_linear
 from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,
@@ -32,6 +34,45 @@ if TYPE_CHECKING:
     from eagerlm.vmm.kv_region import KVRegion
 
 _GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+
+
+def _gated(gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
+    """act(gate) * up: SiLU (SwiGLU) or GELU with the tanh approximation (GeGLU)."""
+    if act is Activation.SWIGLU:
+        with np.errstate(over="ignore"):  # exp(-gate) = inf gives the right limit, 0
+            return gate / (np.float32(1.0) + np.exp(-gate)) * up
+    g3 = gate * gate * gate
+    return np.float32(0.5) * gate * (
+        np.float32(1.0) + np.tanh(_GELU_C * (gate + np.float32(0.044715) * g3))) * up
+
+
+def _attend(s: SeqSlice, layer: int, q: np.ndarray, out: np.ndarray, scale: np.float32,
+            window: int, a: int, b: int) -> None:
+    """Query rows a .. b of session s (positions n_past + a ..) over the keys they see."""
+    n_heads, hd = q.shape[1:]
+    first, last = s.n_past + a, s.n_past + b  # query positions first .. last - 1
+    lo = max(0, first - window + 1) if window else 0
+    keys = s.kv.k(layer)[lo:last]  # [L, kv, hd]
+    vals = s.kv.v(layer)[lo:last]
+    n_kv = keys.shape[1]
+    g = n_heads // n_kv
+    n = b - a
+    qs = q[s.start + a:s.start + b].reshape(n, n_kv, g, hd).transpose(1, 2, 0, 3)
+    qs = qs.reshape(n_kv, g * n, hd) * scale
+    scores = qs @ keys.transpose(1, 2, 0)  # [kv, g*n, L]
+    qpos = np.arange(first, last)[:, None]
+    kpos = np.arange(lo, last)[None, :]
+    visible = kpos <= qpos
+    if window:
+        visible &= (qpos - kpos) < window
+    scores = scores.reshape(n_kv, g, n, -1)
+    scores = np.where(visible[None, None], scores, np.float32(-np.inf))
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    o = p.reshape(n_kv, g * n, -1) @ vals.transpose(1, 0, 2)  # [kv, g*n, hd]
+    out[s.start + a:s.start + b] = o.reshape(n_kv, g, n, hd).transpose(2, 0, 1, 3).reshape(
+        n, n_heads, hd)
 
 
 def _host_view(buf: DeviceBuffer, dtype: type[np.generic] = np.int32) -> np.ndarray:
@@ -147,9 +188,16 @@ class NumpyOps:
         return x * np.float32(scale) if scale != 1.0 else x.copy()
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-        """x / sqrt(mean(x^2) + eps) * w over the last axis (also per head for QK-norm)."""
-        ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
-        return (x / np.sqrt(ms + np.float32(eps))) * w
+        """x / sqrt(mean(x^2) + eps) * w over the last axis (also per head for QK-norm).
+        Rows (tokens) split over the cores, as in the other elementwise ops."""
+        out = np.empty(x.shape, np.result_type(x, w))
+
+        def part(a: int, b: int) -> None:
+            xs = x[a:b]
+            ms = np.mean(np.square(xs), axis=-1, keepdims=True, dtype=np.float32)
+            out[a:b] = (xs / np.sqrt(ms + np.float32(eps))) * w
+        by_rows(len(x), part)
+        return out
 
     def add_rms_norm(self, residual: np.ndarray, x: np.ndarray, w: np.ndarray,
                      eps: float) -> tuple[np.ndarray, np.ndarray]:
@@ -165,12 +213,12 @@ class NumpyOps:
         return y + bias if bias is not None else y
 
     def gated_ffn_act(self, gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
-        if act is Activation.SWIGLU:
-            with np.errstate(over="ignore"):  # exp(-gate) = inf gives the right limit, 0
-                return gate / (np.float32(1.0) + np.exp(-gate)) * up
-        g3 = gate * gate * gate
-        return np.float32(0.5) * gate * (
-            np.float32(1.0) + np.tanh(_GELU_C * (gate + np.float32(0.044715) * g3))) * up
+        out = np.empty(gate.shape, np.result_type(gate, up))
+
+        def part(a: int, b: int) -> None:
+            out[a:b] = _gated(gate[a:b], up[a:b], act)
+        by_rows(len(gate), part)
+        return out
 
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
         return np.tanh(x / np.float32(cap)) * np.float32(cap)
@@ -250,28 +298,7 @@ class NumpyOps:
         """
         n_tok, n_heads, hd = q.shape
         out = np.empty((n_tok, n_heads, hd), dtype=np.float32)
-        for s in batch.seqs:
-            first = s.n_past
-            lo = max(0, first - window + 1) if window else 0
-            keys = s.kv.k(layer)[lo:s.n_total]  # [L, kv, hd]
-            vals = s.kv.v(layer)[lo:s.n_total]
-            n_kv = keys.shape[1]
-            g = n_heads // n_kv
-            n = s.n_new
-            qs = q[s.start:s.end].reshape(n, n_kv, g, hd).transpose(1, 2, 0, 3)
-            qs = qs.reshape(n_kv, g * n, hd) * np.float32(scale)
-            scores = qs @ keys.transpose(1, 2, 0)  # [kv, g*n, L]
-            qpos = np.arange(first, s.n_total)[:, None]
-            kpos = np.arange(lo, s.n_total)[None, :]
-            visible = kpos <= qpos
-            if window:
-                visible &= (qpos - kpos) < window
-            scores = scores.reshape(n_kv, g, n, -1)
-            scores = np.where(visible[None, None], scores, np.float32(-np.inf))
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
-            o = p.reshape(n_kv, g * n, -1) @ vals.transpose(1, 0, 2)  # [kv, g*n, hd]
-            out[s.start:s.end] = o.reshape(n_kv, g, n, hd).transpose(2, 0, 1, 3).reshape(
-                n, n_heads, hd)
+        for s in batch.seqs:  # a prompt's query rows split over the cores (by_rows)
+            by_rows(s.n_new, partial(_attend, s, layer, q, out, np.float32(scale), window),
+                    causal=True)
         return out.reshape(n_tok, n_heads * hd)

@@ -29,7 +29,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from eagerlm.kernels import cpu_quant_kernels as k
-from eagerlm.kernels.cpu_threads import core_count, core_workers
+from eagerlm.kernels.cpu_threads import core_count, core_workers, hold_blas_to_one_thread
 from eagerlm.loader.weights import dequantize_blocks
 
 Q = GGMLQuantizationType
@@ -50,7 +50,7 @@ FUSED: dict[GGMLQuantizationType, Gemv] = {
 # matrices, docs/performance.md): one row, the fused GEMV (never a decoded value in
 # memory); up to `FEW_ROWS`, `gemv_rows` (each weight row decoded once into an L1 buffer,
 # dotted with every row of x); beyond, tiles dequantized and multiplied by BLAS.
-FEW_ROWS = 16
+FEW_ROWS = 64
 TILE_ELEMENTS = 1 << 18  # weights per tile: 1 MiB of float32, cache-sized
 # Below this many multiply-adds a GEMV runs on the calling thread alone: waking numba's
 # sleeping workers costs ~40 µs, more than a 256 x 640 GEMV takes on one core.
@@ -161,13 +161,13 @@ def _tiles_of_share(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: thr
 
 def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> float:
     """Compile (or load from numba's disk cache) the kernels of `qtypes`, on tiny inputs;
-    returns the seconds it took. The first forward would otherwise pay it. Also starts the
-    many-rows path's workers (and so sets BLAS to one thread: kernels/cpu_threads.py)."""
+    returns the seconds it took. The first forward would otherwise pay it. Also sets
+    numpy's BLAS to one thread (kernels/cpu_threads.py)."""
     t0 = time.perf_counter()
-    core_workers()
     for qtype in sorted(set(qtypes) & FUSED.keys()):
         block, type_size = GGML_QUANT_SIZES[qtype]
         w = QuantizedMatrix(qtype, (1, block), np.zeros((1, type_size), np.uint8))
         quantized_linear(np.zeros((1, block), np.float32), w)
         w.dequantize()
+    hold_blas_to_one_thread()  # after the compiles: numba may load SciPy's BLAS too
     return time.perf_counter() - t0

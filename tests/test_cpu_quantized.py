@@ -14,15 +14,18 @@ eps * sum |x_i w_i|; for K = 512 that is 3e-6 * sum |x_i w_i|, bounded here by 1
 from __future__ import annotations
 
 import random
+import threading
 
 import numba
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from eagerlm.kernels import cpu_quant_kernels, quantized
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_backend import cpu_transformer, held_bytes
+from eagerlm.kernels.cpu_threads import CoreWorkers
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.kernels.quantized import FUSED, QuantizedMatrix, quantized_linear
 from eagerlm.loader.model_file import ModelFile
@@ -99,7 +102,7 @@ def test_each_compiled_dequantizer_equals_gguf_py(qtype):
 def test_many_rows_go_through_dequantized_tiles(qtype, monkeypatch):
     """Many rows (any type), and every row of a type without fused kernels (IQ4_NL, Q5_1,
     float16, bfloat16), are tiles dequantized and multiplied by BLAS; tiles of 8 rows here,
-    so the 37 output rows end in a partial tile."""
+    so each core's share of the 37 output rows ends in a partial tile."""
     monkeypatch.setattr(quantized, "TILE_ELEMENTS", 8 * IN_FEATURES)
     rng = np.random.default_rng(int(qtype))
     if qtype in (Q.F16, Q.BF16):
@@ -108,9 +111,44 @@ def test_many_rows_go_through_dequantized_tiles(qtype, monkeypatch):
         w = QuantizedMatrix.of(qtype, (OUT_FEATURES, IN_FEATURES), raw.view(np.uint8))
     else:
         w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
-    for n_rows in (1, 9):
+    for n_rows in (1, 9, quantized.FEW_ROWS + 1):
         x = rng.standard_normal((n_rows, IN_FEATURES)).astype(np.float32)
         assert_close_to_float64_matmul(quantized_linear(x, w), x, w)
+
+
+def test_core_workers_run_every_share_once_and_raise_what_a_share_raised():
+    """The many-rows path's threads (kernels/cpu_threads.py): share 0 on the calling
+    thread, the others on the pool, each thread with its own `local` state."""
+    workers = CoreWorkers(3)
+    seen: list[tuple[int, int, str]] = []
+
+    def part(i: int, parts: int) -> None:
+        workers.local.mark = i  # a thread's own: never seen by another share
+        seen.append((i, parts, threading.current_thread().name))
+        assert workers.local.mark == i
+
+    workers.run(part)
+    assert sorted((i, n) for i, n, _ in seen) == [(0, 3), (1, 3), (2, 3)]
+    assert [name for i, _, name in seen if i == 0] == [threading.current_thread().name]
+
+    def failing(i: int, parts: int) -> None:
+        if i == 2:
+            raise ValueError("share 2")
+
+    with pytest.raises(ValueError, match="share 2"):
+        workers.run(failing)
+
+
+def test_a_quantized_cpu_backend_runs_blas_on_one_thread(synthetic):
+    """Its own threads parallelize the products; OpenBLAS's, left at the machine's cores,
+    fought them (docs/performance.md)."""
+    with threadpool_limits(2, user_api="blas"):
+        cpu_transformer(synthetic, weights="float")  # the float path leaves BLAS alone
+        blas = [lib for lib in threadpool_info() if lib["user_api"] == "blas"]
+        assert blas and all(lib["num_threads"] == 2 for lib in blas)
+        cpu_transformer(synthetic)
+        assert all(lib["num_threads"] == 1 for lib in threadpool_info()
+                   if lib["user_api"] == "blas")
 
 
 def test_the_embedding_of_a_quantized_table_is_its_dequantized_rows():

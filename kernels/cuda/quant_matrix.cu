@@ -1,0 +1,234 @@
+// Products and lookups over a weight matrix kept on the device as its GGUF blocks
+// (kernels/cuda_quantized.py): each row of the matrix is the file's bytes for that row,
+// `n_in / QK` blocks, so the matrix takes what the file takes.
+//
+// gemv_<type>: y[r, o] = sum_i x[r, i] * W[o, i] (+ bias[o]) for up to GEMV_MAX_ROWS rows of
+// x (decode and small batches). One warp per output row o; lane l takes the row's 32-value
+// units l, l + 32, ... (a unit is a Q4_0 / Q5_0 / Q8_0 block, or one of a K-quant
+// super-block's eight sub-blocks, so the lanes of a warp read adjacent bytes), decodes the
+// unit's 32 weights into registers once, and multiplies them into every row of x. Each
+// row's sum is a warp reduction, then bias, then bf16 (or float32 for the lm head's
+// logits). The weights are read once per launch, which is what bounds decode: a Q4_K
+// matrix is 0.5625 bytes a value against bf16's 2. Activations are bf16 and the dot
+// products float32 (not llama.cpp's int8 activations and dp4a: a choice to revisit with
+// measurements on a GPU, benchmarks/bench_gemm.py --quantized).
+//
+// A row of x's units is read with 16-byte loads: x must be 16-byte aligned (the host
+// checks it) and n_in a multiple of 32 (every block type's rows are).
+//
+// embed_<type>: the embedding lookup of embed.cu over a block table, every supported block
+// type, by the generic decoders.
+#include "quant_blocks.cuh"
+
+#define GEMV_MAX_ROWS 8
+#define GEMV_WARPS 4  // output rows per block of 128 threads
+
+// Per type: U::unit(block, s, v) writes the 32 values of unit s (of UNITS) of a block into
+// v, as its decoder's `at` gives them (the same float32 products, hoisted per unit).
+struct UQ4_0 {
+  static constexpr int QK = 32, BYTES = 18, UNITS = 1;
+  __device__ static void unit(const unsigned char* b, int, float* v) {
+    const float d = ld_f16(b);
+#pragma unroll
+    for (int l = 0; l < 16; ++l) {
+      const int c = b[2 + l];
+      v[l] = __fmul_rn(d, (float)((c & 0xF) - 8));
+      v[l + 16] = __fmul_rn(d, (float)((c >> 4) - 8));
+    }
+  }
+};
+struct UQ5_0 {
+  static constexpr int QK = 32, BYTES = 22, UNITS = 1;
+  __device__ static void unit(const unsigned char* b, int, float* v) {
+    const float d = ld_f16(b);
+    const unsigned qh = ld_u32(b + 2);
+#pragma unroll
+    for (int l = 0; l < 16; ++l) {
+      const int c = b[6 + l];
+      const int lo = (c & 0xF) | (int)(((qh >> l) & 1) << 4);  // int: q - 16 may be < 0
+      const int hi = (c >> 4) | (int)(((qh >> (l + 16)) & 1) << 4);
+      v[l] = __fmul_rn(d, (float)(lo - 16));
+      v[l + 16] = __fmul_rn(d, (float)(hi - 16));
+    }
+  }
+};
+struct UQ8_0 {
+  static constexpr int QK = 32, BYTES = 34, UNITS = 1;
+  __device__ static void unit(const unsigned char* b, int, float* v) {
+    const float d = ld_f16(b);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) v[l] = __fmul_rn((float)(signed char)b[2 + l], d);
+  }
+};
+struct UQ4_K {
+  static constexpr int QK = 256, BYTES = 144, UNITS = 8;
+  __device__ static void unit(const unsigned char* b, int i, float* v) {
+    int sc, mn;
+    k4_scale_min(b + 4, i, &sc, &mn);
+    const float d = __fmul_rn(ld_f16(b), (float)sc);
+    const float m = __fmul_rn(ld_f16(b + 2), (float)mn);
+    const unsigned char* qs = b + 16 + (i / 2) * 32;
+    const int shift = 4 * (i % 2);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) v[l] = __fsub_rn(__fmul_rn(d, (float)((qs[l] >> shift) & 0xF)), m);
+  }
+};
+struct UQ5_K {
+  static constexpr int QK = 256, BYTES = 176, UNITS = 8;
+  __device__ static void unit(const unsigned char* b, int i, float* v) {
+    int sc, mn;
+    k4_scale_min(b + 4, i, &sc, &mn);
+    const float d = __fmul_rn(ld_f16(b), (float)sc);
+    const float m = __fmul_rn(ld_f16(b + 2), (float)mn);
+    const unsigned char* qh = b + 16;
+    const unsigned char* qs = b + 48 + (i / 2) * 32;
+    const int shift = 4 * (i % 2);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) {
+      const int q = ((qs[l] >> shift) & 0xF) | (((qh[l] >> i) & 1) << 4);
+      v[l] = __fsub_rn(__fmul_rn(d, (float)q), m);
+    }
+  }
+};
+struct UQ6_K {
+  static constexpr int QK = 256, BYTES = 210, UNITS = 8;
+  __device__ static void unit(const unsigned char* b, int i, float* v) {
+    const int h = i / 4, s = i % 4;
+    const unsigned char* ql = b + h * 64 + (s % 2) * 32;
+    const unsigned char* qh = b + 128 + h * 32;
+    const float d = ld_f16(b + 208);
+    const float d0 = __fmul_rn(d, (float)(signed char)b[192 + 2 * i]);
+    const float d1 = __fmul_rn(d, (float)(signed char)b[193 + 2 * i]);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) {
+      const int q = ((ql[l] >> (4 * (s / 2))) & 0xF) | (((qh[l] >> (2 * s)) & 3) << 4);
+      v[l] = __fmul_rn(l < 16 ? d0 : d1, (float)(q - 32));
+    }
+  }
+};
+
+// 8 bf16 (one 16-byte load) times 8 floats
+__device__ __forceinline__ float dot8(const uint4 p, const float* v) {
+  const unsigned w[4] = {p.x, p.y, p.z, p.w};
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    s = fmaf(__uint_as_float(w[k] << 16), v[2 * k], s);
+    s = fmaf(__uint_as_float(w[k] & 0xFFFF0000u), v[2 * k + 1], s);
+  }
+  return s;
+}
+
+template <class U>
+__device__ __forceinline__ void gemv(void* __restrict__ y, const bf16* __restrict__ x,
+                                     const unsigned char* __restrict__ w,
+                                     const float* __restrict__ bias, int n_rows, int n_in,
+                                     int n_out, int out_f32) {
+  const int lane = threadIdx.x & 31;
+  const int o = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+  if (o >= n_out) return;  // the whole warp: o is the same for its lanes
+  const int units = n_in / 32;
+  const unsigned char* row = w + (i64)o * (n_in / U::QK) * U::BYTES;
+  float acc[GEMV_MAX_ROWS];
+#pragma unroll
+  for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = 0.0f;
+  for (int u = lane; u < units; u += 32) {
+    float v[32];
+    U::unit(row + (i64)(u / U::UNITS) * U::BYTES, u % U::UNITS, v);
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+      if (r < n_rows) {
+        const uint4* xp = reinterpret_cast<const uint4*>(x + (i64)r * n_in + u * 32);
+        float s = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) s += dot8(xp[q], v + 8 * q);
+        acc[r] += s;
+      }
+    }
+  }
+  const float b = bias != nullptr ? bias[o] : 0.0f;
+#pragma unroll
+  for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+    if (r < n_rows) {  // the same for every lane: the reduction's lanes all arrive
+      const float sum = warp_sum(acc[r]) + b;
+      if (lane == 0) {
+        if (out_f32) {
+          static_cast<float*>(y)[(i64)r * n_out + o] = sum;
+        } else {
+          static_cast<bf16*>(y)[(i64)r * n_out + o] = __float2bfloat16_rn(sum);
+        }
+      }
+    }
+  }
+}
+
+#define GEMV_KERNEL(NAME, U)                                                              \
+  extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                           \
+      gemv_##NAME(void* __restrict__ y, const bf16* __restrict__ x,                       \
+                  const unsigned char* __restrict__ w, const float* __restrict__ bias,     \
+                  int n_rows, int n_in, int n_out, int out_f32) {                         \
+    gemv<U>(y, x, w, bias, n_rows, n_in, n_out, out_f32);                                 \
+  }
+
+GEMV_KERNEL(q4_0, UQ4_0)
+GEMV_KERNEL(q5_0, UQ5_0)
+GEMV_KERNEL(q8_0, UQ8_0)
+GEMV_KERNEL(q4_k, UQ4_K)
+GEMV_KERNEL(q5_k, UQ5_K)
+GEMV_KERNEL(q6_k, UQ6_K)
+
+// The embedding of embed.cu (ids from the host or the round's device metadata; an id
+// outside the vocabulary poisons its row with NaN) over a table of blocks: the row's values
+// decoded as the cpu backend's lookup dequantizes them, times the scale.
+template <class Q>
+__device__ __forceinline__ void embed_blocks(float* __restrict__ out,
+                                             const unsigned char* __restrict__ table,
+                                             const int* __restrict__ ids, int id_stride,
+                                             const int* __restrict__ token_buf, int n_rows,
+                                             int d, int vocab, float scale) {
+  const int row = blockIdx.x;
+  if (row >= n_rows) return;
+  int id = ids[(i64)row * id_stride];
+  if (id_stride > 1 && token_buf != nullptr) {
+    const int slot = ids[(i64)row * id_stride + 1];
+    if (slot >= 0) id = token_buf[slot];
+  }
+  float* o = out + (i64)row * d;
+  if (id < 0 || id >= vocab) {
+    for (int j = threadIdx.x; j < d; j += blockDim.x) o[j] = EAGERLM_NAN;
+    return;
+  }
+  const unsigned char* t = table + (i64)id * (d / Q::QK) * Q::BYTES;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) {
+    o[j] = Q::at(t + (j / Q::QK) * Q::BYTES, j % Q::QK) * scale;
+  }
+}
+
+#define EMBED_KERNEL(NAME, Q)                                                             \
+  extern "C" __global__ void embed_##NAME(float* __restrict__ out,                        \
+                                          const unsigned char* __restrict__ table,         \
+                                          const int* __restrict__ ids, int id_stride,      \
+                                          const int* __restrict__ token_buf, int n_rows,   \
+                                          int d, int vocab, float scale) {                 \
+    embed_blocks<Q>(out, table, ids, id_stride, token_buf, n_rows, d, vocab, scale);      \
+  }
+
+EMBED_KERNEL(q4_0, Q4_0)
+EMBED_KERNEL(q4_1, Q4_1)
+EMBED_KERNEL(q5_0, Q5_0)
+EMBED_KERNEL(q5_1, Q5_1)
+EMBED_KERNEL(q8_0, Q8_0)
+EMBED_KERNEL(q2_k, Q2_K)
+EMBED_KERNEL(q3_k, Q3_K)
+EMBED_KERNEL(q4_k, Q4_K)
+EMBED_KERNEL(q5_k, Q5_K)
+EMBED_KERNEL(q6_k, Q6_K)
+EMBED_KERNEL(iq2_xxs, IQ2_XXS)
+EMBED_KERNEL(iq2_xs, IQ2_XS)
+EMBED_KERNEL(iq2_s, IQ2_S)
+EMBED_KERNEL(iq3_xxs, IQ3_XXS)
+EMBED_KERNEL(iq3_s, IQ3_S)
+EMBED_KERNEL(iq1_s, IQ1_S)
+EMBED_KERNEL(iq1_m, IQ1_M)
+EMBED_KERNEL(iq4_nl, IQ4_NL)
+EMBED_KERNEL(iq4_xs, IQ4_XS)

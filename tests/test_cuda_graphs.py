@@ -140,6 +140,40 @@ def test_graph_replays_give_the_eager_tokens(device, model, request) -> None:
     assert spy_off[0].replays == 0 and spy_off[0].eager_rounds > 0
 
 
+def test_graphs_capture_the_quantized_weights_kernels(device, tmp_path) -> None:
+    """Matrices kept as their blocks (Q8_0, a Q5_0 embedding table): rounds of 1 and 2
+    sessions replay the fused GEMV, rounds of up to 5 (buckets 4 and 8) the tile path
+    (its dequantization into the fixed scratch and cuBLASLt), with the GEMV told to take
+    at most 2 rows; the tokens are those of eager launches."""
+    from gguf import GGMLQuantizationType as Q
+
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_quantized import DeviceQuantizedMatrix
+    from eagerlm.loader.model_file import ModelFile
+    from eagerlm.loader.synthetic import SyntheticSpec, write_synthetic_model
+
+    spec = SyntheticSpec("qwen3", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
+                         head_dim=32, d_ff=128, vocab_size=300, weight_type=Q.Q8_0,
+                         embedding_type=Q.Q5_0)
+    model = ModelFile.open(write_synthetic_model(tmp_path / "q8.gguf", spec))
+    gpu = cuda_transformer(model, ops=CudaOps(device))
+    assert isinstance(gpu.weights.token_embd, DeviceQuantizedMatrix)
+    gpu.ops.quantized.gemv_max_rows = 2
+    prompts = [rng.integers(0, 300, n).tolist() for n in (3, 11, 6, 2, 5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (10, 4, 14, 7, 12)]
+    params[2] = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=14,
+                               ignore_eos=True)
+    spy_on: list = []
+    with_graphs = _run(device, model, gpu, prompts, params, graphs=True, spy=spy_on)
+    without = _run(device, model, gpu, prompts, params, graphs=False, spy=[])
+    assert with_graphs == without
+    (graphs,) = spy_on
+    assert graphs.replays > 0 and not graphs.failures
+    assert graphs.captured >= 3  # buckets 1 or 2 (GEMV) and 4 or 8 (tiles)
+
+
 def test_rows_that_read_host_tokens_sample_into_their_sessions_slots(device, qwen3) -> None:
     """A round of one row per session is replayed even when a row reads its token from
     the host rather than the token buffer: the last prompt token of a prompt served from

@@ -338,9 +338,10 @@ def test_dequantization_equals_gguf(ops, qtype) -> None:
 
 
 def test_a_model_of_iq_weights_loads_as_the_cpu_backend_dequantizes_it(ops, tmp_path) -> None:
-    """IQ matrices through the whole cuda load path (slab loader, raw upload, the kernel
-    DEQUANT_KERNEL names): each matrix is the cpu backend's float32 weight (gguf-py's
-    dequantization) rounded to bf16, within one ulp; each vector equal."""
+    """IQ matrices through the whole cuda load path with weights="bf16" (slab loader, raw
+    upload, the kernel DEQUANT_KERNEL names): each matrix is the cpu backend's float32
+    weight (gguf-py's dequantization) rounded to bf16, within one ulp; each vector equal.
+    (Kept as blocks, the default, they are tests/test_cuda_quantized.py's.)"""
     from eagerlm.kernels.cuda_backend import free_weights, load_cuda_weights
     from eagerlm.kernels.device_tensor import to_bf16_bits
     from eagerlm.loader.model_file import ModelFile
@@ -351,7 +352,7 @@ def test_a_model_of_iq_weights_loads_as_the_cpu_backend_dequantizes_it(ops, tmp_
                          head_dim=64, d_ff=256, vocab_size=512, weight_type=Q.IQ3_S,
                          embedding_type=Q.IQ4_NL)
     model = ModelFile.open(write_synthetic_model(tmp_path / "iq.gguf", spec))
-    weights, _ = load_cuda_weights(model, ops)
+    weights, _ = load_cuda_weights(model, ops, weights="bf16")
     try:
         want = list(load_numpy_weights(model.gguf, model.config).handles())
         got = list(weights.handles())

@@ -223,6 +223,22 @@ def test_weights_choices_are_checked_per_backend() -> None:
         check_weights("bf16", "cpu")
 
 
+def test_open_model_hands_the_weights_choice_to_the_cuda_backend(gemm_ops, tmp_path) -> None:
+    """What `--weights` and `Engine.open(weights=...)` reach: blocks by default, bf16
+    matrices with "bf16"."""
+    from eagerlm.kernels.cuda_quantized import DeviceQuantizedMatrix
+    from eagerlm.loader.synthetic import write_synthetic_model
+    from eagerlm.service.api.model_loading import open_model
+
+    path = write_synthetic_model(tmp_path / "m.gguf", _spec(n_layers=1))
+    for weights, held in ((None, DeviceQuantizedMatrix), ("bf16", DeviceTensor)):
+        loaded = open_model(path, "cuda", weights=weights)
+        try:
+            assert isinstance(loaded.transformer.weights.layers[0].wq, held)
+        finally:
+            loaded.close()
+
+
 # -- whole models ------------------------------------------------------------------------
 
 

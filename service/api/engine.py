@@ -98,8 +98,8 @@ class EngineSettings:
     def __post_init__(self) -> None:
         self.rope_override()  # bad values fail here, before anything is loaded
         if self.weights is not None and self.weights not in WEIGHTS_CHOICES:
-            raise InvalidParameters(f"weights must be 'quantized', 'float' (cpu) or 'bf16' "
-                                    f"(cuda), not {self.weights!r}")
+            raise InvalidParameters(f"weights must be 'quantized' or 'float' (cpu), "
+                                    f"'quantized' or 'bf16' (cuda), not {self.weights!r}")
 
     def rope_override(self) -> RopeOverride | None:
         """The rope scaling settings as the loader takes them (None: the file's)."""

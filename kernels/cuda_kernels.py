@@ -68,7 +68,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "count_tokens": ("sampler", "ppipi"),
     "token_logprobs": ("sampler", "pppiqppi"),
     **{f"dequant_{t}_{o}": ("dequant", "ppq") for t in _DEQUANT_TYPES for o in ("bf16", "f32")},
-    **{f"gemv_{t}": ("quant_matrix", "ppppiiii") for t in GEMV_TYPES},
+    **{f"gemv_{t}": ("quant_matrix", "ppppiiiii") for t in GEMV_TYPES},
     **{f"embed_{t}": ("quant_matrix", "pppipiiif") for t in EMBED_BLOCK_TYPES},
 }
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from eagerlm.kernels.cuda_ops import CudaOps
 
 GEMV_MAX_ROWS = 8  # GEMV_MAX_ROWS in kernels/cuda/quant_matrix.cu
-GEMV_WARPS = 4  # output rows per GEMV block (GEMV_WARPS there)
+GEMV_WARPS = 4  # warps per GEMV block (GEMV_WARPS there)
 TILE_ELEMENTS = 1 << 24  # weights per bf16 tile: 32 MiB
 TILE_ROW_MULTIPLE = 64  # tiles start 128-byte aligned in a bf16 output row
 
@@ -73,6 +73,14 @@ class DeviceQuantizedMatrix:
         return self.qtype.name.lower()
 
 
+def warps_per_row(n_in: int) -> int:
+    """Warps of a GEMV block that share one output row: one per 32 of its 32-value units,
+    up to the block's four (a row of 4096 values has 128 units: four warps of 32 lanes,
+    one unit each per pass; one of 1024, one warp)."""
+    units = n_in // 32
+    return 4 if units >= 128 else 2 if units >= 64 else 1
+
+
 def tile_rows(shape: tuple[int, int]) -> int:
     """Rows of a matrix of `shape` dequantized per tile: `TILE_ELEMENTS` worth, a multiple
     of `TILE_ROW_MULTIPLE`, or the whole matrix where it is smaller."""
@@ -93,6 +101,7 @@ class QuantizedLinear:
     def __init__(self, ops: CudaOps) -> None:
         self.ops = ops
         self.gemv_max_rows = GEMV_MAX_ROWS  # 0: every product by the tile path
+        self.gemv_warps_per_row: int | None = None  # None: `warps_per_row` (tests force it)
         self._scratch: Any = None  # DeviceBuffer
 
     @property
@@ -133,9 +142,11 @@ class QuantizedLinear:
         if self.uses_gemv(n_tok, w, x):
             if bias is not None:
                 check_tensor(bias, "f32", "bias")
+            per_row = self.gemv_warps_per_row or warps_per_row(n_in)
             ops.kernels[f"gemv_{w.kind}"].launch(
-                ops.stream.handle, -(-n_out // GEMV_WARPS), 32 * GEMV_WARPS, y.ptr, x.ptr,
-                w.ptr, 0 if bias is None else bias.ptr, n_tok, n_in, n_out, int(out_f32))
+                ops.stream.handle, -(-n_out // (GEMV_WARPS // per_row)), 32 * GEMV_WARPS,
+                y.ptr, x.ptr, w.ptr, 0 if bias is None else bias.ptr, n_tok, n_in, n_out,
+                int(out_f32), per_row)
             return True
         rows = tile_rows(w.shape)
         if rows * n_in * 2 > self.scratch_bytes:

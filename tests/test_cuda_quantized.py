@@ -78,20 +78,38 @@ def _linear(ops, x: np.ndarray, w, bias: np.ndarray | None, logits: bool) -> np.
 
 @pytest.mark.parametrize("qtype", GEMV_TYPES, ids=lambda q: q.name)
 def test_fused_gemv_equals_float64_dequantize_then_matmul(ops, qtype) -> None:
-    """1, 3 and 8 rows (the most one launch takes), 37 output rows, 5 blocks of 32 or 2
-    super-blocks per row; with a bias, and float32 logits."""
-    cols = 160 if GGML_QUANT_SIZES[qtype][0] == 32 else 512
+    """1, 3 and 8 rows (the most one launch takes), 37 output rows of 70 or 72 units of 32
+    values (Q4_0 / Q5_0 / Q8_0 blocks, or 9 K-quant super-blocks); each row's units shared
+    by 1, 2 or 4 warps (so a lane reads three units, or two, or one, or none); with a
+    bias, and float32 logits."""
+    from eagerlm.kernels.cuda_quantized import warps_per_row
+
+    cols = 32 * 70 if GGML_QUANT_SIZES[qtype][0] == 32 else 256 * 9
+    assert warps_per_row(cols) == 2
     raw = _blocks(qtype, 37, cols)
     w = _on_device(ops, qtype, raw, cols)
     bias = rand(37)
-    for n in (1, 3, 8):
-        assert ops.quantized.uses_gemv(n, w, ops.empty((n, cols), "bf16"))
-        x = rand(n, cols)
-        close(_linear(ops, x, w, None, False), _reference(x, raw, qtype, None))
-        close(_linear(ops, x, w, bias, False), _reference(x, raw, qtype, bias))
-        want = _reference(x, raw, qtype, bias)
-        got = _linear(ops, x, w, bias, True)
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    q = ops.quantized
+    for n, per_row in ((1, None), (3, 1), (3, 2), (3, 4), (8, None)):
+        q.gemv_warps_per_row = per_row
+        try:
+            assert q.uses_gemv(n, w, ops.empty((n, cols), "bf16"))
+            x = rand(n, cols)
+            close(_linear(ops, x, w, bias, False), _reference(x, raw, qtype, bias))
+            if per_row is None:
+                close(_linear(ops, x, w, None, False), _reference(x, raw, qtype, None))
+                want = _reference(x, raw, qtype, bias)
+                got = _linear(ops, x, w, bias, True)
+                np.testing.assert_allclose(got, want, rtol=1e-4,
+                                           atol=1e-4 * np.abs(want).max())
+        finally:
+            q.gemv_warps_per_row = None
+
+
+def test_long_rows_get_more_warps() -> None:
+    from eagerlm.kernels.cuda_quantized import warps_per_row
+
+    assert [warps_per_row(n) for n in (64, 1024, 2048, 3072, 4096, 14336)] == [1, 1, 2, 2, 4, 4]
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)

@@ -3,12 +3,15 @@
 // `n_in / QK` blocks, so the matrix takes what the file takes.
 //
 // gemv_<type>: y[r, o] = sum_i x[r, i] * W[o, i] (+ bias[o]) for up to GEMV_MAX_ROWS rows of
-// x (decode and small batches). One warp per output row o; lane l takes the row's 32-value
-// units l, l + 32, ... (a unit is a Q4_0 / Q5_0 / Q8_0 block, or one of a K-quant
-// super-block's eight sub-blocks, so the lanes of a warp read adjacent bytes), decodes the
-// unit's 32 weights into registers once, and multiplies them into every row of x. Each
-// row's sum is a warp reduction, then bias, then bf16 (or float32 for the lm head's
-// logits). The weights are read once per launch, which is what bounds decode: a Q4_K
+// x (decode and small batches). A block of GEMV_WARPS warps serves GEMV_WARPS /
+// warps_per_row output rows; the warps of row o take its 32-value units in turn, lane l
+// of the row's warp p the units 32 p + l, 32 (p + warps_per_row) + l, ... (a unit is a
+// Q4_0 / Q5_0 / Q8_0 block, or one of a K-quant super-block's eight sub-blocks, so the
+// lanes of a warp read adjacent bytes), decodes the unit's 32 weights into registers
+// once, and multiplies them into every row of x. The host gives long rows more warps
+// (kernels/cuda_quantized.py), so a narrow matrix still puts enough loads in flight. Each
+// row's sum is a warp reduction, then the sum of its warps' in shared memory, then bias,
+// then bf16 (or float32 for the lm head's logits). The weights are read once per launch, which is what bounds decode: a Q4_K
 // matrix is 0.5625 bytes a value against bf16's 2. Activations are bf16 and the dot
 // products float32 (not llama.cpp's int8 activations and dp4a: a choice to revisit with
 // measurements on a GPU, benchmarks/bench_gemm.py --quantized).
@@ -21,7 +24,7 @@
 #include "quant_blocks.cuh"
 
 #define GEMV_MAX_ROWS 8
-#define GEMV_WARPS 4  // output rows per block of 128 threads
+#define GEMV_WARPS 4  // warps per block (of 128 threads)
 
 // Per type: U::unit(block, s, v) writes the 32 values of unit s (of UNITS) of a block into
 // v, as its decoder's `at` gives them (the same float32 products, hoisted per unit).
@@ -123,41 +126,51 @@ template <class U>
 __device__ __forceinline__ void gemv(void* __restrict__ y, const bf16* __restrict__ x,
                                      const unsigned char* __restrict__ w,
                                      const float* __restrict__ bias, int n_rows, int n_in,
-                                     int n_out, int out_f32) {
-  const int lane = threadIdx.x & 31;
-  const int o = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-  if (o >= n_out) return;  // the whole warp: o is the same for its lanes
+                                     int n_out, int out_f32, int warps_per_row) {
+  __shared__ float partial[GEMV_WARPS][GEMV_MAX_ROWS];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int o = blockIdx.x * (GEMV_WARPS / warps_per_row) + warp / warps_per_row;
+  const int part = warp % warps_per_row;  // which of the row's warps this is
+  const bool valid = o < n_out;  // no early return: the block meets at a barrier below
   const int units = n_in / 32;
-  const unsigned char* row = w + (i64)o * (n_in / U::QK) * U::BYTES;
   float acc[GEMV_MAX_ROWS];
 #pragma unroll
   for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = 0.0f;
-  for (int u = lane; u < units; u += 32) {
-    float v[32];
-    U::unit(row + (i64)(u / U::UNITS) * U::BYTES, u % U::UNITS, v);
+  if (valid) {
+    const unsigned char* row = w + (i64)o * (n_in / U::QK) * U::BYTES;
+    for (int u = part * 32 + lane; u < units; u += 32 * warps_per_row) {
+      float v[32];
+      U::unit(row + (i64)(u / U::UNITS) * U::BYTES, u % U::UNITS, v);
 #pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-      if (r < n_rows) {
-        const uint4* xp = reinterpret_cast<const uint4*>(x + (i64)r * n_in + u * 32);
-        float s = 0.0f;
+      for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+        if (r < n_rows) {
+          const uint4* xp = reinterpret_cast<const uint4*>(x + (i64)r * n_in + u * 32);
+          float s = 0.0f;
 #pragma unroll
-        for (int q = 0; q < 4; ++q) s += dot8(xp[q], v + 8 * q);
-        acc[r] += s;
+          for (int q = 0; q < 4; ++q) s += dot8(xp[q], v + 8 * q);
+          acc[r] += s;
+        }
       }
     }
   }
-  const float b = bias != nullptr ? bias[o] : 0.0f;
 #pragma unroll
   for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
     if (r < n_rows) {  // the same for every lane: the reduction's lanes all arrive
-      const float sum = warp_sum(acc[r]) + b;
-      if (lane == 0) {
-        if (out_f32) {
-          static_cast<float*>(y)[(i64)r * n_out + o] = sum;
-        } else {
-          static_cast<bf16*>(y)[(i64)r * n_out + o] = __float2bfloat16_rn(sum);
-        }
-      }
+      const float s = warp_sum(acc[r]);
+      if (lane == 0) partial[warp][r] = s;
+    }
+  }
+  if (warps_per_row > 1) __syncthreads();  // the same for the whole block
+  if (!valid || part != 0 || lane != 0) return;
+  const float b = bias != nullptr ? bias[o] : 0.0f;
+  for (int r = 0; r < n_rows; ++r) {
+    float sum = partial[warp][r];
+    for (int k = 1; k < warps_per_row; ++k) sum += partial[warp + k][r];
+    sum += b;
+    if (out_f32) {
+      static_cast<float*>(y)[(i64)r * n_out + o] = sum;
+    } else {
+      static_cast<bf16*>(y)[(i64)r * n_out + o] = __float2bfloat16_rn(sum);
     }
   }
 }
@@ -166,8 +179,8 @@ __device__ __forceinline__ void gemv(void* __restrict__ y, const bf16* __restric
   extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                           \
       gemv_##NAME(void* __restrict__ y, const bf16* __restrict__ x,                       \
                   const unsigned char* __restrict__ w, const float* __restrict__ bias,     \
-                  int n_rows, int n_in, int n_out, int out_f32) {                         \
-    gemv<U>(y, x, w, bias, n_rows, n_in, n_out, out_f32);                                 \
+                  int n_rows, int n_in, int n_out, int out_f32, int warps_per_row) {      \
+    gemv<U>(y, x, w, bias, n_rows, n_in, n_out, out_f32, warps_per_row);                  \
   }
 
 GEMV_KERNEL(q4_0, UQ4_0)

@@ -14,7 +14,7 @@ import pytest
 
 from eagerlm.kernels.cuda_graphs import batch_buckets, context_bucket
 from eagerlm.kernels.sampling import SamplingParams
-from tests.cuda_testing import device, rng  # noqa: F401  (fixtures)
+from tests.cuda_testing import device, quantized_paths, rng  # noqa: F401  (fixtures)
 
 FORWARD_SCHEDULE_ONLY = True  # whole models: see tests/cuda_testing.py
 
@@ -140,7 +140,7 @@ def test_graph_replays_give_the_eager_tokens(device, model, request) -> None:
     assert spy_off[0].replays == 0 and spy_off[0].eager_rounds > 0
 
 
-def test_graphs_capture_the_quantized_weights_kernels(device, tmp_path) -> None:
+def test_graphs_capture_the_quantized_weights_kernels(device, tmp_path, monkeypatch) -> None:
     """Matrices kept as their blocks (Q8_0, a Q5_0 embedding table): rounds of 1 and 2
     sessions replay the fused GEMV, rounds of up to 5 (buckets 4 and 8) the tile path
     (its dequantization into the fixed scratch and cuBLASLt), with the GEMV told to take
@@ -160,6 +160,7 @@ def test_graphs_capture_the_quantized_weights_kernels(device, tmp_path) -> None:
     gpu = cuda_transformer(model, ops=CudaOps(device))
     assert isinstance(gpu.weights.token_embd, DeviceQuantizedMatrix)
     gpu.ops.quantized.gemv_max_rows = 2
+    paths = quantized_paths(gpu.ops, monkeypatch)
     prompts = [rng.integers(0, 300, n).tolist() for n in (3, 11, 6, 2, 5)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
               for n in (10, 4, 14, 7, 12)]
@@ -172,6 +173,7 @@ def test_graphs_capture_the_quantized_weights_kernels(device, tmp_path) -> None:
     (graphs,) = spy_on
     assert graphs.replays > 0 and not graphs.failures
     assert graphs.captured >= 3  # buckets 1 or 2 (GEMV) and 4 or 8 (tiles)
+    assert paths == {"gemv", "tile"}
 
 
 def test_rows_that_read_host_tokens_sample_into_their_sessions_slots(device, qwen3) -> None:

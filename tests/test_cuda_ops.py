@@ -457,7 +457,9 @@ def test_greedy_generation_cuda_vs_cpu(gemm_ops, device, tmp_path, arch) -> None
     model = _model(tmp_path, arch)
     cfg = model.config
     cpu = cpu_transformer(model)
-    gpu = cuda_transformer(model, ops=CudaOps(device))
+    # bf16 matrices: the emulated GEMV makes each step several times slower, and the
+    # quantized path's decode is tests/test_cuda_quantized.py's (qwen3, qwen2)
+    gpu = cuda_transformer(model, ops=CudaOps(device), weights="bf16")
     same = 0
     lengths, steps = ((3, 17), 24) if is_emulated(device) else ((3, 9, 17, 30, 5), 64)
     prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in lengths]
@@ -494,7 +496,9 @@ def test_greedy_generation_through_the_dispatcher_eager_equals_sync(gemm_ops, de
         with Dispatcher(device, transformer, model.tokenizer, config) as d:
             return [[t for o in d.stream(p, params) for t in o.token_ids] for p in prompts]
 
-    gpu = cuda_transformer(model, ops=CudaOps(device))
+    # bf16 matrices, for the emulator's time: dispatching is the same on quantized ones
+    # (tests/test_cuda_graphs.py runs the dispatcher on them)
+    gpu = cuda_transformer(model, ops=CudaOps(device), weights="bf16")
     eager = run(gpu, sync=False)
     assert all(len(t) == steps for t in eager)
     assert eager == run(gpu, sync=True)

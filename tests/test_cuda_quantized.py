@@ -24,6 +24,7 @@ from tests.cuda_testing import (  # noqa: F401  (fixtures)
     device,
     gemm_ops,
     ops,
+    quantized_paths,
     rand,
     rng,
 )
@@ -176,13 +177,13 @@ def test_embedding_rows_of_a_block_table_are_gguf_values_times_the_scale(ops, qt
 # -- loading and memory ------------------------------------------------------------------
 
 
-def _spec(**kw):
+def _spec(architecture: str = "qwen3", **kw):
     from eagerlm.loader.synthetic import SyntheticSpec
 
     base = dict(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512,
                 vocab_size=320, weight_type=Q.Q4_K, output_type=Q.Q6_K,
                 embedding_type=Q.Q5_0)
-    return SyntheticSpec("qwen3", **{**base, **kw})
+    return SyntheticSpec(architecture, **{**base, **kw})
 
 
 def test_quantized_weights_are_the_files_blocks_and_bf16_keeps_the_old_path(ops,
@@ -262,11 +263,12 @@ def test_open_model_hands_the_weights_choice_to_the_cuda_backend(gemm_ops, tmp_p
 
 @pytest.mark.parametrize("types", ["q4_k_m", "q5_0"])
 def test_model_logits_on_quantized_weights_match_the_cpu_backend(gemm_ops, device, tmp_path,
-                                                                 types) -> None:
+                                                                 types, monkeypatch) -> None:
     """A prompt of 12 tokens (the tile path), then 3 decode steps (the GEMV), against the
     cpu backend on the same file (float32 weights: the exact dequantized values): within
     bf16 activations' error of the float32 logits. Q4_K_M's mix (Q4_K, the lm head Q6_K,
-    here a Q5_0 embedding) and the demo model's (Q5_0 matrices, a Q8_0 embedding)."""
+    here a Q5_0 embedding) on qwen3, and the demo model's (Q5_0 matrices, a Q8_0
+    embedding) on qwen2, whose q/k/v biases the GEMV adds."""
     from eagerlm.kernels.batch import ForwardBatch
     from eagerlm.kernels.cpu_backend import cpu_transformer
     from eagerlm.kernels.cuda_backend import cuda_transformer
@@ -276,13 +278,14 @@ def test_model_logits_on_quantized_weights_match_the_cpu_backend(gemm_ops, devic
     from eagerlm.loader.model_file import ModelFile
     from eagerlm.loader.synthetic import write_synthetic_model
 
-    spec = _spec() if types == "q4_k_m" else _spec(weight_type=Q.Q5_0, output_type=Q.Q5_0,
-                                                   embedding_type=Q.Q8_0)
+    spec = _spec() if types == "q4_k_m" else _spec(architecture="qwen2", weight_type=Q.Q5_0,
+                                                   output_type=Q.Q5_0, embedding_type=Q.Q8_0)
     model = ModelFile.open(write_synthetic_model(tmp_path / f"{types}.gguf", spec))
     cfg = model.config
     cpu = cpu_transformer(model, weights="float")
     gpu = cuda_transformer(model, ops=CudaOps(device, poison_outputs=True))
     assert isinstance(gpu.weights.layers[0].wq, DeviceQuantizedMatrix)
+    paths = quantized_paths(gpu.ops, monkeypatch)
     lay = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
     kv_cpu = ContiguousKV(lay, 32)
     kv_gpu = ContiguousDeviceKV(gpu.ops, KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
@@ -297,3 +300,5 @@ def test_model_logits_on_quantized_weights_match_the_cpu_backend(gemm_ops, devic
         margin = np.diff(np.sort(want, -1)[:, -2:], axis=-1)[:, 0]
         decisive = margin >= 0.05
         assert (got.argmax(-1) == want.argmax(-1))[decisive].all()
+    assert paths == {"gemv", "tile"}
+

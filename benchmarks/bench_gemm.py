@@ -10,12 +10,13 @@ Shapes: the linear layers of Qwen3-0.6B and Llama-3.1-8B (q, kv, o, gate/up, dow
 head) at 1, 16, 64, 512, 2048 and 8192 tokens.
 
 `--quantized [TYPE ...]` (default types q4_k q6_k q8_0 q5_0) also times each shape with
-the weight kept as GGUF blocks (kernels/cuda_quantized.py) by both of its paths: the fused
-dequantizing GEMV (up to its row limit, for the types it serves) and bf16 tiles +
-cuBLASLt, beside the bf16 GEMM of the same shape in the same run: microseconds, GB/s of
-the quantized bytes read against the measured copy rate (the roofline of few-token
-products), the speedup over bf16, and which path `CudaOps.linear` takes at that shape
-(so the GEMV's row limit can be set from measurements).
+the weight kept as GGUF blocks (kernels/cuda_quantized.py) by each of its paths: the fused
+dequantizing GEMV on bf16 activations and float math, the same on int8 activations and
+dp4a (up to the GEMV's row limit, for the types it serves), and bf16 tiles + cuBLASLt,
+beside the bf16 GEMM of the same shape in the same run: microseconds, GB/s of the
+quantized bytes read by the fastest against the measured copy rate (the roofline of
+few-token products), its speedup over bf16, and which path `CudaOps.linear` takes at that
+shape (so the GEMV's kind and row limit can be set from measurements).
 
 Run on a GPU machine: `python benchmarks/bench_gemm.py [--reps 50] [--quantized]`.
 Prints a markdown table and a JSON block on stdout.
@@ -72,24 +73,26 @@ def quantized_matrix(ops: CudaOps, kind: str, n_out: int, n_in: int) -> DeviceQu
 
 
 def time_quantized(ops: CudaOps, w: DeviceQuantizedMatrix, n_tok: int, reps: int, *,
-                   gemv: bool, out_f32: bool) -> float:
-    """Seconds per product through the GEMV (`gemv`) or the tile path."""
+                   path: str, out_f32: bool) -> float:
+    """Seconds per product through `path`: "gemv" (float), "gemv8" (int8) or "tile"."""
     n_out, n_in = w.shape
     x = ops.empty((n_tok, n_in), "bf16")
     ops.fill(x, 0x3C)
     y = ops.empty((n_tok, n_out), "f32" if out_f32 else "bf16")
     q = ops.quantized
-    saved, q.gemv_max_rows = q.gemv_max_rows, (GEMV_MAX_ROWS if gemv else 0)
+    saved = q.gemv_max_rows, q.gemv_int8
+    q.gemv_max_rows = 0 if path == "tile" else GEMV_MAX_ROWS
+    q.gemv_int8 = path == "gemv8"
     try:
         return time_on_stream(ops.device, ops.stream, lambda: q.linear(x, w, y, None), reps)
     finally:
-        q.gemv_max_rows = saved
+        q.gemv_max_rows, q.gemv_int8 = saved
 
 
 def quantized_rows(ops: CudaOps, model: str, layer: str, n_out: int, n_in: int,
                    tokens: list[int], kinds: list[str], bf16_us: dict[int, float], reps: int,
                    hbm: float) -> list[dict]:
-    """Each type's GEMV and tile timings of one layer at each token count."""
+    """Each type's GEMV (float, int8) and tile timings of one layer at each token count."""
     rows = []
     out_f32 = layer == "lm_head"
     for kind in kinds:
@@ -97,19 +100,23 @@ def quantized_rows(ops: CudaOps, model: str, layer: str, n_out: int, n_in: int,
         try:
             for n_tok in tokens:
                 probe = ops.empty((n_tok, n_in), "bf16")
-                chosen = "gemv" if ops.quantized.uses_gemv(n_tok, w, probe) else "tile"
-                gemv_us = None
-                if n_tok <= GEMV_MAX_ROWS and ops.quantized.uses_gemv(n_tok, w, probe):
-                    gemv_us = time_quantized(ops, w, n_tok, reps, gemv=True,
-                                             out_f32=out_f32) * 1e6
-                tile_us = time_quantized(ops, w, n_tok, reps, gemv=False,
-                                         out_f32=out_f32) * 1e6
-                best = min(t for t in (gemv_us, tile_us) if t is not None)
+                gemv = ops.quantized.uses_gemv(n_tok, w, probe)
+                chosen = ("gemv8" if ops.quantized.gemv_int8 else "gemv") if gemv else "tile"
+                us: dict[str, float | None] = {"gemv": None, "gemv8": None}
+                if n_tok <= GEMV_MAX_ROWS and gemv:
+                    for path in ("gemv", "gemv8"):
+                        us[path] = time_quantized(ops, w, n_tok, reps, path=path,
+                                                  out_f32=out_f32) * 1e6
+                us["tile"] = time_quantized(ops, w, n_tok, reps, path="tile",
+                                            out_f32=out_f32) * 1e6
+                faster = min((t, p) for p, t in us.items() if t is not None)[1]
+                best = us[faster]
+                assert best is not None
                 gb_s = w.nbytes / (best / 1e6) / 1e9
                 rows.append(dict(model=model, layer=layer, tokens=n_tok, type=kind,
-                                 weight_bytes=w.nbytes, gemv_us=gemv_us, tile_us=tile_us,
-                                 bf16_us=bf16_us[n_tok], chosen=chosen,
-                                 faster="gemv" if best == gemv_us else "tile",
+                                 weight_bytes=w.nbytes, gemv_us=us["gemv"],
+                                 gemv8_us=us["gemv8"], tile_us=us["tile"],
+                                 bf16_us=bf16_us[n_tok], chosen=chosen, faster=faster,
                                  weight_gb_s=gb_s, of_hbm=gb_s * 1e9 / (hbm / 2),
                                  speedup_vs_bf16=bf16_us[n_tok] / best))
         finally:
@@ -169,13 +176,14 @@ def main() -> int:
     if qrows:
         print("\nweights as GGUF blocks (GB/s: the quantized bytes read; of HBM: against the "
               "copy rate; chosen: the path CudaOps.linear takes)\n")
-        print("| model | layer | tokens | type | GEMV us | tile us | bf16 us | faster | "
-              "chosen | weight GB/s | of HBM | vs bf16 |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| model | layer | tokens | type | GEMV us | int8 GEMV us | tile us | bf16 us | "
+              "faster | chosen | weight GB/s | of HBM | vs bf16 |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in qrows:
-            gemv = "-" if r["gemv_us"] is None else f"{r['gemv_us']:.1f}"
+            gemv, gemv8 = ("-" if r[k] is None else f"{r[k]:.1f}" for k in ("gemv_us", "gemv8_us"))
             print(f"| {r['model']} | {r['layer']} | {r['tokens']} | {r['type']} | {gemv} | "
-                  f"{r['tile_us']:.1f} | {r['bf16_us']:.1f} | {r['faster']} | {r['chosen']} | "
+                  f"{gemv8} | {r['tile_us']:.1f} | {r['bf16_us']:.1f} | {r['faster']} | "
+                  f"{r['chosen']} | "
                   f"{r['weight_gb_s']:.0f} | {r['of_hbm']:.0%} | "
                   f"{r['speedup_vs_bf16']:.2f}x |")
     result = {"device": device.name, "matrix_tflops": peak, "copy_bytes_per_s": hbm,

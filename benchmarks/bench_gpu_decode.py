@@ -17,7 +17,9 @@ the same run:
 - batch-64 decode: output tokens/s with 64 concurrent requests;
 - per round, from the dispatcher's instrumentation: host time (plan + launch) and the
   device idle fraction between rounds in steady decode; with graphs and without for the
-  quantized weights, with graphs for bf16.
+  quantized weights, with graphs for bf16, and with graphs for the quantized weights
+  through the int8-activation GEMV (`gemv_int8`, kernels/cuda_quantized.py) instead of
+  the float one, so the run says which GEMV to keep.
 
 Targets (issue 6): >= 85% of the roofline at batch 1 on the 8B shape. HF transformers on
 the same shapes: benchmarks/peer_transformers.py, run in the same session by
@@ -127,20 +129,25 @@ def measure_shape(args: argparse.Namespace, shape: str, folder: Path) -> dict:
             print(f"device copy bandwidth {bw / 1e9:.0f} GB/s; {per_tok / 1e9:.3f} GB read "
                   f"per token -> roofline {limit:.0f} tok/s at batch 1")
             part = {"bytes_per_token": per_tok, "roofline_tok_s": limit}
-            for graphs in ((True, False) if weights == "quantized" else (True,)):
+            runs = [("graphs", True, False)]
+            if weights == "quantized":
+                runs += [("eager", False, False), ("graphs_int8_gemv", True, True)]
+            for key, graphs, int8 in runs:
                 settings = DispatchSettings(device="cuda", max_batch=max(64, args.batch),
                                             memory_fraction=args.memory_fraction,
                                             cuda_graphs=graphs)
+                loaded.transformer.ops.quantized.gemv_int8 = int8
                 b1 = decode_run(loaded, settings, 1, args.prompt, args.output)
                 bn = decode_run(loaded, settings, args.batch, args.prompt, args.output)
-                tag = f"{weights}, {'graphs' if graphs else 'eager launches'}"
+                tag = (f"{weights}{', int8 GEMV' if int8 else ''}, "
+                       f"{'graphs' if graphs else 'eager launches'}")
                 print(f"[{tag}] batch 1: {b1['tok_s']:.1f} tok/s = "
                       f"{b1['tok_s'] / limit:.1%} of roofline; host {b1['host_ms']:.2f} ms "
                       f"per round, device {b1['device_ms']:.2f} ms, idle {b1['bubble']:.1%}")
                 print(f"[{tag}] batch {args.batch}: {bn['tok_s']:.0f} tok/s; host "
                       f"{bn['host_ms']:.2f} ms per round, device {bn['device_ms']:.2f} ms, "
                       f"idle {bn['bubble']:.1%}")
-                part["graphs" if graphs else "eager"] = {"batch1": b1, "batchN": bn}
+                part[key] = {"batch1": b1, "batchN": bn}
         finally:
             loaded.close()
         if weights == "quantized":

@@ -69,6 +69,8 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "token_logprobs": ("sampler", "pppiqppi"),
     **{f"dequant_{t}_{o}": ("dequant", "ppq") for t in _DEQUANT_TYPES for o in ("bf16", "f32")},
     **{f"gemv_{t}": ("quant_matrix", "ppppiiiii") for t in GEMV_TYPES},
+    **{f"gemv8_{t}": ("quant_matrix", "pppppiiiii") for t in GEMV_TYPES},
+    "quantize_q8": ("quant_matrix", "pppq"),
     **{f"embed_{t}": ("quant_matrix", "pppipiiif") for t in EMBED_BLOCK_TYPES},
 }
 

@@ -11,7 +11,8 @@ accept it where they accept a bf16 matrix, and hand it to `QuantizedLinear`:
   and a type in `GEMV_TYPES` (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K: what Q4_K_M, Q5_K_M and
   Q8_0 files hold, with Q5_0 where rows are not whole 256-value super-blocks):
   one fused launch that reads the blocks and dequantizes them in registers
-  (kernels/cuda/quant_matrix.cu), the bias added in the same launch;
+  (kernels/cuda/quant_matrix.cu), the bias added in the same launch: bf16 activations and
+  float math, or with `gemv_int8` int8 activations and dp4a (one more launch quantizes x);
 - otherwise (prefill, large batches, every other block type) the matrix `tile_rows` rows
   at a time is dequantized to bf16 into one reused scratch buffer (the loader's dequant.cu
   kernels on a slice of the blocks) and multiplied by cuBLASLt into its columns of the
@@ -102,6 +103,9 @@ class QuantizedLinear:
         self.ops = ops
         self.gemv_max_rows = GEMV_MAX_ROWS  # 0: every product by the tile path
         self.gemv_warps_per_row: int | None = None  # None: `warps_per_row` (tests force it)
+        # the GEMV on int8 activations and dp4a (gemv8_<type>) rather than bf16 and float
+        # math: off until a GPU's measurements favour it (bench_gemm.py --quantized)
+        self.gemv_int8 = False
         self._scratch: Any = None  # DeviceBuffer
 
     @property
@@ -143,10 +147,17 @@ class QuantizedLinear:
             if bias is not None:
                 check_tensor(bias, "f32", "bias")
             per_row = self.gemv_warps_per_row or warps_per_row(n_in)
-            ops.kernels[f"gemv_{w.kind}"].launch(
-                ops.stream.handle, -(-n_out // (GEMV_WARPS // per_row)), 32 * GEMV_WARPS,
-                y.ptr, x.ptr, w.ptr, 0 if bias is None else bias.ptr, n_tok, n_in, n_out,
-                int(out_f32), per_row)
+            grid = -(-n_out // (GEMV_WARPS // per_row))
+            b = 0 if bias is None else bias.ptr
+            if self.gemv_int8:
+                qx, dx = self.quantize_q8(x, n_tok * n_in // 32)
+                ops.kernels[f"gemv8_{w.kind}"].launch(
+                    ops.stream.handle, grid, 32 * GEMV_WARPS, y.ptr, qx.ptr, dx.ptr, w.ptr, b,
+                    n_tok, n_in, n_out, int(out_f32), per_row)
+            else:
+                ops.kernels[f"gemv_{w.kind}"].launch(
+                    ops.stream.handle, grid, 32 * GEMV_WARPS, y.ptr, x.ptr, w.ptr, b, n_tok,
+                    n_in, n_out, int(out_f32), per_row)
             return True
         rows = tile_rows(w.shape)
         if rows * n_in * 2 > self.scratch_bytes:
@@ -162,6 +173,17 @@ class QuantizedLinear:
                             n_tok, n_in, part, CUDA_R_32F if out_f32 else CUDA_R_16BF,
                             ldy=n_out)
         return False
+
+    def quantize_q8(self, x: DeviceTensor, n_units: int) -> tuple[DeviceTensor, DeviceTensor]:
+        """x (bf16) as int8 per 32 values and their float32 scales (the int8 GEMV's input;
+        kernels/cuda/quant_matrix.cu's quantize_q8)."""
+        ops = self.ops
+        qx = ops.empty((n_units * 32,), "u8")
+        dx = ops.empty((n_units,), "f32")
+        grid = max(1, min(-(-n_units // GEMV_WARPS), ops.sm_count * 32))
+        ops.kernels["quantize_q8"].launch(ops.stream.handle, grid, 32 * GEMV_WARPS, qx.ptr,
+                                          dx.ptr, x.ptr, n_units)
+        return qx, dx
 
     def embed(self, table: DeviceQuantizedMatrix, out: DeviceTensor, ids_ptr: int,
               stride: int, token_buf: int, n: int, scale: float) -> None:

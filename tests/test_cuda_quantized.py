@@ -107,6 +107,57 @@ def test_fused_gemv_equals_float64_dequantize_then_matmul(ops, qtype) -> None:
             q.gemv_warps_per_row = None
 
 
+def _int8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x as quantize_q8 makes it: int8 per 32 values, scale max |x| / 127 (float32), values
+    rounded to nearest even; returns (q, scales)."""
+    runs = x.astype(np.float32).reshape(-1, 32)
+    amax = np.abs(runs).max(-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.where(amax == 0, 0, np.rint(runs / d))
+    return q.astype(np.int8).reshape(x.shape), d.reshape(-1)
+
+
+def test_activations_quantize_to_int8_as_llama_cpps_q8(ops) -> None:
+    """Bit for bit the numpy statement: scales, and values (ties to even), a run of zeros
+    all zeros."""
+    x = rand(3, 96)
+    x[1, 32:64] = 0.0
+    q, d = ops.quantized.quantize_q8(ops.upload(x, "bf16"), 9)
+    want_q, want_d = _int8_activations(x)
+    np.testing.assert_array_equal(ops.to_numpy(q).view(np.int8).reshape(3, 96), want_q)
+    np.testing.assert_array_equal(ops.to_numpy(d), want_d)
+
+
+@pytest.mark.parametrize("qtype", GEMV_TYPES, ids=lambda q: q.name)
+def test_int8_gemv_equals_float64_product_of_the_int8_activations(ops, qtype) -> None:
+    """The dp4a GEMV (`gemv_int8`): the float64 product of the blocks' values and the
+    activations as quantize_q8 rounds them; 1, 3 (over 1 and 4 warps per row) and 8 rows,
+    with a bias, and float32 logits."""
+    cols = 32 * 70 if GGML_QUANT_SIZES[qtype][0] == 32 else 256 * 9
+    raw = _blocks(qtype, 37, cols)
+    w = _on_device(ops, qtype, raw, cols)
+    bias = rand(37)
+    q = ops.quantized
+    q.gemv_int8 = True
+    try:
+        for n, per_row in ((1, None), (3, 1), (3, 4), (8, None)):
+            q.gemv_warps_per_row = per_row
+            x = rand(n, cols)
+            xq, d = _int8_activations(x)
+            seen = (xq.reshape(-1, 32).astype(np.float64) * d[:, None]).reshape(x.shape)
+            close(_linear(ops, x, w, bias, False), _reference(seen, raw, qtype, bias))
+            want = _reference(seen, raw, qtype, bias)
+            got = _linear(ops, x, w, bias, True)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+            # and int8 activations' error against the exact product: within 2e-2 (norm)
+            exact = _reference(x, raw, qtype, bias)
+            assert np.linalg.norm(got - exact) < 2e-2 * np.linalg.norm(exact)
+    finally:
+        q.gemv_int8 = False
+        q.gemv_warps_per_row = None
+
+
 def test_long_rows_get_more_warps() -> None:
     from eagerlm.kernels.cuda_quantized import warps_per_row
 
@@ -261,14 +312,14 @@ def test_open_model_hands_the_weights_choice_to_the_cuda_backend(gemm_ops, tmp_p
 # -- whole models ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("types", ["q4_k_m", "q5_0"])
+@pytest.mark.parametrize("types", ["q4_k_m", "q5_0", "q4_k_m-int8"])
 def test_model_logits_on_quantized_weights_match_the_cpu_backend(gemm_ops, device, tmp_path,
                                                                  types, monkeypatch) -> None:
     """A prompt of 12 tokens (the tile path), then 3 decode steps (the GEMV), against the
     cpu backend on the same file (float32 weights: the exact dequantized values): within
     bf16 activations' error of the float32 logits. Q4_K_M's mix (Q4_K, the lm head Q6_K,
-    here a Q5_0 embedding) on qwen3, and the demo model's (Q5_0 matrices, a Q8_0
-    embedding) on qwen2, whose q/k/v biases the GEMV adds."""
+    here a Q5_0 embedding) on qwen3, also through the int8 GEMV, and the demo model's
+    (Q5_0 matrices, a Q8_0 embedding) on qwen2, whose q/k/v biases the GEMV adds."""
     from eagerlm.kernels.batch import ForwardBatch
     from eagerlm.kernels.cpu_backend import cpu_transformer
     from eagerlm.kernels.cuda_backend import cuda_transformer
@@ -278,13 +329,14 @@ def test_model_logits_on_quantized_weights_match_the_cpu_backend(gemm_ops, devic
     from eagerlm.loader.model_file import ModelFile
     from eagerlm.loader.synthetic import write_synthetic_model
 
-    spec = _spec() if types == "q4_k_m" else _spec(architecture="qwen2", weight_type=Q.Q5_0,
-                                                   output_type=Q.Q5_0, embedding_type=Q.Q8_0)
+    spec = _spec() if types.startswith("q4_k_m") else _spec(
+        architecture="qwen2", weight_type=Q.Q5_0, output_type=Q.Q5_0, embedding_type=Q.Q8_0)
     model = ModelFile.open(write_synthetic_model(tmp_path / f"{types}.gguf", spec))
     cfg = model.config
     cpu = cpu_transformer(model, weights="float")
     gpu = cuda_transformer(model, ops=CudaOps(device, poison_outputs=True))
     assert isinstance(gpu.weights.layers[0].wq, DeviceQuantizedMatrix)
+    gpu.ops.quantized.gemv_int8 = types.endswith("int8")
     paths = quantized_paths(gpu.ops, monkeypatch)
     lay = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
     kv_cpu = ContiguousKV(lay, 32)

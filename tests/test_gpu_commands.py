@@ -60,7 +60,8 @@ def test_bench_gemm_times_weights_kept_as_blocks_by_both_paths(emulator, monkeyp
     rows = json_block(out)["quantized_rows"]
     assert [(r["type"], r["tokens"], r["chosen"]) for r in rows] == [
         ("q4_k", 1, "gemv"), ("q4_k", 16, "tile")]
-    assert rows[0]["gemv_us"] > 0 and rows[1]["gemv_us"] is None  # 16 rows: tiles only
+    assert rows[0]["gemv_us"] > 0 and rows[0]["gemv8_us"] > 0
+    assert rows[1]["gemv_us"] is None and rows[1]["gemv8_us"] is None  # 16 rows: tiles only
     assert all(r["tile_us"] > 0 and r["bf16_us"] > 0 and r["of_hbm"] > 0 for r in rows)
     assert rows[0]["weight_bytes"] == 2048 * 1024 // 256 * 144
 
@@ -121,7 +122,7 @@ def test_bench_gpu_decode(emulator, monkeypatch, capsys, tmp_path) -> None:
                       "--json", str(tmp_path / "r.json")], monkeypatch, capsys)
     (row,) = json.loads((tmp_path / "r.json").read_text())
     assert row["shape"] == "tiny" and row["roofline_tok_s"] > 0
-    for mode in ("graphs", "eager"):
+    for mode in ("graphs", "eager", "graphs_int8_gemv"):
         assert row[mode]["batch1"]["tok_s"] > 0 and row[mode]["batchN"]["tok_s"] > 0
     # the same file as bf16 in the same run: more bytes per token, a lower roofline
     bf16 = row["bf16"]

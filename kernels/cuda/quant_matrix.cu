@@ -13,8 +13,14 @@
 // row's sum is a warp reduction, then the sum of its warps' in shared memory, then bias,
 // then bf16 (or float32 for the lm head's logits). The weights are read once per launch, which is what bounds decode: a Q4_K
 // matrix is 0.5625 bytes a value against bf16's 2. Activations are bf16 and the dot
-// products float32 (not llama.cpp's int8 activations and dp4a: a choice to revisit with
-// measurements on a GPU, benchmarks/bench_gemm.py --quantized).
+// products float32.
+//
+// gemv8_<type>: the same product in llama.cpp's mmvq style: x first quantized to int8 per
+// 32 values (quantize_q8), each unit's weights kept as integers in four-byte words, the
+// products by dp4a, scales applied once per half unit: far fewer instructions per weight
+// (the float GEMV may be bound by them rather than by memory), at the cost of int8
+// activations' rounding. Which of the two the engine uses (kernels/cuda_quantized.py's
+// `gemv_int8`, off by default) waits for benchmarks/bench_gemm.py --quantized on a GPU.
 //
 // A row of x's units is read with 16-byte loads: x must be 16-byte aligned (the host
 // checks it) and n_in a multiple of 32 (every block type's rows are).
@@ -122,8 +128,170 @@ __device__ __forceinline__ float dot8(const uint4 p, const float* v) {
   return s;
 }
 
+// The float GEMV's view of a type: a unit is its 32 weights as float32; a row of x is bf16.
 template <class U>
-__device__ __forceinline__ void gemv(void* __restrict__ y, const bf16* __restrict__ x,
+struct FloatDot {
+  static constexpr int QK = U::QK, BYTES = U::BYTES, UNITS = U::UNITS;
+  struct X {
+    const bf16* x;
+  };
+  struct Unit {
+    float v[32];
+  };
+  __device__ static void load(const unsigned char* b, int s, Unit& w) { U::unit(b, s, w.v); }
+  __device__ static float dot(const Unit& w, const X& x, int r, int u, int n_in) {
+    const uint4* xp = reinterpret_cast<const uint4*>(x.x + (i64)r * n_in + u * 32);
+    float s = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) s += dot8(xp[q], w.v + 8 * q);
+    return s;
+  }
+};
+
+// The int8 GEMV's (llama.cpp's mmvq, in spirit): x quantized by quantize_q8 to int8 per
+// 32 values with one float scale, each unit's weights as integers in four-byte words,
+// products by dp4a. Per type, V::load writes the unit's weights as
+//   w[j] = scale[j / 16] * (q[j] - offset) - min,
+// q[j] a byte (0..63, or a signed Q8_0 value) of word j / 4, so that
+//   sum_j w[j] x[j] = dx * (sum_h scale[h] (sum q x - offset sum x)_h - min sum x)
+// with integer sums over the quantized x.
+struct IntUnit {
+  int q[8];
+  float scale[2];
+  float min;
+  int offset;
+};
+// four bytes from a 2-byte aligned address
+__device__ __forceinline__ int ld_i32(const unsigned char* p) {
+  const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+  return (int)((unsigned)h[0] | ((unsigned)h[1] << 16));
+}
+// bits 0..3 of t to bit 4 of bytes 0..3
+__device__ __forceinline__ int spread4(unsigned t) {
+  return (int)(((t & 1u) << 4) | ((t & 2u) << 11) | ((t & 4u) << 18) | ((t & 8u) << 25));
+}
+struct VQ4_0 {
+  static constexpr int QK = 32, BYTES = 18, UNITS = 1;
+  __device__ static void load(const unsigned char* b, int, IntUnit& w) {
+    const float d = ld_f16(b);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int v = ld_i32(b + 2 + 4 * k);
+      w.q[k] = v & 0x0F0F0F0F;
+      w.q[k + 4] = (v >> 4) & 0x0F0F0F0F;
+    }
+    w.scale[0] = w.scale[1] = d;
+    w.min = 0.0f;
+    w.offset = 8;
+  }
+};
+struct VQ5_0 {
+  static constexpr int QK = 32, BYTES = 22, UNITS = 1;
+  __device__ static void load(const unsigned char* b, int, IntUnit& w) {
+    const float d = ld_f16(b);
+    const unsigned qh = ld_u32(b + 2);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int v = ld_i32(b + 6 + 4 * k);
+      w.q[k] = (v & 0x0F0F0F0F) | spread4(qh >> (4 * k));
+      w.q[k + 4] = ((v >> 4) & 0x0F0F0F0F) | spread4(qh >> (16 + 4 * k));
+    }
+    w.scale[0] = w.scale[1] = d;
+    w.min = 0.0f;
+    w.offset = 16;
+  }
+};
+struct VQ8_0 {
+  static constexpr int QK = 32, BYTES = 34, UNITS = 1;
+  __device__ static void load(const unsigned char* b, int, IntUnit& w) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w.q[k] = ld_i32(b + 2 + 4 * k);
+    w.scale[0] = w.scale[1] = ld_f16(b);
+    w.min = 0.0f;
+    w.offset = 0;
+  }
+};
+struct VQ4_K {
+  static constexpr int QK = 256, BYTES = 144, UNITS = 8;
+  __device__ static void load(const unsigned char* b, int i, IntUnit& w) {
+    int sc, mn;
+    k4_scale_min(b + 4, i, &sc, &mn);
+    const unsigned char* qs = b + 16 + (i / 2) * 32;
+    const int shift = 4 * (i % 2);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w.q[k] = (ld_i32(qs + 4 * k) >> shift) & 0x0F0F0F0F;
+    w.scale[0] = w.scale[1] = __fmul_rn(ld_f16(b), (float)sc);
+    w.min = __fmul_rn(ld_f16(b + 2), (float)mn);
+    w.offset = 0;
+  }
+};
+struct VQ5_K {
+  static constexpr int QK = 256, BYTES = 176, UNITS = 8;
+  __device__ static void load(const unsigned char* b, int i, IntUnit& w) {
+    int sc, mn;
+    k4_scale_min(b + 4, i, &sc, &mn);
+    const unsigned char* qh = b + 16;
+    const unsigned char* qs = b + 48 + (i / 2) * 32;
+    const int shift = 4 * (i % 2);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      w.q[k] = ((ld_i32(qs + 4 * k) >> shift) & 0x0F0F0F0F) |
+               (((ld_i32(qh + 4 * k) >> i) & 0x01010101) << 4);
+    }
+    w.scale[0] = w.scale[1] = __fmul_rn(ld_f16(b), (float)sc);
+    w.min = __fmul_rn(ld_f16(b + 2), (float)mn);
+    w.offset = 0;
+  }
+};
+struct VQ6_K {
+  static constexpr int QK = 256, BYTES = 210, UNITS = 8;
+  __device__ static void load(const unsigned char* b, int i, IntUnit& w) {
+    const int h = i / 4, s = i % 4;
+    const unsigned char* ql = b + h * 64 + (s % 2) * 32;
+    const unsigned char* qh = b + 128 + h * 32;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      w.q[k] = ((ld_i32(ql + 4 * k) >> (4 * (s / 2))) & 0x0F0F0F0F) |
+               (((ld_i32(qh + 4 * k) >> (2 * s)) & 0x03030303) << 4);
+    }
+    const float d = ld_f16(b + 208);
+    w.scale[0] = __fmul_rn(d, (float)(signed char)b[192 + 2 * i]);
+    w.scale[1] = __fmul_rn(d, (float)(signed char)b[193 + 2 * i]);
+    w.min = 0.0f;
+    w.offset = 32;
+  }
+};
+
+template <class V>
+struct Int8Dot {
+  static constexpr int QK = V::QK, BYTES = V::BYTES, UNITS = V::UNITS;
+  struct X {
+    const signed char* q;  // [rows, n_in]
+    const float* d;        // [rows, n_in / 32]
+  };
+  typedef IntUnit Unit;
+  __device__ static void load(const unsigned char* b, int s, Unit& w) { V::load(b, s, w); }
+  __device__ static float dot(const Unit& w, const X& x, int r, int u, int n_in) {
+    const uint4* xp = reinterpret_cast<const uint4*>(x.q + (i64)r * n_in + u * 32);
+    const uint4 a = xp[0], c = xp[1];
+    const int xw[8] = {(int)a.x, (int)a.y, (int)a.z, (int)a.w,
+                       (int)c.x, (int)c.y, (int)c.z, (int)c.w};
+    int dot_h[2] = {0, 0}, sum_h[2] = {0, 0};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      dot_h[k / 4] = __dp4a(w.q[k], xw[k], dot_h[k / 4]);
+      sum_h[k / 4] = __dp4a(0x01010101, xw[k], sum_h[k / 4]);
+    }
+    const float part = w.scale[0] * (float)(dot_h[0] - w.offset * sum_h[0]) +
+                       w.scale[1] * (float)(dot_h[1] - w.offset * sum_h[1]) -
+                       w.min * (float)(sum_h[0] + sum_h[1]);
+    return x.d[(i64)r * (n_in / 32) + u] * part;
+  }
+};
+
+// The GEMV of both kinds (K: FloatDot<U> or Int8Dot<V>).
+template <class K>
+__device__ __forceinline__ void gemv(void* __restrict__ y, const typename K::X x,
                                      const unsigned char* __restrict__ w,
                                      const float* __restrict__ bias, int n_rows, int n_in,
                                      int n_out, int out_f32, int warps_per_row) {
@@ -137,19 +305,13 @@ __device__ __forceinline__ void gemv(void* __restrict__ y, const bf16* __restric
 #pragma unroll
   for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = 0.0f;
   if (valid) {
-    const unsigned char* row = w + (i64)o * (n_in / U::QK) * U::BYTES;
+    const unsigned char* row = w + (i64)o * (n_in / K::QK) * K::BYTES;
     for (int u = part * 32 + lane; u < units; u += 32 * warps_per_row) {
-      float v[32];
-      U::unit(row + (i64)(u / U::UNITS) * U::BYTES, u % U::UNITS, v);
+      typename K::Unit unit;
+      K::load(row + (i64)(u / K::UNITS) * K::BYTES, u % K::UNITS, unit);
 #pragma unroll
       for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-        if (r < n_rows) {
-          const uint4* xp = reinterpret_cast<const uint4*>(x + (i64)r * n_in + u * 32);
-          float s = 0.0f;
-#pragma unroll
-          for (int q = 0; q < 4; ++q) s += dot8(xp[q], v + 8 * q);
-          acc[r] += s;
-        }
+        if (r < n_rows) acc[r] += K::dot(unit, x, r, u, n_in);
       }
     }
   }
@@ -180,8 +342,35 @@ __device__ __forceinline__ void gemv(void* __restrict__ y, const bf16* __restric
       gemv_##NAME(void* __restrict__ y, const bf16* __restrict__ x,                       \
                   const unsigned char* __restrict__ w, const float* __restrict__ bias,     \
                   int n_rows, int n_in, int n_out, int out_f32, int warps_per_row) {      \
-    gemv<U>(y, x, w, bias, n_rows, n_in, n_out, out_f32, warps_per_row);                  \
+    gemv<FloatDot<U>>(y, {x}, w, bias, n_rows, n_in, n_out, out_f32, warps_per_row);      \
   }
+
+#define GEMV8_KERNEL(NAME, V)                                                             \
+  extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                           \
+      gemv8_##NAME(void* __restrict__ y, const signed char* __restrict__ qx,              \
+                   const float* __restrict__ dx, const unsigned char* __restrict__ w,      \
+                   const float* __restrict__ bias, int n_rows, int n_in, int n_out,        \
+                   int out_f32, int warps_per_row) {                                      \
+    gemv<Int8Dot<V>>(y, {qx, dx}, w, bias, n_rows, n_in, n_out, out_f32, warps_per_row);  \
+  }
+
+// x (bf16, n_units runs of 32 values) to int8 and one float scale per run, as llama.cpp's
+// q8_1 without the sum: d = max |x| / 127, q = x / d rounded to nearest even (0 where the
+// run is all zeros). One warp per run.
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
+    quantize_q8(signed char* __restrict__ q, float* __restrict__ d,
+                const bf16* __restrict__ x, i64 n_units) {
+  const int lane = threadIdx.x & 31;
+  const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+  for (i64 u = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5); u < n_units;
+       u += warps) {  // the same for every lane of a warp
+    const float v = __bfloat162float(x[u * 32 + lane]);
+    const float amax = warp_max(fabsf(v));
+    const float scale = amax / 127.0f;
+    q[u * 32 + lane] = (signed char)(amax == 0.0f ? 0 : __float2int_rn(v / scale));
+    if (lane == 0) d[u] = scale;
+  }
+}
 
 GEMV_KERNEL(q4_0, UQ4_0)
 GEMV_KERNEL(q5_0, UQ5_0)
@@ -189,6 +378,12 @@ GEMV_KERNEL(q8_0, UQ8_0)
 GEMV_KERNEL(q4_k, UQ4_K)
 GEMV_KERNEL(q5_k, UQ5_K)
 GEMV_KERNEL(q6_k, UQ6_K)
+GEMV8_KERNEL(q4_0, VQ4_0)
+GEMV8_KERNEL(q5_0, VQ5_0)
+GEMV8_KERNEL(q8_0, VQ8_0)
+GEMV8_KERNEL(q4_k, VQ4_K)
+GEMV8_KERNEL(q5_k, VQ5_K)
+GEMV8_KERNEL(q6_k, VQ6_K)
 
 // The embedding of embed.cu (ids from the host or the round's device metadata; an id
 // outside the vocabulary poisons its row with NaN) over a table of blocks: the row's values

@@ -117,7 +117,7 @@ def test_bench_vmm_on_cuda(emulator, monkeypatch, capsys) -> None:
 
 def test_bench_gpu_decode(emulator, monkeypatch, capsys, tmp_path) -> None:
     out = run_script("bench_gpu_decode",
-                     ["--shapes", "tiny", "--prompt", "6", "--output", "6", "--batch", "3",
+                     ["--shapes", "tiny", "--prompt", "4", "--output", "4", "--batch", "2",
                       "--memory-fraction", "0.02", "--copy-mib", "1", "--weight-type", "q8_0",
                       "--json", str(tmp_path / "r.json")], monkeypatch, capsys)
     (row,) = json.loads((tmp_path / "r.json").read_text())

@@ -2,7 +2,8 @@
 # Run ON THE GPU MACHINE (through the device tool, with `carry: [".whl"]`): installs the
 # carried wheels, then runs the GPU tests and the GPU benchmarks, writing logs under $OUT.
 # Usage: bash .ci/gpu_check.sh [tests|micro|decode|peer|bench|all|dry] [SHAPES]   (default all)
-#   micro: vmm, load, GEMM and attention benchmarks; decode: bench_gpu_decode, peer: HF
+#   micro: vmm, load, GEMM (bf16, and weights kept as GGUF blocks) and attention benchmarks;
+#   decode: bench_gpu_decode (a Q4_K_M file, quantized and bf16 weights), peer: HF
 #   transformers, each on SHAPES (comma-separated; default qwen3-0.6b,llama-3.2-1b, plus
 #   llama-3.1-8b for decode); bench = micro + decode + peer; dry: every benchmark's command
 #   line with --help (imports and flags checked, nothing measured).
@@ -60,13 +61,15 @@ if part micro; then
   run vmm 120 bench_vmm.log python3 benchmarks/bench_vmm.py --backend cuda
   run load 150 bench_load.log python3 benchmarks/bench_load.py
   run gemm 120 bench_gemm.log python3 benchmarks/bench_gemm.py
+  run gemm-quantized 240 bench_gemm_quantized.log python3 benchmarks/bench_gemm.py \
+    --quantized --tokens 1 2 4 8 16 64 512 --reps 20
   run decode-attention 90 bench_attention.log python3 benchmarks/bench_decode_attention.py
   run prefill-attention 90 bench_attention.log python3 benchmarks/bench_prefill_attention.py
 fi
 if part decode; then
   for shape in ${shapes:-qwen3-0.6b llama-3.2-1b llama-3.1-8b}; do
     limit=300
-    [ "$shape" = llama-3.1-8b ] && limit=560  # a 16 GB file is written first
+    [ "$shape" = llama-3.1-8b ] && limit=560  # loaded twice: quantized, then bf16
     run "decode $shape" $limit bench_decode.log \
       python3 benchmarks/bench_gpu_decode.py --shapes $shape --json "$out/decode_$shape.json"
   done

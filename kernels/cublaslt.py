@@ -83,11 +83,14 @@ class Gemm:
         self.heuristic_calls = 0
 
     def matmul(self, stream: int, y: int, x: int, w: int, n_tokens: int, n_in: int, n_out: int,
-               out_dtype: int = CUDA_R_16BF) -> None:
-        """Enqueue y[n_tokens, n_out] = x[n_tokens, n_in] @ w[n_out, n_in]^T on `stream`."""
+               out_dtype: int = CUDA_R_16BF, ldy: int | None = None) -> None:
+        """Enqueue y[n_tokens, n_out] = x[n_tokens, n_in] @ w[n_out, n_in]^T on `stream`.
+        `ldy` (default n_out) is the elements between rows of y: a larger one writes a
+        column slice of a wider output (the quantized tile path's tiles of rows of w)."""
         if n_tokens == 0:
             return
-        key = (n_tokens, n_in, n_out, out_dtype, alignment(w), alignment(x), alignment(y))
+        ldy = n_out if ldy is None else ldy
+        key = (n_tokens, n_in, n_out, out_dtype, alignment(w), alignment(x), alignment(y), ldy)
         with self._lock:  # a plan is never evicted while a launch uses it
             plan = self._plan(key)
             self.lt.matmul(self.handle, plan.desc, self._alpha.ctypes.data, w, plan.a, x,
@@ -108,7 +111,7 @@ class Gemm:
         return plan
 
     def _make_plan(self, n_tokens: int, k: int, n_out: int, out_dtype: int, align_w: int,
-                   align_x: int, align_y: int) -> _Plan:
+                   align_x: int, align_y: int, ldy: int) -> _Plan:
         lt = self.lt
         from nvmath.bindings import cublas
 
@@ -119,7 +122,7 @@ class Gemm:
             lt.matmul_desc_set_attribute(desc, int(attr), ctypes.addressof(v), 4)
         a = lt.matrix_layout_create(CUDA_R_16BF, k, n_out, k)  # w, read transposed
         b = lt.matrix_layout_create(CUDA_R_16BF, k, n_tokens, k)  # x
-        d = lt.matrix_layout_create(out_dtype, n_out, n_tokens, n_out)  # y
+        d = lt.matrix_layout_create(out_dtype, n_out, n_tokens, ldy)  # y
         pref = lt.matmul_preference_create()
         try:
             ws = ctypes.c_uint64(self.workspace_bytes)

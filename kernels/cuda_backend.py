@@ -1,21 +1,28 @@
-"""The cuda backend: weights through the pinned slab loader, dequantized on the GPU, and the
-same `Transformer` as the cpu backend with `CudaOps`.
+"""The cuda backend: weights through the pinned slab loader, kept in their GGUF blocks or
+dequantized on the GPU, and the same `Transformer` as the cpu backend with `CudaOps`.
 
-What a tensor of the file becomes (`CudaWeights`): matrices are bf16 (the GEMMs' input
-type), vectors (norms, biases, rope frequency factors) float32. A BF16 matrix or an F32
-vector is uploaded as it is into its own buffer; everything else is uploaded raw and
-expanded by a dequantization kernel on the loader's stream.
+What a tensor of the file becomes (`CudaWeights`), with `weights="quantized"` (the
+default): a matrix of a block type (Q4_0 ... Q8_0, the K-quants, the IQ types) is uploaded
+as it is into its own buffer and held as its blocks (`DeviceQuantizedMatrix`,
+kernels/cuda_quantized.py: a fused dequantizing GEMV for decode, bf16 tiles and cuBLASLt
+for prefill); any other matrix (F32, F16, BF16) is bf16. With `weights="bf16"`, today's
+path before quantized weights: every matrix bf16, the GEMMs' input type. Vectors (norms,
+biases, rope frequency factors) are float32 in both. A BF16 matrix or an F32 vector is
+uploaded as it is; everything else is uploaded raw and expanded by a dequantization kernel
+on the loader's stream.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.cuda_ops import CudaOps
+from eagerlm.kernels.cuda_quantized import DeviceQuantizedMatrix, tile_bytes
 from eagerlm.kernels.device_tensor import DeviceTensor
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.weight_memory import check_fits
@@ -36,22 +43,50 @@ DEQUANT_KERNEL = {
 }
 
 
+CudaWeightsMode = Literal["quantized", "bf16"]
+CUDA_WEIGHTS_MODES: tuple[CudaWeightsMode, ...] = ("quantized", "bf16")
+
+CudaWeight = DeviceTensor | DeviceQuantizedMatrix
+
+
 def weight_dtype(info: TensorInfo) -> str:
     return "f32" if len(info.shape) == 1 else "bf16"
 
 
-class CudaWeights:
-    """The slab loader's WeightBuilder for cuda: upload as is, or dequantize on the GPU."""
+def keeps_blocks(info: TensorInfo, weights: CudaWeightsMode) -> bool:
+    """Whether the cuda backend holds this tensor as its blocks: every matrix of a block
+    type, in "quantized" mode. F16 and F32 matrices become bf16 (the same bytes or fewer,
+    and cuBLASLt reads them directly); vectors are float32 always."""
+    return (weights == "quantized" and len(info.shape) == 2
+            and GGML_QUANT_SIZES[info.qtype][0] > 1)
 
-    def __init__(self, ops: CudaOps, path: str = "") -> None:
+
+def check_weights_mode(weights: str) -> CudaWeightsMode:
+    if weights not in CUDA_WEIGHTS_MODES:
+        raise InvalidParameters(f"the cuda backend's weights are 'quantized' or 'bf16', "
+                                f"not {weights!r}")
+    return weights  # type: ignore[return-value]
+
+
+class CudaWeights:
+    """The slab loader's WeightBuilder for cuda: upload as is (blocks kept as blocks, bf16
+    matrices, float32 vectors), or dequantize on the GPU."""
+
+    def __init__(self, ops: CudaOps, path: str = "",
+                 weights: CudaWeightsMode = "quantized") -> None:
         self.ops = ops
         self.path = path
+        self.weights = weights
 
     def is_final(self, info: TensorInfo) -> bool:
         dtype = weight_dtype(info)
-        return (dtype, info.qtype) in (("bf16", Q.BF16), ("f32", Q.F32))
+        return keeps_blocks(info, self.weights) or \
+            (dtype, info.qtype) in (("bf16", Q.BF16), ("f32", Q.F32))
 
-    def wrap(self, buffer: DeviceBuffer, info: TensorInfo) -> DeviceTensor:
+    def wrap(self, buffer: DeviceBuffer, info: TensorInfo) -> CudaWeight:
+        if keeps_blocks(info, self.weights):
+            rows, cols = info.shape
+            return DeviceQuantizedMatrix(buffer.ptr, info.qtype, (rows, cols), buffer)
         return DeviceTensor(buffer.ptr, info.shape, weight_dtype(info), buffer)
 
     def expand(self, stream: Stream, raw: Memory, info: TensorInfo) -> DeviceTensor:
@@ -69,50 +104,64 @@ class CudaWeights:
         return DeviceTensor(out.ptr, info.shape, dtype, out)
 
 
-def device_weight_bytes(model: ModelFile) -> int:
-    """What the weights take on the device (bf16 matrices, float32 vectors)."""
-    return sum(info.n_elements * (2 if weight_dtype(info) == "bf16" else 4)
-               for info in model.gguf.tensors.values())
+def device_weight_bytes(model: ModelFile, weights: CudaWeightsMode = "quantized") -> int:
+    """What the weights take on the device: the blocks where they are kept, bf16 for the
+    other matrices, float32 vectors, and the quantized tile path's scratch."""
+    tensors = model.gguf.tensors.values()
+    held = sum(info.n_bytes if keeps_blocks(info, weights)
+               else info.n_elements * (2 if weight_dtype(info) == "bf16" else 4)
+               for info in tensors)
+    return held + tile_bytes((info.shape[0], info.shape[1]) for info in tensors
+                             if keeps_blocks(info, weights))
 
 
 def load_cuda_weights(model: ModelFile, ops: CudaOps, *,
                       on_bytes: Callable[[int, int], None] | None = None,
-                      **loader_options: Any) -> tuple[ModelWeights[DeviceTensor], LoadStats]:
-    """Every weight of the file on the device, through the slab loader; ModelTooLarge,
-    before anything is uploaded, where they would not fit in the device's free memory.
+                      weights: CudaWeightsMode = "quantized",
+                      **loader_options: Any) -> tuple[ModelWeights[CudaWeight], LoadStats]:
+    """Every weight of the file on the device, through the slab loader (`weights`: see
+    the module's docstring), and the tile scratch the blocks need; ModelTooLarge, before
+    anything is uploaded, where they would not fit in the device's free memory.
     `on_bytes(done, total)` reports the upload as `cpu_transformer` reports its load."""
-    check_fits(model, device_weight_bytes(model), ops.device.mem_info()[0], "the cuda backend",
-               "bf16", "choose a smaller model (the cpu backend holds twice as much)")
-    loader = SlabLoader(ops.device, model.gguf, CudaWeights(ops, model.path),
+    weights = check_weights_mode(weights)
+    held_as = "bf16" if weights == "bf16" else "the file's blocks (bf16 for float matrices)"
+    advice = ("choose a smaller model" if weights == "quantized" else
+              "keep them quantized (--weights quantized) or choose a smaller model")
+    check_fits(model, device_weight_bytes(model, weights), ops.device.mem_info()[0],
+               "the cuda backend", held_as, advice)
+    loader = SlabLoader(ops.device, model.gguf, CudaWeights(ops, model.path, weights),
                         on_bytes=on_bytes, **loader_options)
     try:
-        weights = build_weights(model.gguf, model.config, loader.fetch)
+        held = build_weights(model.gguf, model.config, loader.fetch)
     finally:
         stats = loader.finish()
+    ops.quantized.reserve(w for w in held.handles() if isinstance(w, DeviceQuantizedMatrix))
     if on_bytes is not None:
         on_bytes(loader.total_bytes, loader.total_bytes)  # unused tensors count as done
-    return weights, stats
+    return held, stats
 
 
 def cuda_transformer(model: ModelFile, device: Any = None, *,
                      on_bytes: Callable[[int, int], None] | None = None,
-                     ops: CudaOps | None = None) -> Transformer[DeviceTensor]:
+                     ops: CudaOps | None = None,
+                     weights: CudaWeightsMode = "quantized") -> Transformer[CudaWeight]:
     """The model on a CUDA device (the first one when `device` is None); `on_bytes` as for
-    `load_cuda_weights`, and with it the loader's report on stderr."""
+    `load_cuda_weights`, and with it the loader's report on stderr; `weights` "quantized"
+    (the default: matrices kept as their blocks) or "bf16"."""
     if ops is None:
         if device is None:
             from eagerlm.vmm.device import open_device
 
             device = open_device("cuda")
         ops = CudaOps(device)
-    weights, stats = load_cuda_weights(model, ops, on_bytes=on_bytes)
+    held, stats = load_cuda_weights(model, ops, on_bytes=on_bytes, weights=weights)
     if on_bytes is not None:
         print(stats.report(), file=sys.stderr)
-    ops.lm_head = weights.output
-    return Transformer(model.config, weights, ops)
+    ops.lm_head = held.output
+    return Transformer(model.config, held, ops)  # type: ignore[arg-type]
 
 
-def free_weights(weights: ModelWeights[DeviceTensor]) -> None:
+def free_weights(weights: ModelWeights[CudaWeight]) -> None:
     """Give the weights' device memory back (after the last forward that uses them)."""
     for w in weights.handles():
         free = getattr(w.owner, "free", None)

@@ -28,6 +28,10 @@ _KIND_FORMAT = {"p": "Q", "i": "i4x", "q": "q", "f": "f4x", "d": "d"}
 _DEQUANT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k",
                   "q4_k", "q5_k", "q6_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s",
                   "iq1_s", "iq1_m", "iq4_nl", "iq4_xs")
+# quant_matrix.cu: the fused GEMV over blocks kept on the device (the types the decode path
+# reads directly) and the embedding lookup over a block table (every block type)
+GEMV_TYPES = ("q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k")
+EMBED_BLOCK_TYPES = tuple(t for t in _DEQUANT_TYPES if t not in ("f32", "f16", "bf16"))
 _ATTENTION = {f"attention_hd{d}": "pppppqqqiiifiiii" for d in (32, 64, 128, 256)}
 # attention_decode.cu: one kernel per (head dim, query heads per block)
 _ATTENTION_DECODE = {f"attention_decode_hd{d}_g{g}": "pppppqqqiifiiii"
@@ -64,6 +68,10 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "count_tokens": ("sampler", "ppipi"),
     "token_logprobs": ("sampler", "pppiqppi"),
     **{f"dequant_{t}_{o}": ("dequant", "ppq") for t in _DEQUANT_TYPES for o in ("bf16", "f32")},
+    **{f"gemv_{t}": ("quant_matrix", "ppppiiiii") for t in GEMV_TYPES},
+    **{f"gemv8_{t}": ("quant_matrix", "pppppiiiii") for t in GEMV_TYPES},
+    "quantize_q8": ("quant_matrix", "pppq"),
+    **{f"embed_{t}": ("quant_matrix", "pppipiiif") for t in EMBED_BLOCK_TYPES},
 }
 
 

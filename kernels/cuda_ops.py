@@ -36,6 +36,7 @@ from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cuda_attention import CudaAttention
 from eagerlm.kernels.cuda_kernels import KernelLibrary
 from eagerlm.kernels.cuda_memory import StagingRing, StreamAllocator
+from eagerlm.kernels.cuda_quantized import DeviceQuantizedMatrix, QuantizedLinear
 from eagerlm.kernels.cuda_sampling import CudaSampling
 from eagerlm.kernels.device_tensor import (
     ITEMSIZE,
@@ -78,7 +79,8 @@ class CudaOps(CudaSampling):
     kv_dtype = KV_DTYPE
     use_decode_attention = True  # False: decode rounds use attention.cu too (benchmarks)
 
-    def __init__(self, device: Any, stream: Any = None, *, lm_head: DeviceTensor | None = None,
+    def __init__(self, device: Any, stream: Any = None, *,
+                 lm_head: DeviceTensor | DeviceQuantizedMatrix | None = None,
                  poison_outputs: bool = False) -> None:
         self.device = device
         self.ctx = device.ctx
@@ -110,6 +112,8 @@ class CudaOps(CudaSampling):
         self.tensor_core_prefill: bool | None = None
         self._gemm: Any = None
         self._workspace: Any = None
+        # matrices kept as GGUF blocks: the fused GEMV, the tile path and its scratch
+        self.quantized = QuantizedLinear(self)
 
     @property
     def _s(self) -> Any:
@@ -181,9 +185,11 @@ class CudaOps(CudaSampling):
 
     # -- elementwise and norms -----------------------------------------------------------
 
-    def embed(self, table: DeviceTensor, ids: Any, scale: float) -> DeviceTensor:
+    def embed(self, table: DeviceTensor | DeviceQuantizedMatrix, ids: Any,
+              scale: float) -> DeviceTensor:
         vocab, d = table.shape
-        check_tensor(table, "bf16", "embedding table")
+        if not isinstance(table, DeviceQuantizedMatrix):
+            check_tensor(table, "bf16", "embedding table")
         if isinstance(ids, DeviceIds):
             n, ids_ptr, stride, buf = ids.n, ids.rows_ptr, ids.stride, ids.token_buf_ptr
         else:
@@ -191,6 +197,9 @@ class CudaOps(CudaSampling):
             dev = self._uploaded(host, "i32")
             n, ids_ptr, stride, buf = len(host), dev.ptr, 1, 0
         out = self.empty((n, d), "f32")
+        if isinstance(table, DeviceQuantizedMatrix):
+            self.quantized.embed(table, out, ids_ptr, stride, buf, n, scale)
+            return out
         self.kernels["embed_rows"].launch(self._s, n, 256, out.ptr, table.ptr, ids_ptr, stride,
                                           buf, n, d, vocab, float(scale))
         return out
@@ -224,20 +233,28 @@ class CudaOps(CudaSampling):
                                             x.ptr, w.ptr, rows, dim, float(eps))
         return h, y
 
-    def linear(self, x: DeviceTensor, w: DeviceTensor,
+    def linear(self, x: DeviceTensor, w: DeviceTensor | DeviceQuantizedMatrix,
                bias: DeviceTensor | None = None) -> DeviceTensor:
+        """x @ w^T (+ bias): bf16 out, float32 for the lm head's logits. A matrix kept as
+        blocks goes through `self.quantized` (kernels/cuda_quantized.py), a bf16 one
+        through cuBLASLt."""
         from eagerlm.kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F
 
         n_out, n_in = w.shape
         check_tensor(x, "bf16", "GEMM input")
-        check_tensor(w, "bf16", "weight matrix")
+        if not isinstance(w, DeviceQuantizedMatrix):
+            check_tensor(w, "bf16", "weight matrix")
         if x.shape[-1] != n_in:
             raise ValueError(f"linear: input {x.shape} does not match weight {w.shape}")
         n_tok = x.size // n_in
         logits = w is self.lm_head
         y = self.empty((*x.shape[:-1], n_out), "f32" if logits else "bf16")
-        self.gemm.matmul(int(self._s), y.ptr, x.ptr, w.ptr, n_tok, n_in, n_out,
-                         CUDA_R_32F if logits else CUDA_R_16BF)
+        if isinstance(w, DeviceQuantizedMatrix):
+            if self.quantized.linear(x, w, y, bias):
+                return y
+        else:
+            self.gemm.matmul(int(self._s), y.ptr, x.ptr, w.ptr, n_tok, n_in, n_out,
+                             CUDA_R_32F if logits else CUDA_R_16BF)
         if bias is not None:
             check_tensor(bias, "f32", "bias")
             name = "add_bias_f32" if logits else "add_bias_bf16"
@@ -349,6 +366,7 @@ class CudaOps(CudaSampling):
         self.synchronize()
         self._uploads.clear()
         self.attn.meta = None
+        self.quantized.release()
         if self._gemm is not None:
             self._gemm.close()
             self._workspace.free()

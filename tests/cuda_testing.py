@@ -161,3 +161,18 @@ def is_emulated(device) -> bool:
     """The emulated GPU (tests/emulated_gpu/gpu_emulator.py): about a thousand times slower than a
     real one, so whole-model tests run shorter there."""
     return "Fake" in device.name
+
+
+def quantized_paths(ops, monkeypatch) -> set[str]:
+    """The paths ("gemv", "tile") that `ops.quantized.linear` takes from now on
+    (kernels/cuda_quantized.py): a test of a whole model says both ran."""
+    seen: set[str] = set()
+    uses_gemv = ops.quantized.uses_gemv
+
+    def spy(*args):
+        used = uses_gemv(*args)
+        seen.add("gemv" if used else "tile")
+        return used
+
+    monkeypatch.setattr(ops.quantized, "uses_gemv", spy)
+    return seen

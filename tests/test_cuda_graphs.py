@@ -14,7 +14,7 @@ import pytest
 
 from eagerlm.kernels.cuda_graphs import batch_buckets, context_bucket
 from eagerlm.kernels.sampling import SamplingParams
-from tests.cuda_testing import device, rng  # noqa: F401  (fixtures)
+from tests.cuda_testing import device, quantized_paths, rng  # noqa: F401  (fixtures)
 
 FORWARD_SCHEDULE_ONLY = True  # whole models: see tests/cuda_testing.py
 
@@ -138,6 +138,46 @@ def test_graph_replays_give_the_eager_tokens(device, model, request) -> None:
     assert graphs.replays > 0 and not graphs.failures
     assert graphs.captured >= 2  # several batch buckets
     assert spy_off[0].replays == 0 and spy_off[0].eager_rounds > 0
+
+
+@pytest.mark.parametrize("gemv", ["float", "int8"])
+def test_graphs_capture_the_quantized_weights_kernels(device, tmp_path, monkeypatch,
+                                                      gemv) -> None:
+    """Matrices kept as their blocks (Q8_0, a Q5_0 embedding table): rounds of 1 and 2
+    sessions replay the fused GEMV (float, or int8 with its activations' quantization),
+    rounds of up to 4 (bucket 4) the tile path (its dequantization into the fixed scratch
+    and cuBLASLt), with the GEMV told to take at most 2 rows; the tokens are those of
+    eager launches."""
+    from gguf import GGMLQuantizationType as Q
+
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.cuda_quantized import DeviceQuantizedMatrix
+    from eagerlm.loader.model_file import ModelFile
+    from eagerlm.loader.synthetic import SyntheticSpec, write_synthetic_model
+
+    spec = SyntheticSpec("qwen3", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
+                         head_dim=32, d_ff=128, vocab_size=300, weight_type=Q.Q8_0,
+                         embedding_type=Q.Q5_0)
+    model = ModelFile.open(write_synthetic_model(tmp_path / "q8.gguf", spec))
+    gpu = cuda_transformer(model, ops=CudaOps(device))
+    assert isinstance(gpu.weights.token_embd, DeviceQuantizedMatrix)
+    gpu.ops.quantized.gemv_max_rows = 2
+    gpu.ops.quantized.gemv_int8 = gemv == "int8"
+    paths = quantized_paths(gpu.ops, monkeypatch)
+    prompts = [rng.integers(0, 300, n).tolist() for n in (3, 11, 6, 2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (8, 4, 10, 6)]
+    params[2] = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10,
+                               ignore_eos=True)
+    spy_on: list = []
+    with_graphs = _run(device, model, gpu, prompts, params, graphs=True, spy=spy_on)
+    without = _run(device, model, gpu, prompts, params, graphs=False, spy=[])
+    assert with_graphs == without
+    (graphs,) = spy_on
+    assert graphs.replays > 0 and not graphs.failures
+    assert graphs.captured >= 2  # buckets 1 or 2 (GEMV) and 4 (tiles)
+    assert paths == {"gemv", "tile"}
 
 
 def test_rows_that_read_host_tokens_sample_into_their_sessions_slots(device, qwen3) -> None:

@@ -338,9 +338,10 @@ def test_dequantization_equals_gguf(ops, qtype) -> None:
 
 
 def test_a_model_of_iq_weights_loads_as_the_cpu_backend_dequantizes_it(ops, tmp_path) -> None:
-    """IQ matrices through the whole cuda load path (slab loader, raw upload, the kernel
-    DEQUANT_KERNEL names): each matrix is the cpu backend's float32 weight (gguf-py's
-    dequantization) rounded to bf16, within one ulp; each vector equal."""
+    """IQ matrices through the whole cuda load path with weights="bf16" (slab loader, raw
+    upload, the kernel DEQUANT_KERNEL names): each matrix is the cpu backend's float32
+    weight (gguf-py's dequantization) rounded to bf16, within one ulp; each vector equal.
+    (Kept as blocks, the default, they are tests/test_cuda_quantized.py's.)"""
     from eagerlm.kernels.cuda_backend import free_weights, load_cuda_weights
     from eagerlm.kernels.device_tensor import to_bf16_bits
     from eagerlm.loader.model_file import ModelFile
@@ -351,7 +352,7 @@ def test_a_model_of_iq_weights_loads_as_the_cpu_backend_dequantizes_it(ops, tmp_
                          head_dim=64, d_ff=256, vocab_size=512, weight_type=Q.IQ3_S,
                          embedding_type=Q.IQ4_NL)
     model = ModelFile.open(write_synthetic_model(tmp_path / "iq.gguf", spec))
-    weights, _ = load_cuda_weights(model, ops)
+    weights, _ = load_cuda_weights(model, ops, weights="bf16")
     try:
         want = list(load_numpy_weights(model.gguf, model.config).handles())
         got = list(weights.handles())
@@ -456,7 +457,9 @@ def test_greedy_generation_cuda_vs_cpu(gemm_ops, device, tmp_path, arch) -> None
     model = _model(tmp_path, arch)
     cfg = model.config
     cpu = cpu_transformer(model)
-    gpu = cuda_transformer(model, ops=CudaOps(device))
+    # bf16 matrices: the emulated GEMV makes each step several times slower, and the
+    # quantized path's decode is tests/test_cuda_quantized.py's (qwen3, qwen2)
+    gpu = cuda_transformer(model, ops=CudaOps(device), weights="bf16")
     same = 0
     lengths, steps = ((3, 17), 24) if is_emulated(device) else ((3, 9, 17, 30, 5), 64)
     prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in lengths]
@@ -493,7 +496,9 @@ def test_greedy_generation_through_the_dispatcher_eager_equals_sync(gemm_ops, de
         with Dispatcher(device, transformer, model.tokenizer, config) as d:
             return [[t for o in d.stream(p, params) for t in o.token_ids] for p in prompts]
 
-    gpu = cuda_transformer(model, ops=CudaOps(device))
+    # bf16 matrices, for the emulator's time: dispatching is the same on quantized ones
+    # (tests/test_cuda_graphs.py runs the dispatcher on them)
+    gpu = cuda_transformer(model, ops=CudaOps(device), weights="bf16")
     eager = run(gpu, sync=False)
     assert all(len(t) == steps for t in eager)
     assert eager == run(gpu, sync=True)

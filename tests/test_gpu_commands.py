@@ -48,6 +48,22 @@ def test_bench_gemm(emulator, monkeypatch, capsys) -> None:
     assert [(r["layer"], r["tokens"]) for r in result["rows"]] == [
         ("q", 1), ("q", 16), ("down", 1), ("down", 16)]
     assert all(r["tflops"] > 0 and r["of_hbm"] > 0 for r in result["rows"])
+    assert result["quantized_rows"] == []
+
+
+def test_bench_gemm_times_weights_kept_as_blocks_by_both_paths(emulator, monkeypatch,
+                                                               capsys) -> None:
+    out = run_script("bench_gemm", ["--models", "qwen3-0.6b", "--layers", "q", "--tokens",
+                                    "1", "16", "--peak-dim", "128", "--copy-mib", "1",
+                                    "--reps", "1", "--quantized", "q4_k"], monkeypatch, capsys)
+    assert "weights as GGUF blocks" in out
+    rows = json_block(out)["quantized_rows"]
+    assert [(r["type"], r["tokens"], r["chosen"]) for r in rows] == [
+        ("q4_k", 1, "gemv"), ("q4_k", 16, "tile")]
+    assert rows[0]["gemv_us"] > 0 and rows[0]["gemv8_us"] > 0
+    assert rows[1]["gemv_us"] is None and rows[1]["gemv8_us"] is None  # 16 rows: tiles only
+    assert all(r["tile_us"] > 0 and r["bf16_us"] > 0 and r["of_hbm"] > 0 for r in rows)
+    assert rows[0]["weight_bytes"] == 2048 * 1024 // 256 * 144
 
 
 def test_bench_decode_attention(emulator, monkeypatch, capsys) -> None:
@@ -101,14 +117,18 @@ def test_bench_vmm_on_cuda(emulator, monkeypatch, capsys) -> None:
 
 def test_bench_gpu_decode(emulator, monkeypatch, capsys, tmp_path) -> None:
     out = run_script("bench_gpu_decode",
-                     ["--shapes", "tiny", "--prompt", "6", "--output", "6", "--batch", "3",
-                      "--memory-fraction", "0.02", "--copy-mib", "1",
+                     ["--shapes", "tiny", "--prompt", "4", "--output", "4", "--batch", "2",
+                      "--memory-fraction", "0.02", "--copy-mib", "1", "--weight-type", "q8_0",
                       "--json", str(tmp_path / "r.json")], monkeypatch, capsys)
     (row,) = json.loads((tmp_path / "r.json").read_text())
     assert row["shape"] == "tiny" and row["roofline_tok_s"] > 0
-    for mode in ("graphs", "eager"):
+    for mode in ("graphs", "eager", "graphs_int8_gemv"):
         assert row[mode]["batch1"]["tok_s"] > 0 and row[mode]["batchN"]["tok_s"] > 0
-    assert "of roofline" in out
+    # the same file as bf16 in the same run: more bytes per token, a lower roofline
+    bf16 = row["bf16"]
+    assert bf16["graphs"]["batch1"]["tok_s"] > 0 and row["batch1_quantized_over_bf16"] > 0
+    assert bf16["bytes_per_token"] > row["bytes_per_token"]
+    assert "of roofline" in out and "weights bf16" in out
 
 
 def _cli(argv: list[str]):

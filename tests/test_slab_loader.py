@@ -234,8 +234,8 @@ def test_progress_bar_on_a_terminal_redraws_in_place_and_ends_its_line_once() ->
 
 @pytest.mark.gpu
 def test_cuda_loading_equals_the_numpy_loader_in_bf16(model_path) -> None:
-    """On a GPU: the slab loader with the dequantization kernels gives the numpy loader's
-    weights, rounded to bf16 (matrices) or exact (float32 vectors)."""
+    """On a GPU, with weights="bf16": the slab loader with the dequantization kernels gives
+    the numpy loader's weights, rounded to bf16 (matrices) or exact (float32 vectors)."""
     from eagerlm.kernels.cuda_backend import free_weights, load_cuda_weights
     from eagerlm.kernels.cuda_ops import CudaOps
     from eagerlm.kernels.device_tensor import from_bf16_bits, to_bf16_bits
@@ -249,7 +249,7 @@ def test_cuda_loading_equals_the_numpy_loader_in_bf16(model_path) -> None:
     try:
         ops = CudaOps(gpu)
         model = ModelFile.open(model_path)
-        weights, stats = load_cuda_weights(model, ops, budget_bytes=512 << 10)
+        weights, stats = load_cuda_weights(model, ops, budget_bytes=512 << 10, weights="bf16")
         reference = load_numpy_weights(model.gguf, model.config)
         for got, want in zip(weights.handles(), reference.handles(), strict=True):
             host = ops.to_numpy(got)
@@ -269,8 +269,10 @@ def test_cuda_loading_equals_the_numpy_loader_in_bf16(model_path) -> None:
 
 def test_a_model_too_large_for_the_gpu_is_refused_before_any_upload(model_path,
                                                                      monkeypatch) -> None:
-    """On the emulated GPU: the weights take 2 bytes per matrix element (bf16) and 4 per
-    vector element (float32), counted here from the file's tensor table; with one byte less
+    """On the emulated GPU, counted here from the file's tensor table: with weights="bf16"
+    the weights take 2 bytes per matrix element (bf16) and 4 per vector element (float32);
+    kept quantized (the default), each matrix its blocks' bytes, plus the tile path's
+    scratch (this model's largest matrix in bf16: each fits one tile). With one byte less
     free than that nothing is uploaded, with exactly that the model loads."""
     from eagerlm.kernels.cuda_backend import free_weights, load_cuda_weights
     from eagerlm.kernels.cuda_ops import CudaOps
@@ -282,15 +284,21 @@ def test_a_model_too_large_for_the_gpu_is_refused_before_any_upload(model_path,
         gpu = open_device("cuda")
         ops = CudaOps(gpu)
         model = ModelFile.open(model_path)
-        need = sum(int(np.prod(t.shape)) * (2 if len(t.shape) > 1 else 4)
-                   for t in model.gguf.tensors.values())
-        monkeypatch.setattr(gpu, "mem_info", lambda: (need - 1, 80 << 30))
-        with pytest.raises(ModelTooLarge, match="bf16"):
-            load_cuda_weights(model, ops)
-        assert drv.calls.get("cuMemcpyHtoDAsync", 0) == 0
-        monkeypatch.setattr(gpu, "mem_info", lambda: (need, 80 << 30))
-        weights, _ = load_cuda_weights(model, ops)
-        assert drv.calls.get("cuMemcpyHtoDAsync", 0) > 0
-        free_weights(weights)
+        tensors = model.gguf.tensors.values()
+        as_bf16 = sum(int(np.prod(t.shape)) * (2 if len(t.shape) > 1 else 4) for t in tensors)
+        quantized = sum(t.n_bytes if len(t.shape) > 1 else 4 * int(np.prod(t.shape))
+                        for t in tensors)
+        quantized += max(2 * int(np.prod(t.shape)) for t in tensors)
+        for weights, need, held_as in (("bf16", as_bf16, "bf16"),
+                                       ("quantized", quantized, "the file's blocks")):
+            uploads = drv.calls.get("cuMemcpyHtoDAsync", 0)
+            monkeypatch.setattr(gpu, "mem_info", lambda need=need: (need - 1, 80 << 30))
+            with pytest.raises(ModelTooLarge, match=held_as):
+                load_cuda_weights(model, ops, weights=weights)
+            assert drv.calls.get("cuMemcpyHtoDAsync", 0) == uploads
+            monkeypatch.setattr(gpu, "mem_info", lambda need=need: (need, 80 << 30))
+            weights_held, _ = load_cuda_weights(model, ops, weights=weights)
+            assert drv.calls.get("cuMemcpyHtoDAsync", 0) > uploads
+            free_weights(weights_held)
         ops.close()
         gpu.close()

@@ -43,7 +43,6 @@ from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.messages import FinishReason, Output
 from eagerlm.dispatch.scheduler import SchedulerConfig
 from eagerlm.errors import EngineFailure, InvalidParameters
-from eagerlm.kernels.cpu_backend import WEIGHTS_MODES
 from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
 from eagerlm.loader.config import RopeOverride
 from eagerlm.loader.model_file import ModelFile
@@ -52,6 +51,7 @@ from eagerlm.service.api.chat_tokens import DEFAULT_MAX_TURNS, TurnMemory
 from eagerlm.service.api.loop_bridge import LoopWaker
 from eagerlm.service.api.metrics import EngineMetrics, PrometheusText, recent_steady_bubble
 from eagerlm.service.api.model_loading import (
+    WEIGHTS_CHOICES,
     LoadedModel,
     ProgressCallback,
     open_model,
@@ -91,15 +91,15 @@ class EngineSettings:
     cuda_graphs: bool = ControlConfig.cuda_graphs
     chat_turns_remembered: int = DEFAULT_MAX_TURNS  # see service/api/chat_tokens.py
     model_name: str | None = None  # the name clients use; default: the file's stem
-    # how the cpu backend holds weights: "quantized" (the file's blocks, compiled kernels)
-    # or "float" (float32); None: the device's default (cpu: quantized; cuda takes none)
+    # how the backend holds the matrices: "quantized" (the file's blocks, read by the
+    # kernels), "float" (cpu: float32) or "bf16" (cuda); None: quantized
     weights: str | None = None
 
     def __post_init__(self) -> None:
         self.rope_override()  # bad values fail here, before anything is loaded
-        if self.weights is not None and self.weights not in WEIGHTS_MODES:
-            raise InvalidParameters(f"weights must be 'quantized' or 'float', "
-                                    f"not {self.weights!r}")
+        if self.weights is not None and self.weights not in WEIGHTS_CHOICES:
+            raise InvalidParameters(f"weights must be 'quantized' or 'float' (cpu), "
+                                    f"'quantized' or 'bf16' (cuda), not {self.weights!r}")
 
     def rope_override(self) -> RopeOverride | None:
         """The rope scaling settings as the loader takes them (None: the file's)."""

@@ -74,6 +74,25 @@ def check_device(spec: str) -> None:
     device.close()
 
 
+WEIGHTS_CHOICES = ("quantized", "float", "bf16")  # --weights: what some backend takes
+
+
+def check_weights(weights: str | None, device: str) -> None:
+    """Raise InvalidParameters unless `weights` (None: the default) is a way `device`'s
+    backend holds matrices: cpu "quantized" or "float", cuda "quantized" or "bf16"."""
+    if weights is None:
+        return
+    if device == "cpu":
+        backend, modes = "cpu", WEIGHTS_MODES
+    else:
+        from eagerlm.kernels.cuda_backend import CUDA_WEIGHTS_MODES
+
+        backend, modes = "cuda", CUDA_WEIGHTS_MODES
+    if weights not in modes:
+        raise InvalidParameters(f"weights={weights!r} is not a choice of the {backend} "
+                                f"backend: {' or '.join(repr(m) for m in modes)}")
+
+
 def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
                page_size: int | None = None,
                on_progress: ProgressCallback | None = None,
@@ -90,9 +109,10 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
     supports before any weight is read, so a context the model cannot serve fails in a
     second, not after the load.
 
-    `weights` is how the cpu backend holds them: "quantized" (the default: the file's
-    blocks, compiled kernels) or "float" (float32, the reference path). The cuda backend
-    holds bf16 matrices and takes no choice yet: a value there is refused."""
+    `weights` is how the backend holds the matrices: "quantized" (the default on both:
+    the file's blocks, read by the kernels directly), or "float" on cpu (float32, the
+    reference path) and "bf16" on cuda (every matrix dequantized to bf16 at load); a value
+    the device's backend does not take is refused."""
     t0 = time.perf_counter()
 
     def report(stage: str, done: int = 0, total: int = 0,
@@ -101,11 +121,7 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
             on_progress(LoadProgress(stage, done, total, time.perf_counter() - t0, seconds))
 
     check_device(device)
-    if weights is not None and weights not in WEIGHTS_MODES:
-        raise InvalidParameters(f"weights must be 'quantized' or 'float', not {weights!r}")
-    if weights is not None and device != "cpu":
-        raise InvalidParameters(f"weights={weights!r} is for the cpu backend; the cuda backend "
-                                "holds bf16 matrices and takes no choice yet")
+    check_weights(weights, device)
     model = ModelFile.open(path, rope=rope)
     dev: Device | None = None
     try:
@@ -123,7 +139,8 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
             from eagerlm.kernels.cuda_backend import cuda_transformer
 
             dev = open_device(device, page_size=page_size)
-            transformer = cuda_transformer(model, dev, on_bytes=on_bytes)
+            transformer = cuda_transformer(model, dev, on_bytes=on_bytes,
+                                           weights="quantized" if weights is None else weights)
     except BaseException:
         if dev is not None:
             dev.close()

@@ -28,10 +28,11 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                    help="where to run: 'cpu', 'cuda' or 'cuda:N' (default cpu; the cuda "
                         "backend is new and not yet verified on a GPU; without a GPU it "
                         "says so and exits)")
-    p.add_argument("--weights", choices=("quantized", "float"), default=None,
-                   help="how the cpu backend holds the weights: 'quantized' (default: the "
-                        "file's blocks, read by compiled kernels) or 'float' (float32, four "
-                        "bytes per value: the reference path); cpu only")
+    p.add_argument("--weights", choices=("quantized", "float", "bf16"), default=None,
+                   help="how the backend holds the weight matrices: 'quantized' (default: "
+                        "the file's blocks, read by the kernels directly), 'float' (cpu: "
+                        "float32, four bytes per value: the reference path) or 'bf16' "
+                        "(cuda: every matrix dequantized to bf16 at load)")
     fraction = DispatcherConfig.memory_fraction
     p.add_argument("--memory-fraction", type=memory_fraction, default=fraction, metavar="F",
                    help="share of the memory still free after loading the weights that "

@@ -379,6 +379,11 @@ inline unsigned __brev(unsigned x) {
   return r;
 }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
+// dp4a: c + the dot product of a's and b's four bytes as signed 8-bit integers
+inline int __dp4a(int a, int b, int c) {
+  for (int k = 0; k < 4; ++k) c += (int)(int8_t)(a >> (8 * k)) * (int)(int8_t)(b >> (8 * k));
+  return c;
+}
 inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
   return (unsigned long long)(((unsigned __int128)a * b) >> 64);
 }

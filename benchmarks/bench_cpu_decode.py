@@ -50,12 +50,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import eagerlm
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.kernels.cpu_threads import core_count
 from eagerlm.loader.demo_model import demo_model_path
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
@@ -98,6 +100,8 @@ def prompt_ids(model: ModelFile, n: int) -> list[int]:
 
 def measure_eagerlm(path: str, prompt_tokens: int, gen_tokens: int,
                     weights: str = "quantized") -> dict[str, float]:
+    if weights == "float":  # a quantized engine, loaded before, held BLAS to one thread
+        threadpool_limits(core_count(), user_api="blas")
     t0 = time.perf_counter()
     model = ModelFile.open(path)
     tf = cpu_transformer(model, weights=weights)  # type: ignore[arg-type]

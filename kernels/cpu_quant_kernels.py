@@ -111,6 +111,18 @@ def _scale_min_k4(row: np.ndarray, o: int, j: int) -> tuple[int, int]:
 
 
 @njit(inline="always", **_JIT)
+def _k4_scales(wr: np.ndarray, o: int, c: int) -> tuple[float, float, float, float]:
+    """Sub-blocks 2c and 2c + 1 of the Q4_K / Q5_K superblock at wr[o:]: d * scale and
+    dmin * min of each (value = d * scale * q - dmin * min)."""
+    d = _f16(wr[o], wr[o + 1])
+    dmin = _f16(wr[o + 2], wr[o + 3])
+    sc0, m0 = _scale_min_k4(wr, o + 4, 2 * c)
+    sc1, m1 = _scale_min_k4(wr, o + 4, 2 * c + 1)
+    return (d * np.float32(sc0), dmin * np.float32(m0),
+            d * np.float32(sc1), dmin * np.float32(m1))
+
+
+@njit(inline="always", **_JIT)
 def _u32(row: np.ndarray, o: int) -> int:
     """The little-endian 32-bit word at row[o:] (Q5_0's fifth bits), as int32 bits."""
     return _or(_or(np.int32(row[o]), _shl(np.int32(row[o + 1]), 8)),
@@ -289,14 +301,9 @@ def gemv_q4_k(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
                 acc[:] = 0.0
                 for b in range(k // 256):
                     o = b * 144
-                    d = _f16(wr[o], wr[o + 1])
-                    dmin = _f16(wr[o + 2], wr[o + 3])
                     for c in range(4):
                         e = b * 256 + 64 * c
-                        sc0, m0 = _scale_min_k4(wr, o + 4, 2 * c)
-                        sc1, m1 = _scale_min_k4(wr, o + 4, 2 * c + 1)
-                        d0, n0 = d * np.float32(sc0), dmin * np.float32(m0)
-                        d1, n1 = d * np.float32(sc1), dmin * np.float32(m1)
+                        d0, n0, d1, n1 = _k4_scales(wr, o, c)
                         for i in range(32):
                             q = np.int32(wr[o + 16 + 32 * c + i])
                             acc[i] += (d0 * np.float32(_lo4(q)) - n0) * xr[e + i]
@@ -309,14 +316,9 @@ def _row_q4_k(wr: np.ndarray, orow: np.ndarray) -> None:
     k = orow.shape[0]
     for b in range(k // 256):
         o = b * 144
-        d = _f16(wr[o], wr[o + 1])
-        dmin = _f16(wr[o + 2], wr[o + 3])
         for c in range(4):
             e = b * 256 + 64 * c
-            sc0, m0 = _scale_min_k4(wr, o + 4, 2 * c)
-            sc1, m1 = _scale_min_k4(wr, o + 4, 2 * c + 1)
-            d0, n0 = d * np.float32(sc0), dmin * np.float32(m0)
-            d1, n1 = d * np.float32(sc1), dmin * np.float32(m1)
+            d0, n0, d1, n1 = _k4_scales(wr, o, c)
             for i in range(32):
                 q = np.int32(wr[o + 16 + 32 * c + i])
                 orow[e + i] = d0 * np.float32(_lo4(q)) - n0
@@ -339,14 +341,9 @@ def gemv_q5_k(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
                 acc[:] = 0.0
                 for b in range(k // 256):
                     o = b * 176
-                    d = _f16(wr[o], wr[o + 1])
-                    dmin = _f16(wr[o + 2], wr[o + 3])
                     for c in range(4):
                         e = b * 256 + 64 * c
-                        sc0, m0 = _scale_min_k4(wr, o + 4, 2 * c)
-                        sc1, m1 = _scale_min_k4(wr, o + 4, 2 * c + 1)
-                        d0, n0 = d * np.float32(sc0), dmin * np.float32(m0)
-                        d1, n1 = d * np.float32(sc1), dmin * np.float32(m1)
+                        d0, n0, d1, n1 = _k4_scales(wr, o, c)
                         for i in range(32):
                             lo, hi = _q5_k_pair(np.int32(wr[o + 48 + 32 * c + i]),
                                                 np.int32(wr[o + 16 + i]), c)
@@ -360,14 +357,9 @@ def _row_q5_k(wr: np.ndarray, orow: np.ndarray) -> None:
     k = orow.shape[0]
     for b in range(k // 256):
         o = b * 176
-        d = _f16(wr[o], wr[o + 1])
-        dmin = _f16(wr[o + 2], wr[o + 3])
         for c in range(4):
             e = b * 256 + 64 * c
-            sc0, m0 = _scale_min_k4(wr, o + 4, 2 * c)
-            sc1, m1 = _scale_min_k4(wr, o + 4, 2 * c + 1)
-            d0, n0 = d * np.float32(sc0), dmin * np.float32(m0)
-            d1, n1 = d * np.float32(sc1), dmin * np.float32(m1)
+            d0, n0, d1, n1 = _k4_scales(wr, o, c)
             for i in range(32):
                 lo, hi = _q5_k_pair(np.int32(wr[o + 48 + 32 * c + i]),
                                     np.int32(wr[o + 16 + i]), c)

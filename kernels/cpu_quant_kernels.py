@@ -155,11 +155,27 @@ def _q5_k_pair(q: int, h: int, c: int) -> tuple[int, int]:
 
 
 @njit(inline="always", **_JIT)
-def _q6_k_quad(a: int, c: int, hb: int) -> tuple[int, int, int, int]:
-    """Q6_K's four values (0..63) at one position of a 128-value half: low nibbles of a, c,
-    high nibbles of a, c, each with two bits of hb."""
-    return (_or(_lo4(a), _shl(_and(hb, 3), 4)), _or(_lo4(c), _shl(_and(hb, 12), 2)),
-            _or(_hi4(a), _and(hb, 48)), _or(_hi4(c), _shr(_and(hb, 192), 2)))
+def _q6_k_values(wr: np.ndarray, o: int, h: int, li: int) -> tuple[float, float, float, float]:
+    """Q6_K's four values (-32..31, float32) at position li of half h of the superblock at
+    wr[o:]: low nibbles of ql[64h + li], ql[64h + 32 + li], then their high nibbles, each
+    with two bits of qh[32h + li]."""
+    a = np.int32(wr[o + 64 * h + li])
+    c = np.int32(wr[o + 64 * h + 32 + li])
+    hb = np.int32(wr[o + 128 + 32 * h + li])
+    return (np.float32(_or(_lo4(a), _shl(_and(hb, 3), 4))) - _F32,
+            np.float32(_or(_lo4(c), _shl(_and(hb, 12), 2))) - _F32,
+            np.float32(_or(_hi4(a), _and(hb, 48))) - _F32,
+            np.float32(_or(_hi4(c), _shr(_and(hb, 192), 2))) - _F32)
+
+
+@njit(inline="always", **_JIT)
+def _q6_k_scales(sr: np.ndarray, o: int, h: int, half16: int,
+                 d: float) -> tuple[float, float, float, float]:
+    """d * the int8 scales of the four 16-value groups that positions 16 * half16 ..
+    + 15 of half h belong to."""
+    s = o + 192 + 8 * h + half16
+    return (d * np.float32(sr[s]), d * np.float32(sr[s + 2]),
+            d * np.float32(sr[s + 4]), d * np.float32(sr[s + 6]))
 
 
 @njit(inline="always", **_JIT)
@@ -390,19 +406,14 @@ def gemv_q6_k(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
                     for h in range(2):
                         e = b * 256 + 128 * h
                         for half16 in range(2):
-                            s = o + 192 + 8 * h + half16
-                            d0, d1 = d * np.float32(sr[s]), d * np.float32(sr[s + 2])
-                            d2, d3 = d * np.float32(sr[s + 4]), d * np.float32(sr[s + 6])
+                            d0, d1, d2, d3 = _q6_k_scales(sr, o, h, half16, d)
                             for i in range(16):
                                 li = 16 * half16 + i
-                                q0, q1, q2, q3 = _q6_k_quad(
-                                    np.int32(wr[o + 64 * h + li]),
-                                    np.int32(wr[o + 64 * h + 32 + li]),
-                                    np.int32(wr[o + 128 + 32 * h + li]))
-                                acc[li] += d0 * (np.float32(q0) - _F32) * xr[e + li]
-                                acc[32 + li] += d1 * (np.float32(q1) - _F32) * xr[e + 32 + li]
-                                acc[64 + li] += d2 * (np.float32(q2) - _F32) * xr[e + 64 + li]
-                                acc[96 + li] += d3 * (np.float32(q3) - _F32) * xr[e + 96 + li]
+                                q0, q1, q2, q3 = _q6_k_values(wr, o, h, li)
+                                acc[li] += d0 * q0 * xr[e + li]
+                                acc[32 + li] += d1 * q1 * xr[e + 32 + li]
+                                acc[64 + li] += d2 * q2 * xr[e + 64 + li]
+                                acc[96 + li] += d3 * q3 * xr[e + 96 + li]
                 y[j, r] = acc.sum()
 
 
@@ -416,18 +427,14 @@ def _row_q6_k(wr: np.ndarray, orow: np.ndarray) -> None:
         for h in range(2):
             e = b * 256 + 128 * h
             for half16 in range(2):
-                s = o + 192 + 8 * h + half16
-                d0, d1 = d * np.float32(sr[s]), d * np.float32(sr[s + 2])
-                d2, d3 = d * np.float32(sr[s + 4]), d * np.float32(sr[s + 6])
+                d0, d1, d2, d3 = _q6_k_scales(sr, o, h, half16, d)
                 for i in range(16):
                     li = 16 * half16 + i
-                    q0, q1, q2, q3 = _q6_k_quad(
-                        np.int32(wr[o + 64 * h + li]), np.int32(wr[o + 64 * h + 32 + li]),
-                        np.int32(wr[o + 128 + 32 * h + li]))
-                    orow[e + li] = d0 * (np.float32(q0) - _F32)
-                    orow[e + 32 + li] = d1 * (np.float32(q1) - _F32)
-                    orow[e + 64 + li] = d2 * (np.float32(q2) - _F32)
-                    orow[e + 96 + li] = d3 * (np.float32(q3) - _F32)
+                    q0, q1, q2, q3 = _q6_k_values(wr, o, h, li)
+                    orow[e + li] = d0 * q0
+                    orow[e + 32 + li] = d1 * q1
+                    orow[e + 64 + li] = d2 * q2
+                    orow[e + 96 + li] = d3 * q3
 
 
 # -- What every type shares: a row decoded whole (the many-rows path's tiles, and the

@@ -15,11 +15,7 @@ extern "C" __global__ void embed_rows(float* __restrict__ out, const bf16* __res
                                       int vocab, float scale) {
   const int row = blockIdx.x;
   if (row >= n_rows) return;
-  int id = ids[(i64)row * id_stride];
-  if (id_stride > 1 && token_buf != nullptr) {
-    const int slot = ids[(i64)row * id_stride + 1];
-    if (slot >= 0) id = token_buf[slot];
-  }
+  const int id = embed_row_id(ids, id_stride, token_buf, row);
   float* o = out + (i64)row * d;
   if (id < 0 || id >= vocab) {
     for (int j = threadIdx.x; j < d; j += blockDim.x) o[j] = EAGERLM_NAN;

@@ -167,7 +167,8 @@ def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> float:
     for qtype in sorted(set(qtypes) & FUSED.keys()):
         block, type_size = GGML_QUANT_SIZES[qtype]
         w = QuantizedMatrix(qtype, (1, block), np.zeros((1, type_size), np.uint8))
-        quantized_linear(np.zeros((1, block), np.float32), w)
-        w.dequantize()
+        for rows in (1, 2):  # the one-row GEMV, `gemv_rows`
+            quantized_linear(np.zeros((rows, block), np.float32), w)
+        w.dequantize()  # `dequant`, the tiles
     hold_blas_to_one_thread()  # after the compiles: numba may load SciPy's BLAS too
     return time.perf_counter() - t0

@@ -143,6 +143,10 @@ class ControlThread:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     # -- the thread ---------------------------------------------------------------------
 
     def _run(self) -> None:

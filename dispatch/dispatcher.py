@@ -123,6 +123,19 @@ class Dispatcher:
             if not done:  # the caller stopped iterating early
                 self.cancel(rid)
 
+    @property
+    def failure(self) -> str | None:
+        """Why this dispatcher can no longer serve, or None while it can: shut down, a
+        thread gone (a bug that escaped it), or a device failure the threads reported.
+        Read by the server's /health and its watchdog (service/http/liveness.py)."""
+        if self._closed:
+            return "the engine is shut down"
+        if not self.control.alive:
+            return self.service.failure or "the control thread has stopped"
+        if not self.service.alive:
+            return "the service thread has stopped"
+        return self.service.failure
+
     def flush(self, timeout: float = 30.0) -> None:
         """Drop cached prefixes and return every free page to the pool (waits)."""
         done = threading.Event()

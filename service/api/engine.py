@@ -459,6 +459,12 @@ class Engine:
         return self.dispatcher.context_length
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer serve (shut down, a dispatcher thread dead, a
+        failed device), or None while it can."""
+        return self.dispatcher.failure
+
+    @property
     def active_requests(self) -> int:
         """Requests submitted and not yet finished."""
         return self.metrics.running

@@ -61,8 +61,10 @@ from eagerlm.errors import EagerLMError, EngineClosed, EngineFailure
 from eagerlm.service.api.engine import Engine, GenerationError, MultiStream
 from eagerlm.service.api.metrics import PrometheusText
 from eagerlm.service.api.tool_calls import Reply, ToolCallParser
+from eagerlm.service.api.vllm_metrics import VllmGauges, write_vllm_metrics
 from eagerlm.service.http.admission import AdmissionGate, QueueFull, Ticket
 from eagerlm.service.http.config import ServerConfig
+from eagerlm.service.http.liveness import EngineDied, EngineWatchdog
 from eagerlm.service.http.openai_errors import OpenAIError, bad_request, brief
 from eagerlm.service.http.openai_requests import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -277,9 +279,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     # -- routes -----------------------------------------------------------------------------
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": engine.name,
-                "requests_running": engine.active_requests}
+    async def health() -> Response:
+        failure = engine.failure  # 503 once the engine cannot serve (service/http/liveness.py)
+        if failure is not None:
+            return JSONResponse({"status": "error", "model": engine.name, "error": failure},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "model": engine.name,
+                             "requests_running": engine.active_requests})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -293,6 +299,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         for (route, status), n in sorted(response_counts.items()):
             out.sample("eagerlm_http_responses_total", n,
                        {"route": route, "status": str(status)})
+        pool = engine.dispatcher.pool
+        write_vllm_metrics(out, engine.metrics, engine.name,  # service/api/vllm_metrics.py
+                           VllmGauges(pool.n_pages - pool.n_free, pool.n_pages, gate.queued))
         return PlainTextResponse(out.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
@@ -548,7 +557,8 @@ async def _completion_events(streams: MultiStream, ids: ResponseIds, n_prompts: 
 
 def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None:
     """Run the server until SIGTERM or SIGINT (blocking), then stop as service/shutdown.py
-    describes and return. The caller shuts the engine down."""
+    describes and return; or, once the engine cannot serve, stop the same way and raise
+    `EngineDied` (service/http/liveness.py). The caller shuts the engine down."""
     import uvicorn
 
     app = create_app(engine, config)
@@ -556,7 +566,17 @@ def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None
         uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
                        timeout_graceful_shutdown=AFTER_GRACE_S),
         app.state.drain, config.shutdown_grace_s)
-    server.run()
+
+    def stop(reason: str) -> None:
+        server.should_exit = True
+
+    watchdog = EngineWatchdog(lambda: engine.failure, stop).start()
+    try:
+        server.run()
+    finally:
+        watchdog.stop()
+    if watchdog.reason is not None:  # exit non-zero, for a supervisor to restart it
+        raise EngineDied(f"the engine stopped serving: {watchdog.reason}")
 
 
 __all__ = ["ServerConfig", "create_app", "serve"]

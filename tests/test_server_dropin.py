@@ -1,0 +1,193 @@
+"""What clients and operations tools written for OpenAI, vLLM and llama.cpp send and read,
+over loopback with the official openai client: harmless extra fields accepted and ignored
+(fields that would change the output still refused), vLLM's metric names as Prometheus'
+own parser reads them, and /health turning 503 (and `serve` exiting non-zero) once the
+engine's thread has died."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.service.api.engine import Engine
+from eagerlm.service.http.liveness import EngineDied
+from eagerlm.service.http.server import ServerConfig, create_app, serve
+from tests.test_server import LiveServer
+
+MODEL = "tiny-dropin"
+HI = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dropin") / "qwen3.gguf"
+    return str(write_synthetic_model(path, tiny_spec("qwen3", context_length=512)))
+
+
+def load(model_path: str) -> Engine:
+    return Engine.load(model_path, page_size=16384, kv_budget_bytes=32 << 20,
+                       model_name=MODEL)
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    with load(model_path) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with LiveServer(create_app(engine, ServerConfig())) as s:
+        yield s
+
+
+@pytest.fixture()
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=30) as c:
+        yield c
+
+
+# -- fields that cannot change the output are ignored, the others refused ------------------
+
+HARMLESS = {"store": True, "metadata": {"team": "search"}, "service_tier": "flex",
+            "prompt_cache_key": "user-42", "prompt_cache_retention": "24h",
+            "safety_identifier": "hash", "user": "u1"}
+
+
+def test_harmless_extra_fields_are_accepted_and_change_nothing(client, caplog):
+    plain = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=4,
+                                           temperature=0)
+    with caplog.at_level(logging.INFO, logger="eagerlm.server"):
+        for _ in range(2):
+            r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=4,
+                                               temperature=0, extra_body=HARMLESS)
+            assert r.choices[0].message.content == plain.choices[0].message.content
+        c = client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                      extra_body={"metadata": {"a": "b"}, "store": False})
+    assert c.choices[0].text is not None
+    logged = [m for m in caplog.messages if "ignoring the request field 'prompt_cache_key'"
+              in m]
+    assert len(logged) <= 1  # once per process (maybe before this test: never twice)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("audio", {"voice": "alloy", "format": "wav"}), ("functions", [{"name": "f"}]),
+    ("web_search_options", {}), ("verbosity", "low"), ("modalities", ["text", "audio"]),
+    ("temprature", 0.5)])
+def test_fields_that_would_change_the_output_stay_a_400_naming_them(client, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2,
+                                       extra_body={field: value})
+    assert e.value.body["param"] == field
+
+
+# -- vLLM's metric names ---------------------------------------------------------------------
+
+VLLM_FAMILIES = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter", "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter", "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram"}
+
+
+def test_vllm_metric_names_carry_the_model_name_and_parse_as_prometheus_text(
+        server, client, engine):
+    for _ in range(2):  # the second request's prompt hits the prefix cache
+        client.completions.create(model=MODEL, prompt="the same prompt, twice over",
+                                  max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name, kind in VLLM_FAMILIES.items():
+        assert families[name].type == kind, name
+        for s in families[name].samples:
+            assert s.labels["model_name"] == MODEL, s
+
+    def value(name: str, **labels: str) -> float:
+        return next(s.value for f in families.values() for s in f.samples
+                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("vllm:generation_tokens_total") >= 10
+    assert value("vllm:prompt_tokens_total") == value("vllm:prefix_cache_queries_total")
+    assert 0 < value("vllm:prefix_cache_hits_total") < value("vllm:prompt_tokens_total")
+    assert value("vllm:request_success_total", finished_reason="length") >= 2
+    assert value("vllm:num_requests_running") == value("vllm:num_requests_waiting") == 0
+    assert 0.0 <= value("vllm:kv_cache_usage_perc") <= 1.0
+    assert value("vllm:time_to_first_token_seconds_count") >= 2
+    assert value("vllm:e2e_request_latency_seconds_bucket", le="+Inf") == \
+        value("vllm:e2e_request_latency_seconds_count")
+    assert value("vllm:inter_token_latency_seconds_count") >= 8
+
+
+# -- /health and the server's exit once the engine cannot serve --------------------------
+
+def kill_control_thread(engine: Engine) -> None:
+    """Make the control thread's next step raise, and wake it with a request."""
+    control = engine.dispatcher.control
+
+    def broken_step() -> bool:
+        raise RuntimeError("injected failure")
+
+    control._step = broken_step  # type: ignore[method-assign]
+    outputs = list(engine.dispatcher.stream([1, 2, 3], _params()))  # wakes the thread
+    assert outputs[-1].finish_reason.value == "error"
+    deadline = time.monotonic() + 10
+    while control.alive:
+        assert time.monotonic() < deadline, "the control thread did not die"
+        time.sleep(0.01)
+
+
+def _params():
+    from eagerlm.kernels.sampling import SamplingParams
+    return SamplingParams(max_tokens=2)
+
+
+def test_health_is_ok_then_503_once_the_control_thread_has_died(model_path):
+    with load(model_path) as engine, LiveServer(create_app(engine)) as server:
+        r = httpx.get(server.url + "/health", timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        kill_control_thread(engine)
+        r = httpx.get(server.url + "/health", timeout=10)
+        assert r.status_code == 503, r.text
+        assert "injected failure" in r.json()["error"]
+
+
+def test_serve_stops_and_raises_once_the_engine_cannot_serve(model_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve(engine, ServerConfig(port=port, shutdown_grace_s=0.5), log_level="warning")
+        except BaseException as e:
+            errors.append(e)
+
+    with load(model_path) as engine:
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while True:
+            assert time.monotonic() < deadline, "serve did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        kill_control_thread(engine)
+        thread.join(15)
+        assert not thread.is_alive(), "serve kept running with a dead engine"
+    assert len(errors) == 1 and isinstance(errors[0], EngineDied), errors

@@ -16,10 +16,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from eagerlm.errors import InvalidParameters
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.service.api.engine import Engine
 from eagerlm.service.http.liveness import EngineDied
-from eagerlm.service.http.server import ServerConfig, create_app, serve
+from eagerlm.service.http.server import ServerConfig, create_app, serve, serve_loading
 from tests.test_server import LiveServer
 
 MODEL = "tiny-dropin"
@@ -151,7 +152,7 @@ def kill_control_thread(engine: Engine) -> None:
 
 def _params():
     from eagerlm.kernels.sampling import SamplingParams
-    return SamplingParams(max_tokens=2)
+    return SamplingParams(max_tokens=50, ignore_eos=True)
 
 
 def test_health_is_ok_then_503_once_the_control_thread_has_died(model_path):
@@ -164,30 +165,80 @@ def test_health_is_ok_then_503_once_the_control_thread_has_died(model_path):
         assert "injected failure" in r.json()["error"]
 
 
-def test_serve_stops_and_raises_once_the_engine_cannot_serve(model_path):
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+        return probe.getsockname()[1]
+
+
+def in_thread(fn) -> tuple[threading.Thread, list[BaseException]]:
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            serve(engine, ServerConfig(port=port, shutdown_grace_s=0.5), log_level="warning")
+            fn()
         except BaseException as e:
             errors.append(e)
 
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def get_when_up(url: str) -> httpx.Response:
+    deadline = time.monotonic() + 10
+    while True:
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            return httpx.get(url, timeout=1)
+        except httpx.TransportError:
+            time.sleep(0.05)
+
+
+def test_serve_stops_and_raises_once_the_engine_cannot_serve(model_path):
+    port = free_port()
     with load(model_path) as engine:
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while True:
-            assert time.monotonic() < deadline, "serve did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
+        thread, errors = in_thread(lambda: serve(engine, ServerConfig(port=port),
+                                                 log_level="warning"))
+        assert get_when_up(f"http://127.0.0.1:{port}/health").status_code == 200
         kill_control_thread(engine)
         thread.join(15)
         assert not thread.is_alive(), "serve kept running with a dead engine"
     assert len(errors) == 1 and isinstance(errors[0], EngineDied), errors
+
+
+def test_health_is_503_loading_until_the_model_is_up_then_ok(model_path):
+    port, release, engines = free_port(), threading.Event(), []
+
+    def slow_load() -> Engine:
+        assert release.wait(20)
+        engines.append(load(model_path))
+        return engines[0]
+
+    url = f"http://127.0.0.1:{port}"
+    thread, errors = in_thread(lambda: serve_loading(slow_load, ServerConfig(port=port),
+                                                     log_level="warning"))
+    r = get_when_up(url + "/health")
+    assert r.status_code == 503 and r.json() == {"status": "loading"}
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+    release.set()
+    deadline = time.monotonic() + 20
+    while httpx.get(url + "/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "never became healthy"
+        time.sleep(0.05)
+    kill_control_thread(engines[0])  # the only way to stop a server outside the main thread
+    thread.join(15)
+    assert not thread.is_alive() and isinstance(errors[0], EngineDied), errors
+    assert engines[0].failure == "the engine is shut down"  # serve_loading owns the engine
+
+
+def test_a_load_that_fails_stops_the_server_with_its_error():
+    def bad_load() -> Engine:
+        raise InvalidParameters("no such model")
+
+    thread, errors = in_thread(lambda: serve_loading(bad_load, ServerConfig(port=free_port()),
+                                                     log_level="warning"))
+    thread.join(15)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], InvalidParameters), errors

@@ -32,6 +32,7 @@ from eagerlm.service.measure.profiler import add_profile_parser
 
 if TYPE_CHECKING:
     from eagerlm.kernels.sampling import SamplingParams
+    from eagerlm.service.api.engine import Engine
     from eagerlm.service.api.sync_engine import SyncEngine
 
 
@@ -183,7 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     try:
-        from eagerlm.service.http.server import serve
+        from eagerlm.service.http.server import serve_loading
     except ImportError as e:
         print(f"eagerlm: error: the server needs FastAPI and uvicorn ({e}); install them "
               f"with: pip install 'eagerlm[server]'", file=sys.stderr)
@@ -197,13 +198,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings: dict[str, object] = {"max_batch": args.max_batch}
     if args.served_model_name:
         settings["model_name"] = args.served_model_name
-    with _open_engine(args, **settings) as engine:
-        if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-            print(f"eagerlm: warning: serving on {args.host} without --api-key: anyone who "
-                  f"can reach this address can use the model", file=sys.stderr)
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"eagerlm: warning: serving on {args.host} without --api-key: anyone who "
+              f"can reach this address can use the model", file=sys.stderr)
+
+    def load() -> Engine:  # while /health answers 503 "loading" (service/http/loading.py)
+        engine = _open_engine(args, **settings).engine
         print(f"serving {engine.name!r} at http://{args.host}:{args.port}/v1 "
               f"(Ctrl-C stops)", file=sys.stderr, flush=True)
-        serve(engine.engine, config, log_level="warning" if args.quiet else "info")
+        return engine
+
+    serve_loading(load, config, log_level="warning" if args.quiet else "info")
     return 0
 
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -65,6 +66,7 @@ from eagerlm.service.api.vllm_metrics import VllmGauges, write_vllm_metrics
 from eagerlm.service.http.admission import AdmissionGate, QueueFull, Ticket
 from eagerlm.service.http.config import ServerConfig
 from eagerlm.service.http.liveness import EngineDied, EngineWatchdog
+from eagerlm.service.http.loading import WhileLoading
 from eagerlm.service.http.openai_errors import OpenAIError, bad_request, brief
 from eagerlm.service.http.openai_requests import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -211,11 +213,13 @@ class _ErrorResponse(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
-    """The ASGI app serving `engine`. The engine's lifetime is the caller's."""
+def create_app(engine: Engine, config: ServerConfig | None = None,
+               drain: Drain | None = None) -> FastAPI:
+    """The ASGI app serving `engine`. The engine's lifetime is the caller's; `drain`, the
+    server's shutdown as requests see it, when the server exists before the app."""
     cfg = config or ServerConfig()
     gate = AdmissionGate(cfg.max_concurrency, cfg.max_queue)
-    drain = Drain()
+    drain = drain or Drain()
     response_counts: dict[tuple[str, int], int] = {}
     started = int(time.time())
     app = FastAPI(title="eagerlm", docs_url=None, redoc_url=None, openapi_url=None)
@@ -559,18 +563,65 @@ def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None
     """Run the server until SIGTERM or SIGINT (blocking), then stop as service/shutdown.py
     describes and return; or, once the engine cannot serve, stop the same way and raise
     `EngineDied` (service/http/liveness.py). The caller shuts the engine down."""
+    drain = Drain()
+    _run(create_app(engine, config, drain), drain, config, log_level, lambda: engine)
+
+
+def serve_loading(load: Callable[[], Engine], config: ServerConfig,
+                  log_level: str = "info") -> None:
+    """`serve`, but bound before the model is loaded: `load()` runs on a thread while
+    /health answers 503 "loading" (service/http/loading.py). A load that fails stops the
+    server and raises its error; the engine loaded here is shut down here."""
+    drain = Drain()
+    front = WhileLoading()
+    loaded: list[Engine] = []
+    failed: list[BaseException] = []
+    server_box: list[GracefulServer] = []
+
+    def load_then_serve() -> None:
+        try:
+            engine = load()
+        except BaseException as e:  # raised again on the main thread
+            failed.append(e)
+            server_box[0].should_exit = True
+            return
+        loaded.append(engine)
+        front.ready(create_app(engine, config, drain))
+
+    loader = threading.Thread(target=load_then_serve, name="eagerlm-load", daemon=True)
+    try:
+        _run(front, drain, config, log_level, lambda: loaded[0] if loaded else None,
+             on_start=lambda server: (server_box.append(server), loader.start()))
+    finally:
+        if loader.ident is not None:  # started: an interrupted load still finishes
+            loader.join()
+        for engine in loaded:
+            engine.shutdown()
+    if failed:
+        raise failed[0]
+
+
+def _run(app: ASGIApp, drain: Drain, config: ServerConfig, log_level: str,
+         engine: Callable[[], Engine | None],
+         on_start: Callable[[GracefulServer], object] | None = None) -> None:
+    """uvicorn with the graceful shutdown and the engine's watchdog."""
     import uvicorn
 
-    app = create_app(engine, config)
     server = GracefulServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                       timeout_graceful_shutdown=AFTER_GRACE_S),
-        app.state.drain, config.shutdown_grace_s)
+                       lifespan="off", timeout_graceful_shutdown=AFTER_GRACE_S),
+        drain, config.shutdown_grace_s)
+
+    def failure() -> str | None:
+        current = engine()
+        return None if current is None else current.failure
 
     def stop(reason: str) -> None:
         server.should_exit = True
 
-    watchdog = EngineWatchdog(lambda: engine.failure, stop).start()
+    watchdog = EngineWatchdog(failure, stop).start()
+    if on_start is not None:
+        on_start(server)
     try:
         server.run()
     finally:
@@ -579,4 +630,4 @@ def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None
         raise EngineDied(f"the engine stopped serving: {watchdog.reason}")
 
 
-__all__ = ["ServerConfig", "create_app", "serve"]
+__all__ = ["ServerConfig", "create_app", "serve", "serve_loading"]

@@ -488,11 +488,14 @@ class Engine:
         return Prompt(tuple(self.tokenizer.encode_infill(prefix, suffix)))
 
     def prepare_chat(self, messages: Sequence[ChatMessage],
-                     tools: Sequence[Mapping[str, Any]] | None = None) -> Prompt:
+                     tools: Sequence[Mapping[str, Any]] | None = None,
+                     template_kwargs: Mapping[str, Any] | None = None) -> Prompt:
         """Render a conversation with the model's chat template and encode it, reusing
         the exact ids of a remembered earlier turn (service/chat_tokens.py). `tools` are
-        OpenAI tool definitions for templates that show them to the model."""
-        text = self.model.render_chat([dict(m) for m in messages], tools=tools)
+        OpenAI tool definitions for templates that show them to the model;
+        `template_kwargs` more variables for the template (`enable_thinking=False`)."""
+        text = self.model.render_chat([dict(m) for m in messages], tools=tools,
+                                      template_kwargs=template_kwargs)
         return Prompt(tuple(self.turns.encode(text)), chat_text=text)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -546,15 +549,18 @@ class Engine:
         return await self.generate(prompt, params).collect()
 
     def chat(self, messages: Sequence[ChatMessage], params: SamplingParams | None = None,
-             *, tools: Sequence[Mapping[str, Any]] | None = None) -> GenerationStream:
+             *, tools: Sequence[Mapping[str, Any]] | None = None,
+             template_kwargs: Mapping[str, Any] | None = None) -> GenerationStream:
         """Stream the assistant's reply to `messages` ({"role", "content"} dicts, and
         assistant `tool_calls` / `tool` results in Hugging Face's form). `tools`: OpenAI
         tool definitions, shown to the model by its chat template; the calls it writes
         are text, which service.tool_calls parses (`ToolCallParser(format_of_template(
-        engine.model.chat_template), names).reply(...)`, as the server does)."""
+        engine.model.chat_template), names).reply(...)`, as the server does).
+        `template_kwargs`: more template variables (`{"enable_thinking": False}`)."""
         conversation = [dict(m) for m in messages]
-        return GenerationStream(self, lambda: self.prepare_chat(conversation, tools),
-                                params or SamplingParams())
+        return GenerationStream(
+            self, lambda: self.prepare_chat(conversation, tools, template_kwargs),
+            params or SamplingParams())
 
     async def chat_complete(self, messages: Sequence[ChatMessage],
                             params: SamplingParams | None = None, *,

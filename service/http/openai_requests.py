@@ -265,6 +265,18 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None  # checked in `check`
     parallel_tool_calls: bool | None = None
+    # variables for the chat template (Qwen3's `enable_thinking`), as vLLM's; and OpenAI's
+    # `reasoning_effort`, which reaches the template as `reasoning_effort` (templates that
+    # read it, e.g. gpt-oss's, act on it; for the others it changes nothing)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The extra variables for the chat template."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
 
     def check(self) -> None:
         super().check()

@@ -42,6 +42,7 @@ What a client can count on:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import secrets
@@ -58,7 +59,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from eagerlm.dispatch.messages import FinishReason
+from eagerlm.dispatch.reasoning import (
+    ReasoningBlock,
+    ReasoningFormat,
+    ReasoningStream,
+    Split,
+    prompt_opens_reasoning,
+    split_reasoning,
+)
 from eagerlm.errors import EagerLMError, EngineClosed, EngineFailure
+from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.service.api.engine import Engine, GenerationError, MultiStream
 from eagerlm.service.api.metrics import PrometheusText
 from eagerlm.service.api.tool_calls import Reply, ToolCallParser
@@ -220,6 +230,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
     cfg = config or ServerConfig()
     gate = AdmissionGate(cfg.max_concurrency, cfg.max_queue)
     drain = drain or Drain()
+    reasoning_format = ReasoningFormat(cfg.reasoning_format).resolve(
+        engine.model.chat_template)  # dispatch/reasoning.py
     response_counts: dict[tuple[str, int], int] = {}
     started = int(time.time())
     app = FastAPI(title="eagerlm", docs_url=None, redoc_url=None, openapi_url=None)
@@ -351,26 +363,36 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
         check_model(req.model)
         messages, tools = req.template_messages(), req.template_tools
         parser = req.tool_parser(engine.model.chat_template)
+        template_kwargs = req.template_kwargs()
         ticket = admit()
         streams: MultiStream | None = None
         handed_over = False  # a streaming response releases the ticket when it ends
         try:
-            prompt = await _prepare(lambda: engine.prepare_chat(messages, tools))
+            prompt = await _prepare(lambda: engine.prepare_chat(messages, tools,
+                                                                template_kwargs))
+            thinking = _Thinking(reasoning_format, prompt.chat_text)
             max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt.ids),
                                             engine.context_length, None, "messages")
             streams = engine.generate_many(
-                [(prompt, req.sampling_params(max_tokens, i)) for i in range(req.n_choices)])
+                [(prompt, thinking.params(req.sampling_params(max_tokens, i)))
+                 for i in range(req.n_choices)])
             await _admitted_and_started(request, ticket, streams)
             ids = ResponseIds.new("chatcmpl", engine.name)
             if req.stream:
                 events = _chat_events(streams, ids, req.n_choices, req.include_usage,
-                                      parser)
+                                      parser, thinking)
                 handed_over = True
                 return _EventStream(events, ticket, streams, drain)
             completions = await _unless_disconnected(request, streams.collect)
-            replies = [parser.reply(c.text, c.finish_reason is FinishReason.STOP)
-                       if parser is not None else Reply(c.text) for c in completions]
-            return JSONResponse(chat_completion_body(ids, completions, replies))
+            splits = [thinking.split(c.text) for c in completions]
+            replies = [parser.reply(sp.content, c.finish_reason is FinishReason.STOP)
+                       if parser is not None else Reply(sp.content)
+                       for c, sp in zip(completions, splits)]
+            body = chat_completion_body(ids, completions, replies)
+            for choice, sp in zip(body["choices"], splits):
+                if sp.reasoning is not None:
+                    choice["message"]["reasoning_content"] = sp.reasoning
+            return JSONResponse(body)
         except _ClientGone:
             return Response(status_code=499)
         finally:
@@ -493,20 +515,52 @@ async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]
     return results[0]
 
 
+class _Thinking:
+    """One request's reasoning split (dispatch/reasoning.py), or none."""
+
+    def __init__(self, fmt: ReasoningFormat, prompt_text: str | None) -> None:
+        self.on = fmt is ReasoningFormat.DEEPSEEK
+        self.opened = prompt_opens_reasoning(prompt_text)
+
+    def params(self, params: SamplingParams) -> SamplingParams:
+        """Stop strings skip the reasoning (dispatch/token_judge.py)."""
+        if not self.on:
+            return params
+        block = ReasoningBlock.OPEN if self.opened else ReasoningBlock.MAY_OPEN
+        return dataclasses.replace(params, reasoning_block=block)
+
+    def split(self, text: str) -> Split:
+        return split_reasoning(text, self.opened) if self.on else Split(None, text)
+
+    def stream(self) -> ReasoningStream | None:
+        return ReasoningStream(self.opened) if self.on else None
+
+
 async def _chat_events(streams: MultiStream, ids: ResponseIds, n: int,
-                       include_usage: bool, parser: ToolCallParser | None
-                       ) -> AsyncIterator[str]:
-    """Each choice's content as it comes; with tools, text that may be a call is held
-    back (service/tool_calls.py), and the calls follow at the end, one delta each, before
-    the chunk with the finish reason."""
+                       include_usage: bool, parser: ToolCallParser | None,
+                       thinking: _Thinking) -> AsyncIterator[str]:
+    """Each choice's content as it comes, its reasoning as `reasoning_content` deltas
+    (dispatch/reasoning.py); with tools, answer text that may be a call is held back
+    (service/tool_calls.py), and the calls follow at the end, one delta each, before the
+    chunk with the finish reason."""
     splitters = [parser.stream() if parser is not None else None for _ in range(n)]
+    thoughts = [thinking.stream() for _ in range(n)]
     for i in range(n):
         yield _event(chat_chunk_body(ids, i, {"role": "assistant", "content": ""}, None,
                                      include_usage))
     try:
         async for index, chunk in streams:
-            splitter = splitters[index]
-            text = chunk.text if splitter is None else splitter.push(chunk.text)
+            splitter, thought = splitters[index], thoughts[index]
+            reasoning, text = "", chunk.text
+            if thought is not None:
+                reasoning, text = thought.push(text)
+                if chunk.finish_reason is not None:
+                    more_reasoning, more_text = thought.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
+            if reasoning:
+                yield _event(chat_chunk_body(ids, index, {"reasoning_content": reasoning},
+                                             None, include_usage))
+            text = text if splitter is None else splitter.push(text)
             if text or chunk.logprobs:  # tokens that show no text still have logprobs
                 yield _event(chat_chunk_body(ids, index, {"content": text}, None,
                                              include_usage,

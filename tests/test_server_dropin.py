@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -242,3 +243,42 @@ def test_a_load_that_fails_stops_the_server_with_its_error():
     thread.join(15)
     assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], InvalidParameters), errors
+
+
+# -- SSE keep-alive comments -------------------------------------------------------------------
+
+class _Releasable:
+    released = closed = False
+
+    def release(self) -> None:
+        self.released = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_an_idle_stream_gets_keep_alive_comments_between_its_events():
+    from fastapi import FastAPI
+
+    from eagerlm.service.http.server import _EventStream
+    from eagerlm.service.http.shutdown import Drain
+
+    async def slow_events():
+        yield "data: 1\n\n"
+        await anyio.sleep(0.35)  # a long prefill
+        yield "data: 2\n\n"
+
+    held = _Releasable()
+    app = FastAPI()
+
+    @app.get("/events")
+    async def events() -> _EventStream:
+        return _EventStream(slow_events(), held, held, Drain(), keepalive_s=0.1)
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        text = (await http.get("/events")).text
+    blocks = text.split("\n\n")[:-1]
+    assert blocks[0] == "data: 1" and blocks[-1] == "data: 2"
+    assert set(blocks[1:-1]) == {": keep-alive"} and len(blocks[1:-1]) >= 2
+    assert held.released and held.closed

@@ -22,6 +22,8 @@ class ServerConfig:
     # `<think>` blocks split into reasoning_content: auto | none | deepseek
     # (service/api/reasoning.py)
     reasoning_format: str = "auto"
+    # a comment on a stream idle this long, so proxies keep it open (0: never)
+    sse_keepalive_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.reasoning_format not in ("auto", "none", "deepseek"):

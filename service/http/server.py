@@ -169,12 +169,43 @@ class _EventStream(StreamingResponse):
     event and [DONE], as a generation error closes it."""
 
     def __init__(self, events: AsyncIterator[str], ticket: Ticket,
-                 streams: MultiStream, drain: Drain) -> None:
+                 streams: MultiStream, drain: Drain, keepalive_s: float = 0.0) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._ticket = ticket
         self._streams = streams
         self._drain = drain
+        self._keepalive_s = keepalive_s
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, plus a `: keep-alive` comment (which SSE clients skip) whenever no
+        event came for `keepalive_s`: proxies and load balancers close connections idle
+        for a minute or so, and a long prefill sends nothing for that long. The events
+        are produced by a task of their own, so waiting for one never cancels it."""
+        if self._keepalive_s <= 0:
+            await super().stream_response(send)
+            return
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        sender, receiver = anyio.create_memory_object_stream[str](1)
+
+        async def produce() -> None:
+            async with sender:
+                async for event in self.body_iterator:
+                    await sender.send(str(event))
+
+        async with anyio.create_task_group() as tg, receiver:
+            tg.start_soon(produce)
+            while True:
+                event = _KEEPALIVE
+                with anyio.move_on_after(self._keepalive_s):
+                    try:
+                        event = await receiver.receive()
+                    except anyio.EndOfStream:
+                        break
+                await send({"type": "http.response.body", "body": event.encode(),
+                            "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = ended = False
@@ -210,6 +241,7 @@ def _error_event(error: OpenAIError) -> str:
 
 
 _DONE = "data: [DONE]\n\n"
+_KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it
 
 
 class _ErrorResponse(JSONResponse):
@@ -382,7 +414,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
                 events = _chat_events(streams, ids, req.n_choices, req.include_usage,
                                       parser, thinking)
                 handed_over = True
-                return _EventStream(events, ticket, streams, drain)
+                return _EventStream(events, ticket, streams, drain, cfg.sse_keepalive_s)
             completions = await _unless_disconnected(request, streams.collect)
             splits = [thinking.split(c.text) for c in completions]
             replies = [parser.reply(sp.content, c.finish_reason is FinishReason.STOP)
@@ -435,7 +467,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
             if req.stream:
                 events = _completion_events(streams, ids, len(prompts), n, req.include_usage)
                 handed_over = True
-                return _EventStream(events, ticket, streams, drain)
+                return _EventStream(events, ticket, streams, drain, cfg.sse_keepalive_s)
             results = await _unless_disconnected(request, streams.collect)
             groups = [results[i * n:(i + 1) * n] for i in range(len(prompts))]
             return JSONResponse(completion_body(ids, groups))

@@ -147,6 +147,12 @@ class ControlThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def owns_compute(self) -> bool:
+        """Whether the compute stream is this thread's own, running work on a thread
+        (cpu), rather than the backend's, where work is launched by its caller (cuda)."""
+        return self._owns_compute
+
     # -- the thread ---------------------------------------------------------------------
 
     def _run(self) -> None:

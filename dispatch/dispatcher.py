@@ -12,8 +12,9 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from eagerlm.dispatch.control_thread import ControlConfig, ControlThread
 from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
@@ -29,7 +30,7 @@ from eagerlm.dispatch.messages import (
     Submit,
 )
 from eagerlm.dispatch.service_thread import ServiceThread
-from eagerlm.errors import EngineClosed
+from eagerlm.errors import DeviceUnavailable, EngineClosed
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.loader.tokenizer import Tokenizer
@@ -38,6 +39,7 @@ from eagerlm.vmm.kv_layout import KVLayout
 from eagerlm.vmm.page_pool import PagePool
 
 log = logging.getLogger("eagerlm")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,32 @@ class Dispatcher:
         finally:
             if not done:  # the caller stopped iterating early
                 self.cancel(rid)
+
+    def call_between_rounds(self, work: Callable[[], T]) -> T:
+        """Run `work` (device work outside any session, e.g. an embedding's forward) in the
+        compute stream's order, between two rounds, and wait for its result. Only where
+        the stream runs the work on a thread of its own (cpu): there the ops are never used
+        by two threads at once. On cuda the host side would run here, beside the control
+        thread's launches: DeviceUnavailable until that is done through the control thread."""
+        if self._closed:
+            raise EngineClosed("the engine is shut down")
+        if not self.control.owns_compute:
+            raise DeviceUnavailable("this runs on the cpu backend only for now")
+        results: list[T] = []
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                results.append(work())
+            except BaseException as e:  # raised on the caller's thread, not the stream's
+                errors.append(e)
+
+        compute = self.control.compute
+        compute.launch(run)
+        compute.record(self.device.event(timing=False)).synchronize()
+        if errors:
+            raise errors[0]
+        return results[0]
 
     @property
     def failure(self) -> str | None:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 
 from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
@@ -48,6 +49,7 @@ from eagerlm.loader.config import RopeOverride
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.tokenizer import Tokenizer
 from eagerlm.service.api.chat_tokens import DEFAULT_MAX_TURNS, TurnMemory
+from eagerlm.service.api.embeddings import Pooling, embed_ids, file_pooling
 from eagerlm.service.api.loop_bridge import LoopWaker
 from eagerlm.service.api.metrics import EngineMetrics, PrometheusText, recent_steady_bubble
 from eagerlm.service.api.model_loading import (
@@ -578,6 +580,32 @@ class Engine:
         """Drop cached prefixes and wait until every free page is back in the pool
         (blocking; after all requests have finished, every page is free)."""
         self.dispatcher.flush()
+
+    @property
+    def pooling(self) -> Pooling | None:
+        """How the model file says to pool its embeddings (None: not an embedding model;
+        `embed` then pools by mean)."""
+        return file_pooling(self.model)
+
+    def embed(self, inputs: Sequence[str | Sequence[int]],
+              pooling: Pooling | None = None) -> list[np.ndarray]:
+        """Unit-length float32 embeddings of texts or token-id lists (blocking; the
+        server runs it on a worker thread). `pooling` defaults to the file's, else mean
+        (service/api/embeddings.py). Runs between the dispatcher's rounds."""
+        how = pooling or self.pooling or Pooling.MEAN
+        transformer = self.loaded.transformer
+        out = []
+        for item in inputs:
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
+            if len(ids) > self.context_length:
+                raise InvalidParameters(f"an input has {len(ids)} tokens but the context "
+                                        f"holds {self.context_length}", param="input")
+            bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
+            if bad is not None:
+                raise InvalidParameters(f"token {bad} is not in the vocabulary", param="input")
+            out.append(self.dispatcher.call_between_rounds(
+                lambda ids=ids: embed_ids(transformer, ids, how)))
+        return out
 
     def write_metrics(self, out: PrometheusText) -> None:
         self.metrics.write(out)

@@ -202,7 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                           shutdown_grace_s=args.shutdown_grace,
                           reasoning_format=args.reasoning_format,
-                          sse_keepalive_s=args.sse_keepalive)
+                          sse_keepalive_s=args.sse_keepalive, embeddings=args.embeddings)
     settings: dict[str, object] = {"max_batch": args.max_batch}
     if args.served_model_name:
         settings["model_name"] = args.served_model_name
@@ -399,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"a comment line on a stream idle this long, so proxies keep it "
                         f"open through a long prefill (default {srv.sse_keepalive_s:g}; 0: "
                         f"never)")
+    s.add_argument("--embeddings", action="store_true",
+                   help="serve /v1/embeddings for this model too, as llama-server's flag "
+                        "(mean pooling unless the file says otherwise; embedding GGUFs are "
+                        "served without it)")
     s.set_defaults(func=cmd_serve)
     apply_env_defaults(s)  # every option also from EAGERLM_<OPTION> (service/cli/env_settings.py)
 

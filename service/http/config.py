@@ -24,6 +24,9 @@ class ServerConfig:
     reasoning_format: str = "auto"
     # a comment on a stream idle this long, so proxies keep it open (0: never)
     sse_keepalive_s: float = 15.0
+    # serve /v1/embeddings for any model (mean pooling unless the file says otherwise);
+    # embedding GGUFs (a pooling type in the file) are served without it
+    embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.reasoning_format not in ("auto", "none", "deepseek"):

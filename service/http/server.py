@@ -77,6 +77,7 @@ from eagerlm.service.http.admission import AdmissionGate, QueueFull, Ticket
 from eagerlm.service.http.config import ServerConfig
 from eagerlm.service.http.liveness import EngineDied, EngineWatchdog
 from eagerlm.service.http.loading import WhileLoading
+from eagerlm.service.http.openai_embeddings import embedding_body, parse_embedding_request
 from eagerlm.service.http.openai_errors import OpenAIError, bad_request, brief
 from eagerlm.service.http.openai_requests import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -159,7 +160,8 @@ class _ResponseCounter:
             raise
 
 
-_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings",
+           "/health", "/metrics")
 
 
 class _EventStream(StreamingResponse):
@@ -432,6 +434,34 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
                 if streams is not None:
                     streams.close()
                 ticket.release()
+
+    @app.post("/v1/embeddings", dependencies=[Depends(authorize)])
+    async def embeddings(request: Request) -> Response:
+        req = parse_embedding_request(await read_json(request, cfg.max_body_bytes))
+        check_model(req.model)
+        if not (cfg.embeddings or engine.pooling is not None):
+            raise bad_request("This model is not an embedding model (its file declares no "
+                              "pooling); start the server with --embeddings to embed with "
+                              "it (mean pooling).", param="model",
+                              code="unsupported_parameter")
+        width = engine.model.config.d_model
+        if req.dimensions is not None and req.dimensions != width:
+            raise bad_request(f"'dimensions' must be this model's {width}.",
+                              param="dimensions", code="unsupported_parameter")
+        items = req.inputs()
+        ids = await _prepare(lambda: [engine.tokenizer.encode(x) if isinstance(x, str)
+                                      else x for x in items])
+        ticket = admit()
+        try:
+            await _unless_disconnected(request, ticket.wait)
+            vectors = await _unless_disconnected(
+                request, lambda: anyio.to_thread.run_sync(engine.embed, ids))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            ticket.release()
+        return JSONResponse(embedding_body(engine.name, vectors, sum(map(len, ids)),
+                                           req.encoding_format))
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:

@@ -69,3 +69,11 @@ def test_a_bad_environment_value_is_a_usage_error_naming_the_variable(env, capsy
         serve_parser(env)
     assert e.value.code == 2
     assert next(iter(env)) in capsys.readouterr().err
+
+
+def test_the_new_serve_flags_default_to_the_servers_config():
+    from eagerlm.service.http.config import ServerConfig
+
+    args = parse("serve")
+    assert (args.reasoning_format, args.sse_keepalive, args.embeddings) == (
+        ServerConfig.reasoning_format, ServerConfig.sse_keepalive_s, ServerConfig.embeddings)

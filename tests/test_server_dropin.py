@@ -6,6 +6,7 @@ engine's thread has died."""
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -282,3 +283,66 @@ async def test_an_idle_stream_gets_keep_alive_comments_between_its_events():
     assert blocks[0] == "data: 1" and blocks[-1] == "data: 2"
     assert set(blocks[1:-1]) == {": keep-alive"} and len(blocks[1:-1]) >= 2
     assert held.released and held.closed
+
+
+class SlotTaken:
+    """The server's one slot held by a long request from another thread (the gate is the
+    server loop's: it is only touched through requests)."""
+
+    def __init__(self, server: LiveServer) -> None:
+        self.server = server
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        httpx.post(self.server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": True})
+
+    def __enter__(self) -> SlotTaken:
+        gate = self.server.app.state.gate
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while gate.active == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.join(60)
+
+
+def data_events(text: str) -> list[dict | str]:
+    """The data events of a stream, without what differs between two runs."""
+    out: list[dict | str] = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else
+                       {k: v for k, v in json.loads(data).items() if k not in ("id", "created")})
+    return out
+
+
+def test_a_stream_queued_for_a_slot_gets_keep_alives_then_its_events(engine):
+    app = create_app(engine, ServerConfig(max_concurrency=1, sse_keepalive_s=0.02))
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True,
+            "temperature": 0}
+    with LiveServer(app) as server:
+        alone = httpx.post(server.url + "/v1/completions", json=body, timeout=30).text
+        with SlotTaken(server):
+            queued = httpx.post(server.url + "/v1/completions", json=body, timeout=60).text
+    blocks = [b for b in queued.split("\n\n") if b]
+    first_data = next(i for i, b in enumerate(blocks) if b.startswith("data: "))
+    assert first_data >= 2 and set(blocks[:first_data]) == {": keep-alive"}
+    assert data_events(queued) == data_events(alone)
+    assert app.state.gate.active == 0 and app.state.gate.queued == 0
+
+
+def test_a_queued_stream_the_engine_refuses_ends_with_an_error_event(engine):
+    app = create_app(engine, ServerConfig(max_concurrency=1, sse_keepalive_s=0.02))
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True,
+            "logit_bias": {"1000000": 1}}
+    with LiveServer(app) as server, SlotTaken(server):
+        text = httpx.post(server.url + "/v1/completions", json=body, timeout=60).text
+    events = data_events(text)
+    assert events[0]["error"]["param"] == "logit_bias"
+    assert events[-1] == "[DONE]"
+    assert app.state.gate.active == 0 and app.state.gate.queued == 0

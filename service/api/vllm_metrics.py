@@ -9,7 +9,7 @@ engine really measures is written, with vLLM's meaning:
 |---|---|
 | `vllm:num_requests_running` | requests with a token already (decoding) |
 | `vllm:num_requests_waiting` | requests with no token yet, plus HTTP requests queued |
-| `vllm:kv_cache_usage_perc` | KV pages in use / pages in the pool (a fraction, as vLLM's) |
+| `vllm:kv_cache_usage_perc` | KV pages mapped / pages in the pool (a fraction, as vLLM's) |
 | `vllm:time_to_first_token_seconds` | `EngineMetrics.ttft` |
 | `vllm:inter_token_latency_seconds` | `EngineMetrics.itl` |
 | `vllm:e2e_request_latency_seconds` | `EngineMetrics.duration` |
@@ -17,6 +17,9 @@ engine really measures is written, with vLLM's meaning:
 | `vllm:prefix_cache_queries_total` | prompt tokens submitted (tokens, as vLLM counts) |
 | `vllm:prefix_cache_hits_total` | prompt tokens whose KV came from the prefix cache |
 | `vllm:request_success_total{finished_reason}` | finished requests by reason |
+
+Pages held by cached prefixes count as in use (vLLM counts its evictable cached blocks as
+free), so after traffic the ratio overstates what new requests would have to evict first.
 
 The exposition stays eagerlm's hand-written `PrometheusText` rather than prometheus-client:
 every value here is a snapshot of counters the engine already keeps under one lock, so

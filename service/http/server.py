@@ -410,11 +410,15 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
             streams = engine.generate_many(
                 [(prompt, thinking.params(req.sampling_params(max_tokens, i)))
                  for i in range(req.n_choices)])
-            await _admitted_and_started(request, ticket, streams)
+            queued = _streams_while_queued(req.stream, ticket, cfg)
+            if not queued:
+                await _admitted_and_started(request, ticket, streams)
             ids = ResponseIds.new("chatcmpl", engine.name)
             if req.stream:
                 events = _chat_events(streams, ids, req.n_choices, req.include_usage,
                                       parser, thinking)
+                if queued:
+                    events = _after_admission(ticket, streams, events)
                 handed_over = True
                 return _EventStream(events, ticket, streams, drain, cfg.sse_keepalive_s)
             completions = await _unless_disconnected(request, streams.collect)
@@ -492,10 +496,14 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
                                                 COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
                 requests += [(p, req.sampling_params(max_tokens, i)) for i in range(n)]
             streams = engine.generate_many(requests)
-            await _admitted_and_started(request, ticket, streams)
+            queued = _streams_while_queued(req.stream, ticket, cfg)
+            if not queued:
+                await _admitted_and_started(request, ticket, streams)
             ids = ResponseIds.new("cmpl", engine.name)
             if req.stream:
                 events = _completion_events(streams, ids, len(prompts), n, req.include_usage)
+                if queued:
+                    events = _after_admission(ticket, streams, events)
                 handed_over = True
                 return _EventStream(events, ticket, streams, drain, cfg.sse_keepalive_s)
             results = await _unless_disconnected(request, streams.collect)
@@ -544,6 +552,30 @@ async def _admitted_and_started(request: Request, ticket: Ticket,
         await ticket.wait()
         await streams.start()  # a request the engine refuses raises an EagerLMError
     await _unless_disconnected(request, run)
+
+
+def _streams_while_queued(stream: bool | None, ticket: Ticket, cfg: ServerConfig) -> bool:
+    """Whether a streamed request that must wait for a slot starts its response now, so
+    that keep-alive comments flow while it is queued (proxies close a connection that
+    sends nothing, headers included, for a minute or so). The price: a request the engine
+    refuses once admitted gets an in-band error event instead of a 4xx."""
+    return bool(stream) and not ticket.admitted and cfg.sse_keepalive_s > 0
+
+
+async def _after_admission(ticket: Ticket, streams: MultiStream,
+                           events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events` once the ticket holds a slot and the requests are submitted; a refusal
+    (an `EagerLMError`) as an error event and [DONE]. The client leaving while queued is
+    seen at the next keep-alive, which cancels this."""
+    try:
+        await ticket.wait()
+        await streams.start()
+    except EagerLMError as e:
+        yield _error_event(_as_openai_error(e))
+        yield _DONE
+        return
+    async for event in events:
+        yield event
 
 
 async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:

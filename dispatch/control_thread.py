@@ -29,6 +29,7 @@ import numpy as np
 from eagerlm.dispatch.messages import (
     AddSession,
     ControlStopped,
+    DeviceCall,
     Flush,
     RoundDone,
     RoundTrace,
@@ -147,12 +148,6 @@ class ControlThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    @property
-    def owns_compute(self) -> bool:
-        """Whether the compute stream is this thread's own, running work on a thread
-        (cpu), rather than the backend's, where work is launched by its caller (cuda)."""
-        return self._owns_compute
-
     # -- the thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -220,6 +215,8 @@ class ControlThread:
                     self.cache.clear()
                 self._drain_device()
                 msg.done.set()
+            elif isinstance(msg, DeviceCall):
+                self.compute.launch(msg)  # in order after the rounds launched so far
 
     def _add(self, msg: AddSession) -> None:
         s = Session(msg.session_id, list(msg.prompt_ids), msg.params, msg.max_new_tokens)

@@ -21,6 +21,7 @@ from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabu
 from eagerlm.dispatch.kv_capacity import KVCapacity, plan_capacity
 from eagerlm.dispatch.messages import (
     Cancel,
+    DeviceCall,
     Flush,
     Output,
     OutputSink,
@@ -30,7 +31,7 @@ from eagerlm.dispatch.messages import (
     Submit,
 )
 from eagerlm.dispatch.service_thread import ServiceThread
-from eagerlm.errors import DeviceUnavailable, EngineClosed
+from eagerlm.errors import EngineClosed
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.loader.tokenizer import Tokenizer
@@ -126,30 +127,19 @@ class Dispatcher:
                 self.cancel(rid)
 
     def call_between_rounds(self, work: Callable[[], T]) -> T:
-        """Run `work` (device work outside any session, e.g. an embedding's forward) in the
-        compute stream's order, between two rounds, and wait for its result. Only where
-        the stream runs the work on a thread of its own (cpu): there the ops are never used
-        by two threads at once. On cuda the host side would run here, beside the control
-        thread's launches: DeviceUnavailable until that is done through the control thread."""
+        """Run `work` (device work outside any session, e.g. an embedding's forward) on the
+        compute stream between two rounds, launched by the control thread (`DeviceCall`),
+        and wait for its result. Rounds go on before and after it."""
         if self._closed:
             raise EngineClosed("the engine is shut down")
-        if not self.control.owns_compute:
-            raise DeviceUnavailable("this runs on the cpu backend only for now")
-        results: list[T] = []
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                results.append(work())
-            except BaseException as e:  # raised on the caller's thread, not the stream's
-                errors.append(e)
-
-        compute = self.control.compute
-        compute.launch(run)
-        compute.record(self.device.event(timing=False)).synchronize()
-        if errors:
-            raise errors[0]
-        return results[0]
+        call = DeviceCall(work)
+        self.control.inbox.put(call)
+        while not call.done.wait(0.05):
+            if self.failure is not None:  # the control thread will never run it
+                raise EngineClosed(f"the engine cannot serve: {self.failure}")
+        if call.error:
+            raise call.error[0]
+        return call.result[0]  # type: ignore[return-value]
 
     @property
     def failure(self) -> str | None:

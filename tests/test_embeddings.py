@@ -148,3 +148,13 @@ def test_pooling_type_is_written_and_read_as_llama_cpp_does(embedding_model):
     field = GGUFReader(embedding_model).get_field("qwen3.pooling_type")
     assert field is not None and int(field.contents()) == 3
     assert tiny_spec("qwen3").pooling_type is None  # chat models write no key
+
+
+def test_embed_on_an_engine_that_cannot_serve_raises_instead_of_waiting(embedding_model):
+    from eagerlm.errors import EngineClosed
+    from tests.test_server_dropin import kill_control_thread
+
+    with load(embedding_model) as engine:
+        kill_control_thread(engine)
+        with pytest.raises(EngineClosed, match="injected failure"):
+            engine.embed(["hello"])

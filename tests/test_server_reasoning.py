@@ -11,6 +11,7 @@ whole), the stop logic skipping the reasoning, `chat_template_kwargs` (Qwen3's
 from __future__ import annotations
 
 import json
+import logging
 import random
 
 import httpx
@@ -286,10 +287,15 @@ def test_chat_template_kwargs_reach_the_template(client, engine):
     assert usage[1] > usage[0]
 
 
-def test_reasoning_effort_is_accepted_and_reaches_the_template(client, engine):
-    r = client.chat.completions.create(model=MODEL, messages=HI, reasoning_effort="low",
-                                       **forcing(engine, THINK_REPLY))
+def test_reasoning_effort_is_accepted_and_reaches_the_template(client, engine, caplog):
+    with caplog.at_level(logging.INFO, logger="eagerlm.server"):
+        r = client.chat.completions.create(model=MODEL, messages=HI, reasoning_effort="low",
+                                           **forcing(engine, THINK_REPLY))
     assert r.choices[0].message.content == ANSWER
+    # Qwen3's template never reads it: said once in the log (once per process)
+    assert sum("'reasoning_effort'" in m for m in caplog.messages) <= 1
+    spy = engine.prepare_chat(HI, template_kwargs={"reasoning_effort": "low"})
+    assert spy.chat_text == engine.prepare_chat(HI).chat_text
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=HI,
                                        extra_body={"reasoning_effort": "extreme"})

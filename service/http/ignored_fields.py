@@ -10,6 +10,9 @@ vLLM's scheduling `priority`. Refusing them (a 400) breaks such clients for noth
 are dropped, and each name is logged once per process, so an operator can see what clients
 send without a log line per request.
 
+`reasoning_effort` reaches the chat template, which may act on it; for a template that
+never reads it, it changes nothing and is logged the same way (`log_once`).
+
 Fields that would change the output (`audio`, `functions`, `web_search_options`,
 `verbosity`, ...) are not here: they stay 400s naming the field
 (service/http/openai_requests.py).
@@ -35,13 +38,17 @@ def is_ignored(field: str) -> bool:
     """True for a field to drop (and log the first time this process sees it)."""
     if field not in IGNORED_FIELDS:
         return False
+    log_once(field, "it cannot change the output")
+    return True
+
+
+def log_once(field: str, why: str) -> None:
+    """Say once per process that `field` is ignored, and why."""
     with _lock:
         first = field not in _logged
         _logged.add(field)
     if first:
-        log.info("ignoring the request field %r: it cannot change the output (logged once)",
-                 field)
-    return True
+        log.info("ignoring the request field %r: %s (logged once)", field, why)
 
 
-__all__ = ["IGNORED_FIELDS", "is_ignored"]
+__all__ = ["IGNORED_FIELDS", "is_ignored", "log_once"]

@@ -75,6 +75,7 @@ from eagerlm.service.api.tool_calls import Reply, ToolCallParser
 from eagerlm.service.api.vllm_metrics import VllmGauges, write_vllm_metrics
 from eagerlm.service.http.admission import AdmissionGate, QueueFull, Ticket
 from eagerlm.service.http.config import ServerConfig
+from eagerlm.service.http.ignored_fields import log_once
 from eagerlm.service.http.liveness import EngineDied, EngineWatchdog
 from eagerlm.service.http.loading import WhileLoading
 from eagerlm.service.http.openai_embeddings import embedding_body, parse_embedding_request
@@ -398,6 +399,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
         messages, tools = req.template_messages(), req.template_tools
         parser = req.tool_parser(engine.model.chat_template)
         template_kwargs = req.template_kwargs()
+        if ("reasoning_effort" in template_kwargs
+                and "reasoning_effort" not in engine.model.chat_template.variables):
+            log_once("reasoning_effort", "this model's chat template does not read it")
         ticket = admit()
         streams: MultiStream | None = None
         handed_over = False  # a streaming response releases the ticket when it ends

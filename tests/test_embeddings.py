@@ -158,3 +158,39 @@ def test_embed_on_an_engine_that_cannot_serve_raises_instead_of_waiting(embeddin
         kill_control_thread(engine)
         with pytest.raises(EngineClosed, match="injected failure"):
             engine.embed(["hello"])
+
+
+def test_on_the_emulated_gpu_embeddings_run_between_rounds_as_on_the_cpu(tmp_path):
+    """The cuda backend: the control thread launches the embedding's forward between two
+    rounds (its matrices are bf16 there, hence the tolerance), and a generation running
+    meanwhile gives the tokens it gives alone."""
+    from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.sampling import SamplingParams
+    from eagerlm.loader.model_file import ModelFile
+    from eagerlm.service.api.embeddings import embed_ids
+    from eagerlm.vmm.device import open_device
+    from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
+
+    path = write_synthetic_model(tmp_path / "emb.gguf",
+                                 tiny_spec("qwen3", context_length=128, pooling_type=3))
+    with emulated_gpu_for_test(row_exact_gemm=True):
+        gpu = open_device("cuda")
+        model = ModelFile.open(path)
+        tf = cuda_transformer(model, ops=CudaOps(gpu))
+        d = Dispatcher(gpu, tf, model.tokenizer, DispatcherConfig(memory_fraction=0.05))
+        try:
+            ids = model.tokenizer.encode(TEXTS[0])
+            params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+            alone = [t for o in d.stream([1, 2, 3], params) for t in o.token_ids]
+            stream = d.stream([1, 2, 3], params)
+            first = next(stream)
+            for pooling in (Pooling.LAST, Pooling.MEAN):
+                v = d.call_between_rounds(lambda p=pooling: embed_ids(tf, ids, p))
+                np.testing.assert_allclose(v, reference_embedding(str(path), ids, pooling),
+                                           atol=5e-3)
+            assert first.token_ids + [t for o in stream for t in o.token_ids] == alone
+        finally:
+            d.shutdown()
+            gpu.close()

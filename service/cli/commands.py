@@ -353,10 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve the model over HTTP with OpenAI's API: GET /v1/models, POST "
-                    "/v1/completions and /v1/chat/completions (streaming or not), plus GET "
-                    "/health and GET /metrics (Prometheus). Requests beyond "
+                    "/v1/completions and /v1/chat/completions (streaming or not), "
+                    "/v1/embeddings (embedding models, or any with --embeddings), plus GET "
+                    "/health (503 while loading or once the engine cannot serve) and GET "
+                    "/metrics (Prometheus; eagerlm's and vLLM's names). Requests beyond "
                     "--max-concurrency wait in a queue of --max-queue; beyond that the "
-                    "server answers 429.")
+                    "server answers 429. Every option can also be set by an environment "
+                    "variable: EAGERLM_ and the long flag in capitals (EAGERLM_PORT, "
+                    "EAGERLM_MAX_CONCURRENCY, EAGERLM_MODEL...); the command line wins.")
     engine_args(s)
     srv = ServerConfig
     s.add_argument("--host", default=srv.host,

@@ -29,6 +29,7 @@ import numpy as np
 from eagerlm.dispatch.messages import (
     AddSession,
     ControlStopped,
+    DeviceCall,
     Flush,
     RoundDone,
     RoundTrace,
@@ -143,6 +144,10 @@ class ControlThread:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     # -- the thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -210,6 +215,8 @@ class ControlThread:
                     self.cache.clear()
                 self._drain_device()
                 msg.done.set()
+            elif isinstance(msg, DeviceCall):
+                self.compute.launch(msg)  # in order after the rounds launched so far
 
     def _add(self, msg: AddSession) -> None:
         s = Session(msg.session_id, list(msg.prompt_ids), msg.params, msg.max_new_tokens)

@@ -12,14 +12,16 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from eagerlm.dispatch.control_thread import ControlConfig, ControlThread
 from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
 from eagerlm.dispatch.kv_capacity import KVCapacity, plan_capacity
 from eagerlm.dispatch.messages import (
     Cancel,
+    DeviceCall,
     Flush,
     Output,
     OutputSink,
@@ -38,6 +40,7 @@ from eagerlm.vmm.kv_layout import KVLayout
 from eagerlm.vmm.page_pool import PagePool
 
 log = logging.getLogger("eagerlm")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,34 @@ class Dispatcher:
         finally:
             if not done:  # the caller stopped iterating early
                 self.cancel(rid)
+
+    def call_between_rounds(self, work: Callable[[], T]) -> T:
+        """Run `work` (device work outside any session, e.g. an embedding's forward) on the
+        compute stream between two rounds, launched by the control thread (`DeviceCall`),
+        and wait for its result. Rounds go on before and after it."""
+        if self._closed:
+            raise EngineClosed("the engine is shut down")
+        call = DeviceCall(work)
+        self.control.inbox.put(call)
+        while not call.done.wait(0.05):
+            if self.failure is not None:  # the control thread will never run it
+                raise EngineClosed(f"the engine cannot serve: {self.failure}")
+        if call.error:
+            raise call.error[0]
+        return call.result[0]  # type: ignore[return-value]
+
+    @property
+    def failure(self) -> str | None:
+        """Why this dispatcher can no longer serve, or None while it can: shut down, a
+        thread gone (a bug that escaped it), or a device failure the threads reported.
+        Read by the server's /health and its watchdog (service/http/liveness.py)."""
+        if self._closed:
+            return "the engine is shut down"
+        if not self.control.alive:
+            return self.service.failure or "the control thread has stopped"
+        if not self.service.alive:
+            return "the service thread has stopped"
+        return self.service.failure
 
     def flush(self, timeout: float = 30.0) -> None:
         """Drop cached prefixes and return every free page to the pool (waits)."""

@@ -96,6 +96,27 @@ class Flush:
     done: threading.Event
 
 
+@dataclass
+class DeviceCall:
+    """Device work outside any session (an embedding's forward), which the control thread
+    launches on its compute stream between two rounds: the ops are then used by one
+    thread at a time on either backend (cpu: the stream's thread; cuda: the control
+    thread, which launches). `done` is set once `work` has run, its result or error kept."""
+
+    work: Callable[[], object]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: list[object] = field(default_factory=list)
+    error: list[BaseException] = field(default_factory=list)
+
+    def __call__(self) -> None:
+        try:
+            self.result.append(self.work())
+        except BaseException as e:  # handed to the caller, not the stream's thread
+            self.error.append(e)
+        finally:
+            self.done.set()
+
+
 # -- control thread -> service thread --------------------------------------------------
 
 @dataclass

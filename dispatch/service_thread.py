@@ -88,6 +88,11 @@ class ServiceThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def failure(self) -> str | None:
+        """Why this thread fails every request now (a dead device or control thread)."""
+        return self._dead
+
     # -- the thread ---------------------------------------------------------------------
 
     def _run(self) -> None:

@@ -57,6 +57,16 @@ class Transformer(Generic[A]):
         """Run the batch through the model, append its K/V to the sessions' caches, and
         return the logits `[len(batch.logit_rows), vocab]`."""
         cfg, w, ops = self.config, self.weights, self.ops
+        h = self.hidden_states(batch)
+        logits = ops.linear(ops.rows(h, batch.logit_rows), w.output)
+        if cfg.final_logit_softcap:
+            logits = ops.softcap(logits, cfg.final_logit_softcap)
+        return logits
+
+    def hidden_states(self, batch: ForwardBatch) -> A:
+        """The final-normed hidden states of every row, `[len(batch.tokens), d_model]`:
+        what the lm head reads, and what embedding models pool (service/api/embeddings.py)."""
+        cfg, w, ops = self.config, self.weights, self.ops
         x = ops.embed(w.token_embd, batch.tokens, cfg.embedding_scale)
         h = ops.rms_norm(x, w.layers[0].attn_norm, cfg.norm_eps)
         for i, lw in enumerate(w.layers):
@@ -69,10 +79,7 @@ class Transformer(Generic[A]):
                 f = ops.rms_norm(f, lw.post_ffn_norm, cfg.norm_eps)
             next_norm = w.layers[i + 1].attn_norm if i + 1 < cfg.n_layers else w.output_norm
             x, h = ops.add_rms_norm(x, f, next_norm, cfg.norm_eps)
-        logits = ops.linear(ops.rows(h, batch.logit_rows), w.output)
-        if cfg.final_logit_softcap:
-            logits = ops.softcap(logits, cfg.final_logit_softcap)
-        return logits
+        return h
 
     def _attention(self, i: int, lw: LayerWeights[A], h: A, batch: ForwardBatch) -> A:
         cfg, ops = self.config, self.ops

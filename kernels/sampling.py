@@ -112,6 +112,9 @@ class SamplingParams:
     # added to the logits before everything else, greedy included (OpenAI's logit_bias);
     # given as a mapping or pairs, kept as (token id, bias) pairs sorted by id
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # a reasoning model's `<think>` block, which stop strings skip (dispatch/reasoning.py):
+    # "" none, "may_open" the reply may open one, "open" the prompt opened it
+    reasoning_block: str = ""
 
     def __post_init__(self) -> None:
         def fail(field: str, allowed: str) -> None:
@@ -150,6 +153,8 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+        if self.reasoning_block not in ("", "may_open", "open"):
+            fail("reasoning_block", "'', 'may_open' or 'open'")
         object.__setattr__(self, "logit_bias", _canonical_logit_bias(self.logit_bias))
         # Canonical types, so equal parameters compare and hash equal.
         for name, kind in (("max_tokens", int), ("temperature", float), ("top_k", int),

@@ -73,15 +73,22 @@ class ModelFile:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt text for a conversation, ready for `tokenizer.encode` (which adds
         BOS itself when the model wants one, so the template's BOS is not doubled).
 
         `tools` (OpenAI's `{"type": "function", "function": {...}}` entries) reach the
         template as its `tools` variable; without any, the variable stays undefined, as it
-        always was for conversations without tools."""
+        always was for conversations without tools. `template_kwargs` are more variables
+        (e.g. Qwen3's `enable_thinking`), as Hugging Face's `apply_chat_template` takes them;
+        the names the renderer sets itself win."""
         tok = self.tokenizer
-        extra = {"tools": [dict(t) for t in tools]} if tools else {}
+        extra = dict(template_kwargs or {})
+        for name in ("add_generation_prompt", "bos_token", "eos_token", "messages"):
+            extra.pop(name, None)
+        if tools:
+            extra["tools"] = [dict(t) for t in tools]
         return self.chat_template.render_for_tokenizer(
             messages, tokenizer_adds_bos=tok.add_bos,
             bos_text=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",

@@ -143,6 +143,9 @@ class SyntheticSpec:
     uniform_init: bool = False
     chat_template: str | None = None
     extra_specials: tuple[str, ...] = field(default=())
+    # {arch}.pooling_type, llama.cpp's enum (1 mean, 2 CLS, 3 last): an embedding model;
+    # None writes no key
+    pooling_type: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -338,6 +341,8 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> 
         add_metadata(w, key, value)
     if spec.chat_template is not None:
         w.add_chat_template(spec.chat_template)
+    if spec.pooling_type is not None:
+        w.add_uint32(f"{arch}.pooling_type", spec.pooling_type)
 
     rng = np.random.default_rng(spec.seed)
     plan = []

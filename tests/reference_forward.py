@@ -61,6 +61,20 @@ def _rope(v: np.ndarray, pos: int, base: float, neox: bool) -> np.ndarray:
 def reference_logits(path: str, tokens: list[int]) -> np.ndarray:
     """Logits `[len(tokens), vocab]` for every position of one sequence, in float64."""
     hp, W = load(path)
+    hidden = reference_hidden_states(path, tokens, (hp, W))
+    out_w = W.get("output.weight", W["token_embd.weight"])
+    logits = hidden @ out_w.T
+    if hp["softcap"]:
+        logits = np.tanh(logits / hp["softcap"]) * hp["softcap"]
+    return logits
+
+
+def reference_hidden_states(path: str, tokens: list[int],
+                            loaded: tuple[dict, dict[str, np.ndarray]] | None = None
+                            ) -> np.ndarray:
+    """The output-normed hidden states `[len(tokens), d]` of one sequence, in float64:
+    what the lm head reads and embedding models pool."""
+    hp, W = loaded or load(path)
     arch, n_layers, d, H, KV, hd, eps = (hp[k] for k in
                                          ("arch", "n_layers", "d", "n_heads", "n_kv", "hd", "eps"))
     gemma = arch == "gemma3"
@@ -118,8 +132,4 @@ def reference_logits(path: str, tokens: list[int]) -> np.ndarray:
             if gemma:
                 f = _rms(f, W[p + "post_ffw_norm.weight"], eps)
             x[t] = x[t] + f
-    out_w = W.get("output.weight", W["token_embd.weight"])
-    logits = np.stack([out_w @ _rms(x[t], W["output_norm.weight"], eps) for t in range(T)])
-    if hp["softcap"]:
-        logits = np.tanh(logits / hp["softcap"]) * hp["softcap"]
-    return logits
+    return np.stack([_rms(x[t], W["output_norm.weight"], eps) for t in range(T)])

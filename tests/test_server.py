@@ -867,7 +867,7 @@ def test_metrics_are_prometheus_text_with_the_promised_series(server, client):
                      r"[1-9]", text, re.MULTILINE)
     for line in text.splitlines():  # every sample line is NAME{labels} NUMBER
         if line and not line.startswith("#"):
-            assert re.fullmatch(r'[a-z_]+(\{[^}]*\})? [-+0-9.eInf]+', line), line
+            assert re.fullmatch(r'[a-z_:][a-z0-9_:]*(\{[^}]*\})? [-+0-9.eInf]+', line), line
 
 
 # -- the `eagerlm serve` command --------------------------------------------------------------

@@ -206,8 +206,8 @@ def test_tools_calls_and_tool_results_reach_the_template(client, engine, server,
     prompts: list[str] = []
     prepare = engine.prepare_chat
 
-    def spy(messages, tools=None):
-        prompt = prepare(messages, tools)
+    def spy(messages, tools=None, template_kwargs=None):
+        prompt = prepare(messages, tools, template_kwargs)
         prompts.append(prompt.chat_text)
         return prompt
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 
 from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
@@ -48,6 +49,7 @@ from eagerlm.loader.config import RopeOverride
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.tokenizer import Tokenizer
 from eagerlm.service.api.chat_tokens import DEFAULT_MAX_TURNS, TurnMemory
+from eagerlm.service.api.embeddings import Pooling, embed_ids, file_pooling
 from eagerlm.service.api.loop_bridge import LoopWaker
 from eagerlm.service.api.metrics import EngineMetrics, PrometheusText, recent_steady_bubble
 from eagerlm.service.api.model_loading import (
@@ -459,6 +461,12 @@ class Engine:
         return self.dispatcher.context_length
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer serve (shut down, a dispatcher thread dead, a
+        failed device), or None while it can."""
+        return self.dispatcher.failure
+
+    @property
     def active_requests(self) -> int:
         """Requests submitted and not yet finished."""
         return self.metrics.running
@@ -482,11 +490,14 @@ class Engine:
         return Prompt(tuple(self.tokenizer.encode_infill(prefix, suffix)))
 
     def prepare_chat(self, messages: Sequence[ChatMessage],
-                     tools: Sequence[Mapping[str, Any]] | None = None) -> Prompt:
+                     tools: Sequence[Mapping[str, Any]] | None = None,
+                     template_kwargs: Mapping[str, Any] | None = None) -> Prompt:
         """Render a conversation with the model's chat template and encode it, reusing
         the exact ids of a remembered earlier turn (service/chat_tokens.py). `tools` are
-        OpenAI tool definitions for templates that show them to the model."""
-        text = self.model.render_chat([dict(m) for m in messages], tools=tools)
+        OpenAI tool definitions for templates that show them to the model;
+        `template_kwargs` more variables for the template (`enable_thinking=False`)."""
+        text = self.model.render_chat([dict(m) for m in messages], tools=tools,
+                                      template_kwargs=template_kwargs)
         return Prompt(tuple(self.turns.encode(text)), chat_text=text)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -540,15 +551,18 @@ class Engine:
         return await self.generate(prompt, params).collect()
 
     def chat(self, messages: Sequence[ChatMessage], params: SamplingParams | None = None,
-             *, tools: Sequence[Mapping[str, Any]] | None = None) -> GenerationStream:
+             *, tools: Sequence[Mapping[str, Any]] | None = None,
+             template_kwargs: Mapping[str, Any] | None = None) -> GenerationStream:
         """Stream the assistant's reply to `messages` ({"role", "content"} dicts, and
         assistant `tool_calls` / `tool` results in Hugging Face's form). `tools`: OpenAI
         tool definitions, shown to the model by its chat template; the calls it writes
         are text, which service.tool_calls parses (`ToolCallParser(format_of_template(
-        engine.model.chat_template), names).reply(...)`, as the server does)."""
+        engine.model.chat_template), names).reply(...)`, as the server does).
+        `template_kwargs`: more template variables (`{"enable_thinking": False}`)."""
         conversation = [dict(m) for m in messages]
-        return GenerationStream(self, lambda: self.prepare_chat(conversation, tools),
-                                params or SamplingParams())
+        return GenerationStream(
+            self, lambda: self.prepare_chat(conversation, tools, template_kwargs),
+            params or SamplingParams())
 
     async def chat_complete(self, messages: Sequence[ChatMessage],
                             params: SamplingParams | None = None, *,
@@ -566,6 +580,32 @@ class Engine:
         """Drop cached prefixes and wait until every free page is back in the pool
         (blocking; after all requests have finished, every page is free)."""
         self.dispatcher.flush()
+
+    @property
+    def pooling(self) -> Pooling | None:
+        """How the model file says to pool its embeddings (None: not an embedding model;
+        `embed` then pools by mean)."""
+        return file_pooling(self.model)
+
+    def embed(self, inputs: Sequence[str | Sequence[int]],
+              pooling: Pooling | None = None) -> list[np.ndarray]:
+        """Unit-length float32 embeddings of texts or token-id lists (blocking; the
+        server runs it on a worker thread). `pooling` defaults to the file's, else mean
+        (service/api/embeddings.py). Runs between the dispatcher's rounds."""
+        how = pooling or self.pooling or Pooling.MEAN
+        transformer = self.loaded.transformer
+        out = []
+        for item in inputs:
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
+            if len(ids) > self.context_length:
+                raise InvalidParameters(f"an input has {len(ids)} tokens but the context "
+                                        f"holds {self.context_length}", param="input")
+            bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
+            if bad is not None:
+                raise InvalidParameters(f"token {bad} is not in the vocabulary", param="input")
+            out.append(self.dispatcher.call_between_rounds(
+                lambda ids=ids: embed_ids(transformer, ids, how)))
+        return out
 
     def write_metrics(self, out: PrometheusText) -> None:
         self.metrics.write(out)

@@ -82,9 +82,11 @@ class PrometheusText:
         self.family(name, "counter", help_text)
         self.sample(name, value)
 
-    def histogram(self, name: str, help_text: str, hist: Histogram) -> None:
+    def histogram(self, name: str, help_text: str, hist: Histogram,
+                  labels: dict[str, str] | None = None) -> None:
         self.family(name, "histogram", help_text)
-        self._lines += hist.lines(name)
+        inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted((labels or {}).items()))
+        self._lines += hist.lines(name, inner)
 
     def text(self) -> str:
         return "\n".join(self._lines) + "\n"

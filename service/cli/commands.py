@@ -26,12 +26,14 @@ from eagerlm.loader.model_file import ModelFile
 from eagerlm.service.api.model_loading import ProgressCallback
 from eagerlm.service.api.progress import ProgressBar
 from eagerlm.service.cli.device_args import add_device_args, kv_budget_bytes
+from eagerlm.service.cli.env_settings import apply_env_defaults
 from eagerlm.service.http.config import ServerConfig
 from eagerlm.service.measure.bench import add_bench_parser
 from eagerlm.service.measure.profiler import add_profile_parser
 
 if TYPE_CHECKING:
     from eagerlm.kernels.sampling import SamplingParams
+    from eagerlm.service.api.engine import Engine
     from eagerlm.service.api.sync_engine import SyncEngine
 
 
@@ -183,27 +185,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     try:
-        from eagerlm.service.http.server import serve
+        from eagerlm.service.http.server import serve_loading
     except ImportError as e:
         print(f"eagerlm: error: the server needs FastAPI and uvicorn ({e}); install them "
               f"with: pip install 'eagerlm[server]'", file=sys.stderr)
         return 2
 
+    if args.model_path is not None:
+        if args.model is not None and args.model != args.model_path:
+            raise InvalidParameters(f"two models given: {args.model_path} and --model "
+                                    f"{args.model}")
+        args.model = args.model_path
     api_key = args.api_key or os.environ.get("EAGERLM_API_KEY") or None
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
                           max_body_bytes=args.max_body_bytes,
                           max_concurrency=args.max_concurrency, max_queue=args.max_queue,
-                          shutdown_grace_s=args.shutdown_grace)
+                          shutdown_grace_s=args.shutdown_grace,
+                          reasoning_format=args.reasoning_format,
+                          sse_keepalive_s=args.sse_keepalive, embeddings=args.embeddings)
     settings: dict[str, object] = {"max_batch": args.max_batch}
     if args.served_model_name:
         settings["model_name"] = args.served_model_name
-    with _open_engine(args, **settings) as engine:
-        if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-            print(f"eagerlm: warning: serving on {args.host} without --api-key: anyone who "
-                  f"can reach this address can use the model", file=sys.stderr)
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"eagerlm: warning: serving on {args.host} without --api-key: anyone who "
+              f"can reach this address can use the model", file=sys.stderr)
+
+    def load() -> Engine:  # while /health answers 503 "loading" (service/http/loading.py)
+        engine = _open_engine(args, **settings).engine
         print(f"serving {engine.name!r} at http://{args.host}:{args.port}/v1 "
               f"(Ctrl-C stops)", file=sys.stderr, flush=True)
-        serve(engine.engine, config, log_level="warning" if args.quiet else "info")
+        return engine
+
+    serve_loading(load, config, log_level="warning" if args.quiet else "info")
     return 0
 
 
@@ -269,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     def engine_args(p: argparse.ArgumentParser) -> None:
         model_arg(p)
         add_device_args(p)
-        p.add_argument("--ctx", type=int, default=None, metavar="N",
+        p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=None, metavar="N",
                        help="context length in tokens (default: the model's trained "
                             "context; more only as far as its rope scaling reaches, e.g. "
                             "original context x F with --rope-scaling yarn --rope-scale F)")
@@ -278,9 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no loading messages or progress bar")
 
     def sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-        p.add_argument("--max-tokens", "-n", type=int, default=max_tokens,
+        p.add_argument("--max-tokens", "-n", "--n-predict", type=int, default=max_tokens,
                        help=f"most tokens to generate per reply (default {max_tokens})")
-        p.add_argument("--temperature", "-t", type=float, default=0.8,
+        p.add_argument("--temperature", "-t", "--temp", type=float, default=0.8,
                        help="sampling temperature; 0 = greedy (default 0.8)")
         p.add_argument("--top-k", type=int, default=40, help="keep the K most likely tokens; "
                        "0 = off (default 40)")
@@ -288,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="nucleus sampling mass in (0, 1] (default 0.95)")
         p.add_argument("--min-p", type=float, default=0.05,
                        help="drop tokens less likely than MIN_P x the best one (default 0.05)")
-        p.add_argument("--seed", type=int, default=None,
+        p.add_argument("--seed", "-s", type=int, default=None,
                        help="random seed for reproducible sampling (default: random)")
         p.add_argument("--stop", action="append", metavar="TEXT",
                        help="stop when TEXT is generated (repeatable; TEXT is not printed)")
@@ -340,10 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve the model over HTTP with OpenAI's API: GET /v1/models, POST "
-                    "/v1/completions and /v1/chat/completions (streaming or not), plus GET "
-                    "/health and GET /metrics (Prometheus). Requests beyond "
+                    "/v1/completions and /v1/chat/completions (streaming or not), "
+                    "/v1/embeddings (embedding models, or any with --embeddings), plus GET "
+                    "/health (503 while loading or once the engine cannot serve) and GET "
+                    "/metrics (Prometheus; eagerlm's and vLLM's names). Requests beyond "
                     "--max-concurrency wait in a queue of --max-queue; beyond that the "
-                    "server answers 429.")
+                    "server answers 429. Every option can also be set by an environment "
+                    "variable: EAGERLM_ and the long flag in capitals (EAGERLM_PORT, "
+                    "EAGERLM_MAX_CONCURRENCY, EAGERLM_MODEL...); the command line wins.")
     engine_args(s)
     srv = ServerConfig
     s.add_argument("--host", default=srv.host,
@@ -353,10 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", metavar="KEY", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: the "
                         "EAGERLM_API_KEY environment variable; unset = no authentication)")
-    s.add_argument("--served-model-name", metavar="NAME", default=None,
+    s.add_argument("model_path", nargs="?", metavar="MODEL", default=None,
+                   help="the GGUF file, as `vllm serve MODEL` (or --model)")
+    s.add_argument("--served-model-name", "--alias", "-a", metavar="NAME", default=None,
                    help="the model id clients send (default: the file name without .gguf)")
-    s.add_argument("--max-concurrency", type=int, default=srv.max_concurrency, metavar="N",
-                   help=f"requests generating at once (default {srv.max_concurrency})")
+    s.add_argument("--max-concurrency", "-np", "--parallel", type=int,
+                   default=srv.max_concurrency, metavar="N",
+                   help=f"requests generating at once, as llama-server's slots (default "
+                        f"{srv.max_concurrency})")
     s.add_argument("--max-queue", type=int, default=srv.max_queue, metavar="N",
                    help=f"requests waiting for a slot before 429 (default {srv.max_queue})")
     s.add_argument("--max-batch", type=int, default=SchedulerConfig.max_batch, metavar="N",
@@ -371,7 +392,23 @@ def build_parser() -> argparse.ArgumentParser:
                         f"finish before streams are ended with an error event and others "
                         f"get 503 (default {srv.shutdown_grace_s:g}; a second signal ends it "
                         f"at once)")
+    s.add_argument("--reasoning-format", choices=("auto", "none", "deepseek"),
+                   default=srv.reasoning_format,
+                   help="where a reasoning model's <think> block goes, as llama-server's "
+                        "flag: deepseek splits it into reasoning_content, none leaves it in "
+                        "the content, auto (default) is deepseek for chat templates that "
+                        "write <think> (Qwen3, DeepSeek-R1 distills)")
+    s.add_argument("--sse-keepalive", type=float, default=srv.sse_keepalive_s,
+                   metavar="SECONDS",
+                   help=f"a comment line on a stream idle this long, so proxies keep it "
+                        f"open through a long prefill (default {srv.sse_keepalive_s:g}; 0: "
+                        f"never)")
+    s.add_argument("--embeddings", action="store_true",
+                   help="serve /v1/embeddings for this model too, as llama-server's flag "
+                        "(mean pooling unless the file says otherwise; embedding GGUFs are "
+                        "served without it)")
     s.set_defaults(func=cmd_serve)
+    apply_env_defaults(s)  # every option also from EAGERLM_<OPTION> (service/cli/env_settings.py)
 
     t = sub.add_parser("tokenize", help="print the token ids of a text file as JSON",
                        description="Print the token ids of FILE's text as a JSON list, with "
@@ -389,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE", help="text file to score")
     model_arg(p)
     add_device_args(p)  # the pool's flags are accepted and unused: a chunk has its own KV
-    p.add_argument("--ctx", type=int, default=512, help="chunk size in tokens (default 512)")
+    p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=512,
+                   help="chunk size in tokens (default 512)")
     rope_args(p)
     p.add_argument("--quiet", "-q", action="store_true",
                    help="no loading messages or progress bar")

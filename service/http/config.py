@@ -19,8 +19,19 @@ class ServerConfig:
     # on SIGTERM/SIGINT, how long requests in flight may take to finish before they are
     # ended (service/http/shutdown.py); under Kubernetes' default 30 s termination grace
     shutdown_grace_s: float = 10.0
+    # `<think>` blocks split into reasoning_content: auto | none | deepseek
+    # (service/api/reasoning.py)
+    reasoning_format: str = "auto"
+    # a comment on a stream idle this long, so proxies keep it open (0: never)
+    sse_keepalive_s: float = 15.0
+    # serve /v1/embeddings for any model (mean pooling unless the file says otherwise);
+    # embedding GGUFs (a pooling type in the file) are served without it
+    embeddings: bool = False
 
     def __post_init__(self) -> None:
+        if self.reasoning_format not in ("auto", "none", "deepseek"):
+            raise InvalidParameters(f"the reasoning format must be auto, none or deepseek, "
+                                    f"not {self.reasoning_format!r}")
         if not self.shutdown_grace_s >= 0:
             raise InvalidParameters(f"the shutdown grace period must be 0 seconds or more, "
                                     f"not {self.shutdown_grace_s}")

@@ -2,10 +2,11 @@
 
 Every request field is one of:
 - supported: validated strictly (a string where a number belongs is a 400, not coerced);
-- accepted only at its default (e.g. `echo: false`, `store: false`): any other value is
+- accepted only at its default (e.g. `echo: false`, `best_of: 1`): any other value is
   refused, because the engine cannot honour it and silently ignoring it would return
   something the client did not ask for;
-- informational (`user`): accepted, no effect on generation;
+- informational (`user`, and those in service/http/ignored_fields.py: `store`,
+  `metadata`, `service_tier`, `prompt_cache_key`...): accepted, no effect on generation;
 - anything else: refused with a 400 naming the field.
 `null` counts as absent, as the OpenAI API treats it, in messages too (a client sending a
 response message back whole includes `"refusal": null` and the like).
@@ -59,6 +60,7 @@ from eagerlm.kernels.sampling import (
 from eagerlm.loader.chat_template import ChatTemplate
 from eagerlm.service.api import bounded_json
 from eagerlm.service.api.tool_calls import ToolCallFormat, ToolCallParser, format_of_template
+from eagerlm.service.http.ignored_fields import is_ignored
 from eagerlm.service.http.openai_errors import OpenAIError, bad_request, brief
 
 MAX_CHOICES = 16  # n
@@ -263,6 +265,18 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None  # checked in `check`
     parallel_tool_calls: bool | None = None
+    # variables for the chat template (Qwen3's `enable_thinking`), as vLLM's; and OpenAI's
+    # `reasoning_effort`, which reaches the template as `reasoning_effort` (templates that
+    # read it, e.g. gpt-oss's, act on it; for the others it changes nothing)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The extra variables for the chat template."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
 
     def check(self) -> None:
         super().check()
@@ -408,17 +422,15 @@ class CompletionRequest(_Sampling):
 
 # Fields of OpenAI's APIs accepted only with these values (the engine cannot do others).
 _DEFAULT_ONLY_CHAT: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,),
-    "service_tier": ("auto", "default"),
+    "response_format": ({"type": "text"},), "modalities": (["text"],),
 }
 _DEFAULT_ONLY_COMPLETIONS: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "best_of": (1,),
 }
 # Known OpenAI fields with no support at all.
 _KNOWN_UNSUPPORTED = {
-    "audio", "function_call", "functions", "metadata", "prediction", "reasoning_effort",
-    "web_search_options", "verbosity", "safety_identifier",
-    "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "moderation",
+    "audio", "function_call", "functions", "web_search_options", "verbosity",
+    "prompt_cache_options", "moderation",
 }
 
 
@@ -482,6 +494,8 @@ def _parse(body: Any, model: type[_M],
             continue
         if key in fields:
             kept[key] = value
+        elif is_ignored(key):  # cannot change the output (service/http/ignored_fields.py)
+            continue
         elif key in default_only:
             if not any(_same(value, ok) for ok in default_only[key]):
                 raise bad_request(f"'{key}' = {brief(value)} is not supported by this server; "

@@ -42,9 +42,11 @@ What a client can count on:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -57,12 +59,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from eagerlm.dispatch.messages import FinishReason
+from eagerlm.dispatch.reasoning import (
+    ReasoningBlock,
+    ReasoningFormat,
+    ReasoningStream,
+    Split,
+    prompt_opens_reasoning,
+    split_reasoning,
+)
 from eagerlm.errors import EagerLMError, EngineClosed, EngineFailure
+from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.service.api.engine import Engine, GenerationError, MultiStream
 from eagerlm.service.api.metrics import PrometheusText
 from eagerlm.service.api.tool_calls import Reply, ToolCallParser
+from eagerlm.service.api.vllm_metrics import VllmGauges, write_vllm_metrics
 from eagerlm.service.http.admission import AdmissionGate, QueueFull, Ticket
 from eagerlm.service.http.config import ServerConfig
+from eagerlm.service.http.ignored_fields import log_once
+from eagerlm.service.http.liveness import EngineDied, EngineWatchdog
+from eagerlm.service.http.loading import WhileLoading
+from eagerlm.service.http.openai_embeddings import embedding_body, parse_embedding_request
 from eagerlm.service.http.openai_errors import OpenAIError, bad_request, brief
 from eagerlm.service.http.openai_requests import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -145,7 +161,8 @@ class _ResponseCounter:
             raise
 
 
-_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings",
+           "/health", "/metrics")
 
 
 class _EventStream(StreamingResponse):
@@ -155,12 +172,43 @@ class _EventStream(StreamingResponse):
     event and [DONE], as a generation error closes it."""
 
     def __init__(self, events: AsyncIterator[str], ticket: Ticket,
-                 streams: MultiStream, drain: Drain) -> None:
+                 streams: MultiStream, drain: Drain, keepalive_s: float = 0.0) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._ticket = ticket
         self._streams = streams
         self._drain = drain
+        self._keepalive_s = keepalive_s
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, plus a `: keep-alive` comment (which SSE clients skip) whenever no
+        event came for `keepalive_s`: proxies and load balancers close connections idle
+        for a minute or so, and a long prefill sends nothing for that long. The events
+        are produced by a task of their own, so waiting for one never cancels it."""
+        if self._keepalive_s <= 0:
+            await super().stream_response(send)
+            return
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        sender, receiver = anyio.create_memory_object_stream[str](1)
+
+        async def produce() -> None:
+            async with sender:
+                async for event in self.body_iterator:
+                    await sender.send(str(event))
+
+        async with anyio.create_task_group() as tg, receiver:
+            tg.start_soon(produce)
+            while True:
+                event = _KEEPALIVE
+                with anyio.move_on_after(self._keepalive_s):
+                    try:
+                        event = await receiver.receive()
+                    except anyio.EndOfStream:
+                        break
+                await send({"type": "http.response.body", "body": event.encode(),
+                            "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = ended = False
@@ -196,6 +244,7 @@ def _error_event(error: OpenAIError) -> str:
 
 
 _DONE = "data: [DONE]\n\n"
+_KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it
 
 
 class _ErrorResponse(JSONResponse):
@@ -209,11 +258,15 @@ class _ErrorResponse(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
-    """The ASGI app serving `engine`. The engine's lifetime is the caller's."""
+def create_app(engine: Engine, config: ServerConfig | None = None,
+               drain: Drain | None = None) -> FastAPI:
+    """The ASGI app serving `engine`. The engine's lifetime is the caller's; `drain`, the
+    server's shutdown as requests see it, when the server exists before the app."""
     cfg = config or ServerConfig()
     gate = AdmissionGate(cfg.max_concurrency, cfg.max_queue)
-    drain = Drain()
+    drain = drain or Drain()
+    reasoning_format = ReasoningFormat(cfg.reasoning_format).resolve(
+        engine.model.chat_template)  # dispatch/reasoning.py
     response_counts: dict[tuple[str, int], int] = {}
     started = int(time.time())
     app = FastAPI(title="eagerlm", docs_url=None, redoc_url=None, openapi_url=None)
@@ -277,9 +330,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     # -- routes -----------------------------------------------------------------------------
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": engine.name,
-                "requests_running": engine.active_requests}
+    async def health() -> Response:
+        failure = engine.failure  # 503 once the engine cannot serve (service/http/liveness.py)
+        if failure is not None:
+            return JSONResponse({"status": "error", "model": engine.name, "error": failure},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "model": engine.name,
+                             "requests_running": engine.active_requests})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -293,6 +350,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         for (route, status), n in sorted(response_counts.items()):
             out.sample("eagerlm_http_responses_total", n,
                        {"route": route, "status": str(status)})
+        pool = engine.dispatcher.pool
+        write_vllm_metrics(out, engine.metrics, engine.name,  # service/api/vllm_metrics.py
+                           VllmGauges(pool.n_pages - pool.n_free, pool.n_pages, gate.queued))
         return PlainTextResponse(out.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
@@ -338,26 +398,43 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         check_model(req.model)
         messages, tools = req.template_messages(), req.template_tools
         parser = req.tool_parser(engine.model.chat_template)
+        template_kwargs = req.template_kwargs()
+        if ("reasoning_effort" in template_kwargs
+                and "reasoning_effort" not in engine.model.chat_template.variables):
+            log_once("reasoning_effort", "this model's chat template does not read it")
         ticket = admit()
         streams: MultiStream | None = None
         handed_over = False  # a streaming response releases the ticket when it ends
         try:
-            prompt = await _prepare(lambda: engine.prepare_chat(messages, tools))
+            prompt = await _prepare(lambda: engine.prepare_chat(messages, tools,
+                                                                template_kwargs))
+            thinking = _Thinking(reasoning_format, prompt.chat_text)
             max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt.ids),
                                             engine.context_length, None, "messages")
             streams = engine.generate_many(
-                [(prompt, req.sampling_params(max_tokens, i)) for i in range(req.n_choices)])
-            await _admitted_and_started(request, ticket, streams)
+                [(prompt, thinking.params(req.sampling_params(max_tokens, i)))
+                 for i in range(req.n_choices)])
+            queued = _streams_while_queued(req.stream, ticket, cfg)
+            if not queued:
+                await _admitted_and_started(request, ticket, streams)
             ids = ResponseIds.new("chatcmpl", engine.name)
             if req.stream:
                 events = _chat_events(streams, ids, req.n_choices, req.include_usage,
-                                      parser)
+                                      parser, thinking)
+                if queued:
+                    events = _after_admission(ticket, streams, events)
                 handed_over = True
-                return _EventStream(events, ticket, streams, drain)
+                return _EventStream(events, ticket, streams, drain, cfg.sse_keepalive_s)
             completions = await _unless_disconnected(request, streams.collect)
-            replies = [parser.reply(c.text, c.finish_reason is FinishReason.STOP)
-                       if parser is not None else Reply(c.text) for c in completions]
-            return JSONResponse(chat_completion_body(ids, completions, replies))
+            splits = [thinking.split(c.text) for c in completions]
+            replies = [parser.reply(sp.content, c.finish_reason is FinishReason.STOP)
+                       if parser is not None else Reply(sp.content)
+                       for c, sp in zip(completions, splits)]
+            body = chat_completion_body(ids, completions, replies)
+            for choice, sp in zip(body["choices"], splits):
+                if sp.reasoning is not None:
+                    choice["message"]["reasoning_content"] = sp.reasoning
+            return JSONResponse(body)
         except _ClientGone:
             return Response(status_code=499)
         finally:
@@ -365,6 +442,34 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 if streams is not None:
                     streams.close()
                 ticket.release()
+
+    @app.post("/v1/embeddings", dependencies=[Depends(authorize)])
+    async def embeddings(request: Request) -> Response:
+        req = parse_embedding_request(await read_json(request, cfg.max_body_bytes))
+        check_model(req.model)
+        if not (cfg.embeddings or engine.pooling is not None):
+            raise bad_request("This model is not an embedding model (its file declares no "
+                              "pooling); start the server with --embeddings to embed with "
+                              "it (mean pooling).", param="model",
+                              code="unsupported_parameter")
+        width = engine.model.config.d_model
+        if req.dimensions is not None and req.dimensions != width:
+            raise bad_request(f"'dimensions' must be this model's {width}.",
+                              param="dimensions", code="unsupported_parameter")
+        items = req.inputs()
+        ids = await _prepare(lambda: [engine.tokenizer.encode(x) if isinstance(x, str)
+                                      else x for x in items])
+        ticket = admit()
+        try:
+            await _unless_disconnected(request, ticket.wait)
+            vectors = await _unless_disconnected(
+                request, lambda: anyio.to_thread.run_sync(engine.embed, ids))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            ticket.release()
+        return JSONResponse(embedding_body(engine.name, vectors, sum(map(len, ids)),
+                                           req.encoding_format))
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
@@ -395,12 +500,16 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                                                 COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
                 requests += [(p, req.sampling_params(max_tokens, i)) for i in range(n)]
             streams = engine.generate_many(requests)
-            await _admitted_and_started(request, ticket, streams)
+            queued = _streams_while_queued(req.stream, ticket, cfg)
+            if not queued:
+                await _admitted_and_started(request, ticket, streams)
             ids = ResponseIds.new("cmpl", engine.name)
             if req.stream:
                 events = _completion_events(streams, ids, len(prompts), n, req.include_usage)
+                if queued:
+                    events = _after_admission(ticket, streams, events)
                 handed_over = True
-                return _EventStream(events, ticket, streams, drain)
+                return _EventStream(events, ticket, streams, drain, cfg.sse_keepalive_s)
             results = await _unless_disconnected(request, streams.collect)
             groups = [results[i * n:(i + 1) * n] for i in range(len(prompts))]
             return JSONResponse(completion_body(ids, groups))
@@ -449,6 +558,30 @@ async def _admitted_and_started(request: Request, ticket: Ticket,
     await _unless_disconnected(request, run)
 
 
+def _streams_while_queued(stream: bool | None, ticket: Ticket, cfg: ServerConfig) -> bool:
+    """Whether a streamed request that must wait for a slot starts its response now, so
+    that keep-alive comments flow while it is queued (proxies close a connection that
+    sends nothing, headers included, for a minute or so). The price: a request the engine
+    refuses once admitted gets an in-band error event instead of a 4xx."""
+    return bool(stream) and not ticket.admitted and cfg.sse_keepalive_s > 0
+
+
+async def _after_admission(ticket: Ticket, streams: MultiStream,
+                           events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events` once the ticket holds a slot and the requests are submitted; a refusal
+    (an `EagerLMError`) as an error event and [DONE]. The client leaving while queued is
+    seen at the next keep-alive, which cancels this."""
+    try:
+        await ticket.wait()
+        await streams.start()
+    except EagerLMError as e:
+        yield _error_event(_as_openai_error(e))
+        yield _DONE
+        return
+    async for event in events:
+        yield event
+
+
 async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
     """Run `work`, cancelling it if the client disconnects first (raises _ClientGone) or
     the server's shutdown grace period ends first (a 503).
@@ -480,20 +613,52 @@ async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]
     return results[0]
 
 
+class _Thinking:
+    """One request's reasoning split (dispatch/reasoning.py), or none."""
+
+    def __init__(self, fmt: ReasoningFormat, prompt_text: str | None) -> None:
+        self.on = fmt is ReasoningFormat.DEEPSEEK
+        self.opened = prompt_opens_reasoning(prompt_text)
+
+    def params(self, params: SamplingParams) -> SamplingParams:
+        """Stop strings skip the reasoning (dispatch/token_judge.py)."""
+        if not self.on:
+            return params
+        block = ReasoningBlock.OPEN if self.opened else ReasoningBlock.MAY_OPEN
+        return dataclasses.replace(params, reasoning_block=block)
+
+    def split(self, text: str) -> Split:
+        return split_reasoning(text, self.opened) if self.on else Split(None, text)
+
+    def stream(self) -> ReasoningStream | None:
+        return ReasoningStream(self.opened) if self.on else None
+
+
 async def _chat_events(streams: MultiStream, ids: ResponseIds, n: int,
-                       include_usage: bool, parser: ToolCallParser | None
-                       ) -> AsyncIterator[str]:
-    """Each choice's content as it comes; with tools, text that may be a call is held
-    back (service/tool_calls.py), and the calls follow at the end, one delta each, before
-    the chunk with the finish reason."""
+                       include_usage: bool, parser: ToolCallParser | None,
+                       thinking: _Thinking) -> AsyncIterator[str]:
+    """Each choice's content as it comes, its reasoning as `reasoning_content` deltas
+    (dispatch/reasoning.py); with tools, answer text that may be a call is held back
+    (service/tool_calls.py), and the calls follow at the end, one delta each, before the
+    chunk with the finish reason."""
     splitters = [parser.stream() if parser is not None else None for _ in range(n)]
+    thoughts = [thinking.stream() for _ in range(n)]
     for i in range(n):
         yield _event(chat_chunk_body(ids, i, {"role": "assistant", "content": ""}, None,
                                      include_usage))
     try:
         async for index, chunk in streams:
-            splitter = splitters[index]
-            text = chunk.text if splitter is None else splitter.push(chunk.text)
+            splitter, thought = splitters[index], thoughts[index]
+            reasoning, text = "", chunk.text
+            if thought is not None:
+                reasoning, text = thought.push(text)
+                if chunk.finish_reason is not None:
+                    more_reasoning, more_text = thought.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
+            if reasoning:
+                yield _event(chat_chunk_body(ids, index, {"reasoning_content": reasoning},
+                                             None, include_usage))
+            text = text if splitter is None else splitter.push(text)
             if text or chunk.logprobs:  # tokens that show no text still have logprobs
                 yield _event(chat_chunk_body(ids, index, {"content": text}, None,
                                              include_usage,
@@ -548,15 +713,73 @@ async def _completion_events(streams: MultiStream, ids: ResponseIds, n_prompts: 
 
 def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None:
     """Run the server until SIGTERM or SIGINT (blocking), then stop as service/shutdown.py
-    describes and return. The caller shuts the engine down."""
+    describes and return; or, once the engine cannot serve, stop the same way and raise
+    `EngineDied` (service/http/liveness.py). The caller shuts the engine down."""
+    drain = Drain()
+    _run(create_app(engine, config, drain), drain, config, log_level, lambda: engine)
+
+
+def serve_loading(load: Callable[[], Engine], config: ServerConfig,
+                  log_level: str = "info") -> None:
+    """`serve`, but bound before the model is loaded: `load()` runs on a thread while
+    /health answers 503 "loading" (service/http/loading.py). A load that fails stops the
+    server and raises its error; the engine loaded here is shut down here."""
+    drain = Drain()
+    front = WhileLoading()
+    loaded: list[Engine] = []
+    failed: list[BaseException] = []
+    server_box: list[GracefulServer] = []
+
+    def load_then_serve() -> None:
+        try:
+            engine = load()
+        except BaseException as e:  # raised again on the main thread
+            failed.append(e)
+            server_box[0].should_exit = True
+            return
+        loaded.append(engine)
+        front.ready(create_app(engine, config, drain))
+
+    loader = threading.Thread(target=load_then_serve, name="eagerlm-load", daemon=True)
+    try:
+        _run(front, drain, config, log_level, lambda: loaded[0] if loaded else None,
+             on_start=lambda server: (server_box.append(server), loader.start()))
+    finally:
+        if loader.ident is not None:  # started: an interrupted load still finishes
+            loader.join()
+        for engine in loaded:
+            engine.shutdown()
+    if failed:
+        raise failed[0]
+
+
+def _run(app: ASGIApp, drain: Drain, config: ServerConfig, log_level: str,
+         engine: Callable[[], Engine | None],
+         on_start: Callable[[GracefulServer], object] | None = None) -> None:
+    """uvicorn with the graceful shutdown and the engine's watchdog."""
     import uvicorn
 
-    app = create_app(engine, config)
     server = GracefulServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                       timeout_graceful_shutdown=AFTER_GRACE_S),
-        app.state.drain, config.shutdown_grace_s)
-    server.run()
+                       lifespan="off", timeout_graceful_shutdown=AFTER_GRACE_S),
+        drain, config.shutdown_grace_s)
+
+    def failure() -> str | None:
+        current = engine()
+        return None if current is None else current.failure
+
+    def stop(reason: str) -> None:
+        server.should_exit = True
+
+    watchdog = EngineWatchdog(failure, stop).start()
+    if on_start is not None:
+        on_start(server)
+    try:
+        server.run()
+    finally:
+        watchdog.stop()
+    if watchdog.reason is not None:  # exit non-zero, for a supervisor to restart it
+        raise EngineDied(f"the engine stopped serving: {watchdog.reason}")
 
 
-__all__ = ["ServerConfig", "create_app", "serve"]
+__all__ = ["ServerConfig", "create_app", "serve", "serve_loading"]

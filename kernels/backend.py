@@ -101,12 +101,18 @@ class RoundBackend(Protocol[A]):
                      positions: Sequence[int], counts: Sequence[Any | None],
                      biases: Sequence[A | None], *, out: DeviceBuffer,
                      token_buf: DeviceBuffer, out_slots: Sequence[int],
-                     logprobs_out: tuple[DeviceBuffer, DeviceBuffer] | None = None) -> None:
+                     logprobs_out: tuple[DeviceBuffer, DeviceBuffer] | None = None,
+                     masks: Sequence[np.ndarray | None] | None = None,
+                     first_row: int = 0) -> None:
         """Sample one token per logit row into `out` (int32) and into the token buffer at
         `out_slots` (a negative slot writes none): the next round reads its decode inputs
-        there. Penalized rows need their `counts`, biased rows their `biases`; with
-        `logprobs_out`, also each row's logprobs (float32 [n, 1 + MAX_LOGPROBS], int32
-        [n, MAX_LOGPROBS]) for rows whose params ask for them."""
+        there. Penalized rows need their `counts`, biased rows their `biases`,
+        constrained rows their allowed-token `masks` (host int32 bitmasks, applied after
+        the bias and penalties); with `logprobs_out`, also each row's logprobs (float32
+        [n, 1 + MAX_LOGPROBS], int32 [n, MAX_LOGPROBS]) for rows whose params ask for them.
+        The rows sampled are `first_row .. first_row + len(params)` of `logits`, written to
+        the same rows of `out` and the logprob buffers: a round samples its unconstrained
+        rows first and its constrained rows once their masks have come."""
         ...
 
     def decode_graphs(self, transformer: Transformer, token_buf: DeviceBuffer, *,

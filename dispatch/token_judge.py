@@ -30,6 +30,8 @@ class TokenJudge:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher(params.stop)
         self.end_ids = frozenset() if params.ignore_eos else tokenizer.end_ids
+        # a grammar allows an end token where it may end; ignore_eos takes that away
+        self._banned = sorted(tokenizer.end_ids) if params.ignore_eos else []
         self.generated: list[int] = []
 
     def accept(self, token: int) -> tuple[str, FinishReason | None]:
@@ -57,6 +59,15 @@ class TokenJudge:
         return self.grammar is not None
 
     def next_mask(self) -> np.ndarray:
-        """The allowed-token mask of the next token (a constrained request)."""
+        """The allowed-token mask of the next token (a constrained request); with
+        ignore_eos, end tokens are not allowed unless nothing else is."""
         assert self.grammar is not None
-        return self.grammar.mask()
+        mask = self.grammar.mask()
+        if self._banned:
+            kept = mask.copy()
+            words = kept.view(np.uint32)
+            for t in self._banned:
+                words[t // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (t % 32)))
+            if kept.any():
+                mask = kept
+        return mask

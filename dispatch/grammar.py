@@ -29,7 +29,8 @@ from eagerlm.loader.tokenizer import Tokenizer
 # JSON output: compact separators with one space, no free whitespace between tokens. With
 # llguidance's default (any whitespace allowed) a small model can emit newlines forever
 # inside a valid object; this way the only freedom left is in the values.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# (A Lark grammar's embedded `%json {...}` takes them as the schema's "x-guidance" key.)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _SPECIAL_MARK = b"\xff"
 
 
@@ -92,7 +93,7 @@ class GrammarCompiler:
         try:
             if constraint.kind == "json_schema":
                 return llguidance.LLMatcher.grammar_from_json_schema(
-                    constraint.text, defaults=_JSON_OPTIONS)
+                    constraint.text, defaults=JSON_OPTIONS)
             return llguidance.grammar_from(constraint.kind, constraint.text)
         except ValueError as exc:
             raise InvalidConstraint(constraint, str(exc)) from None
@@ -142,4 +143,4 @@ class GrammarMatcher:
         return self._matcher.get_error()
 
 
-__all__ = ["GrammarCompiler", "GrammarMatcher", "InvalidConstraint"]
+__all__ = ["JSON_OPTIONS", "GrammarCompiler", "GrammarMatcher", "InvalidConstraint"]

@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagerlm.dispatch.grammar import JSON_OPTIONS
 from eagerlm.dispatch.stop_strings import StopMatcher
 from eagerlm.kernels.sampling import Constraint
 from eagerlm.loader.chat_template import ChatTemplate
@@ -220,6 +221,8 @@ def forced_call(fmt: ToolCallFormat, tools: Sequence[tuple[str, dict[str, Any] |
 
     def marker(text: str) -> str:
         return text if is_special(text) else json.dumps(text)
+
+    schema = {**schema, "x-guidance": JSON_OPTIONS}  # as a schema constraint's JSON
 
     return Constraint.lark(f'start: {marker(TOOL_CALL_START)} "\\n" '
                            f'%json {json.dumps(schema)} "\\n" {marker(TOOL_CALL_END)}', field)

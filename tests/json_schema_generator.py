@@ -37,7 +37,9 @@ def _value(rng: random.Random, depth: int) -> dict[str, Any]:
         return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 500)}
     if kind == "number":
         lo = rng.randint(-10, 10)
-        return {"type": "number", "minimum": lo, "maximum": lo + rng.randint(1, 100)}
+        # a multiple of 1/4: at most two decimals, where a free fraction never has to end
+        return {"type": "number", "minimum": lo, "maximum": lo + rng.randint(1, 100),
+                "multipleOf": 0.25}
     if kind == "string":
         return {"type": "string", "minLength": rng.randint(0, 2),
                 "maxLength": rng.randint(3, 12)}

@@ -308,7 +308,6 @@ class ControlThread:
             start += r.n_new
         n_meta = (n_rows * _ROW_FIELDS + n_seqs * _SEQ_FIELDS) * 4
         sampled_rows = sampled_order(sampled_rows)  # as RoundWork writes the samples
-        constrained = any(s.params.constrained for s, _ in sampled_rows)
         logprob_n = [s.params.logprobs for s, _ in sampled_rows]
         want_logprobs = any(n is not None for n in logprob_n)
 
@@ -319,9 +318,9 @@ class ControlThread:
                          self._sampler_state, self._forget,
                          (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
                          else None, masks=self.masks, trace=trace)
-        # a decode round: fixed buffers (a constrained one takes the general path, which
-        # samples its free rows before waiting for the masks)
-        if self._graphs is not None and n_rows == n_seqs and not constrained:
+        # a decode round: fixed buffers (one with constrained rows replays the forward
+        # only, then samples its free rows before waiting for the masks)
+        if self._graphs is not None and n_rows == n_seqs:
             run.graph = (self._graphs, rows.copy())
         self._forget = []
         self.compute.launch(run)

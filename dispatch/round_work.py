@@ -88,14 +88,22 @@ class RoundWork:
         slices = [SeqSlice(st, n, past, kv)
                   for (st, n, past), kv in zip(self.seq_rows, self.kvs, strict=True)]
         counts = self._count_inputs(tokens)
-        biases = dict(zip([w.session_id for w in self.seq_work], self._session_biases(),
-                          strict=True))
         # sampled rows, unconstrained first: they never wait for the host
         work = sampled_order([(w, (st, n, past)) for w, (st, n, past)
                               in zip(self.seq_work, self.seq_rows, strict=True) if w.samples])
         logit_rows = np.array([st + n - 1 for _, (st, n, _) in work], dtype=np.int64)
         batch = ForwardBatch(tokens, slices, logit_rows)
-        logits = self.transformer.forward(batch)
+        self._sample(self.transformer.forward(batch), work, counts)
+        self.kvs = []  # drop the views of the KV pages as soon as the work is done
+
+    def _sample(self, logits: Any, work: list[tuple[SeqWork, tuple[int, int, int]]],
+                counts: dict[int, Any]) -> None:
+        """Sample the round's rows from their logits (row i of `logits` is work[i]'s, in
+        `sampled_order`): the unconstrained rows, then the constrained ones once their
+        masks have come."""
+        backend = self.backend
+        biases = dict(zip([w.session_id for w in self.seq_work], self._session_biases(),
+                          strict=True))
         n_free = sum(not w.params.constrained for w, _ in work)
         for first, part, constrained in ((0, work[:n_free], False),
                                          (n_free, work[n_free:], True)):
@@ -108,7 +116,6 @@ class RoundWork:
                 [biases[w.session_id] for w, _ in part], out=self.sampled,
                 token_buf=self.token_buf, out_slots=[w.slot for w, _ in part],
                 logprobs_out=self.logprob_out, masks=masks, first_row=first)
-        self.kvs = []  # drop the views of the KV pages as soon as the work is done
 
     def _take_masks(self, work: list[SeqWork]) -> list[np.ndarray | None]:
         """The constrained rows' masks, waiting for the host where it has not posted them
@@ -134,10 +141,28 @@ class RoundWork:
         counts = [None if c is None else (c, split)
                   for c, split in zip(self._session_counts(), self._prompt_rows(),
                                       strict=True)]
+        if any(w.params.constrained for w in self.seq_work):
+            return self._replay_forward(graphs, rows, counts)
         return graphs.run(rows, [past for _, _, past in self.seq_rows], self.kvs,
                           [w.params for w in self.seq_work], self.sampled,
                           [w.slot for w in self.seq_work], counts, self.logprob_out,
                           self._session_biases())
+
+    def _replay_forward(self, graphs: DecodeRounds, rows: np.ndarray,
+                        counts: list[Any]) -> bool:
+        """A decode round with constrained rows: the forward-only graph (which also counts
+        penalized sessions' inputs), then the general path's sampling from its logits. The
+        graph's rows are in plan order, the sampling's in `sampled_order`: the logits are
+        produced in that order (the graph's logit rows are a blob field)."""
+        order = sampled_order([(w, i) for i, w in enumerate(self.seq_work)])
+        logits = graphs.forward(rows, [past for _, _, past in self.seq_rows], self.kvs,
+                                [w.params for w in self.seq_work], counts,
+                                order=[i for _, i in order])
+        if logits is None:
+            return False
+        work = [(w, self.seq_rows[i]) for w, i in order]
+        self._sample(logits, work, self.state.counts)
+        return True
 
     def _count_inputs(self, tokens: Any) -> dict[int, Any]:
         """Bring penalized sessions' token counts up to date with this round's inputs

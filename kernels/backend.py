@@ -50,6 +50,15 @@ class DecodeRounds(Protocol):
         bucket and must take the general path."""
         ...
 
+    def forward(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
+                params: Sequence[SamplingParams],
+                counts: Sequence[tuple[Any, int] | None] | None = None,
+                order: Sequence[int] | None = None) -> Any | None:
+        """The decode round's forward only (a round with constrained rows, whose sampling
+        waits for the host): its logits [n, vocab], row j of session `order[j]`; None when
+        it does not fit a bucket."""
+        ...
+
     def close(self) -> None:
         """Free the graphs and their buffers, after the stream has finished every replay."""
         ...

@@ -16,8 +16,8 @@ _PATTERNS = (r"^[a-z]{1,8}$", r"^[A-Z][a-z]{0,6}$", r"^[0-9]{3}-[0-9]{2}$",
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
-    """An object schema with 1 to 4 properties, some required."""
-    names = rng.sample(_WORDS, rng.randint(1, 4))
+    """An object schema with 1 to 3 properties, some required."""
+    names = rng.sample(_WORDS, rng.randint(1, 3))
     props = {n: _value(rng, depth) for n in names}
     required = [n for n in names if rng.random() < 0.6]
     schema: dict[str, Any] = {"type": "object", "properties": props,
@@ -29,7 +29,7 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
 
 def _value(rng: random.Random, depth: int) -> dict[str, Any]:
     kinds = ["integer", "number", "string", "pattern", "enum", "boolean", "array"]
-    if depth < 2:
+    if depth < 1:
         kinds.append("object")
     kind = rng.choice(kinds)
     if kind == "integer":
@@ -42,7 +42,7 @@ def _value(rng: random.Random, depth: int) -> dict[str, Any]:
                 "multipleOf": 0.25}
     if kind == "string":
         return {"type": "string", "minLength": rng.randint(0, 2),
-                "maxLength": rng.randint(3, 12)}
+                "maxLength": rng.randint(3, 8)}
     if kind == "pattern":
         return {"type": "string", "pattern": rng.choice(_PATTERNS)}
     if kind == "enum":
@@ -55,7 +55,7 @@ def _value(rng: random.Random, depth: int) -> dict[str, Any]:
                            {"enum": ["x", "y", "z"]},
                            {"type": "string", "maxLength": 5}])
         return {"type": "array", "items": item, "minItems": rng.randint(0, 1),
-                "maxItems": rng.randint(1, 3)}
+                "maxItems": rng.randint(1, 2)}
     return random_schema(rng, depth + 1)
 
 

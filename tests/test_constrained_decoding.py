@@ -19,7 +19,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from eagerlm.dispatch.grammar import InvalidConstraint
+from eagerlm.dispatch.grammar import GrammarCompiler, InvalidConstraint
 from eagerlm.dispatch.mask_board import MaskBoard
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.kernels.sampling import (
@@ -30,6 +30,7 @@ from eagerlm.kernels.sampling import (
     mask_words,
     sample,
 )
+from eagerlm.service.api.tool_calls import ToolCallFormat, forced_call
 from tests.test_dispatcher import Collector, alone, make
 from tests.test_dispatcher import model as model  # the module-scoped synthetic model
 
@@ -250,3 +251,33 @@ def test_constrained_sessions_survive_preemption_with_the_same_output(model, pre
     for (_, params), (_, text, _) in zip(requests, tight, strict=True):
         if params.constraint is not None:
             assert re.fullmatch("[a-z ]{30,60}", text)
+
+
+@pytest.mark.parametrize("fmt, text", [
+    (ToolCallFormat.LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+    (ToolCallFormat.HERMES,
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'),
+])
+def test_a_forced_call_grammar_takes_exactly_a_valid_call_in_the_models_format(model, fmt,
+                                                                               text):
+    """The forced-call constraint of both call formats (the hermes markers spelled out,
+    as in a vocabulary where they are not special tokens): a valid call is accepted to
+    the grammar's end, a call of another tool or with arguments outside the schema is
+    not."""
+    m, _ = model
+    tools = [("get_weather", {"type": "object", "additionalProperties": False,
+                              "required": ["city"],
+                              "properties": {"city": {"enum": ["Oslo", "Rome"]}}}),
+             ("get_time", None)]
+    compiler = GrammarCompiler(m.tokenizer, m.config.vocab_size)
+
+    def accepts(reply: str) -> bool:
+        matcher = compiler.matcher(forced_call(fmt, tools, lambda _: False))
+        return all(matcher.accept(t) for t in m.tokenizer.encode(
+            reply, add_special=False)) and matcher.finished
+
+    assert accepts(text)
+    assert not accepts(text.replace("Oslo", "Paris"))
+    assert not accepts(text.replace("get_weather", "launch_rockets"))
+    assert accepts(text.replace('"get_weather"', '"get_time"').replace(
+        '{"city": "Oslo"}', '{"zone": "CET"}'))  # no schema: any object

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eagerlm.dispatch.mask_board import MaskBoard
 from eagerlm.dispatch.messages import (
     AddSession,
     ControlStopped,
@@ -38,7 +39,7 @@ from eagerlm.dispatch.messages import (
     StopSession,
 )
 from eagerlm.dispatch.prefix_cache import PrefixCache
-from eagerlm.dispatch.round_work import RoundWork, SamplerState, SeqWork
+from eagerlm.dispatch.round_work import RoundWork, SamplerState, SeqWork, sampled_order
 from eagerlm.dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
 from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.model import Transformer
@@ -79,8 +80,10 @@ class _RoundRecord:
 class ControlThread:
     def __init__(self, device: Device, transformer: Transformer, pool: PagePool,
                  config: ControlConfig, inbox: queue.Queue, to_service: queue.Queue,
-                 lookahead: threading.Semaphore, context_length: int) -> None:
+                 lookahead: threading.Semaphore, context_length: int,
+                 masks: MaskBoard | None = None) -> None:
         self.device = device
+        self.masks = masks  # constrained sessions' token masks, posted by the service
         self.transformer = transformer
         self.backend: RoundBackend = transformer.ops  # what a round asks of the backend
         self.pool = pool
@@ -306,11 +309,12 @@ class ControlThread:
                 rebuild = s.tokens[:r.n_past]
                 s.counts_valid = True
             seq_work.append(SeqWork(s.id, s.prompt_len, s.params, r.samples, s.slot,
-                                    rebuild))
+                                    rebuild, s.n_sampled))
             if r.samples:
                 sampled_rows.append((s, s.n_sampled))
             start += r.n_new
         n_meta = (n_rows * _ROW_FIELDS + n_seqs * _SEQ_FIELDS) * 4
+        sampled_rows = sampled_order(sampled_rows)  # as RoundWork writes the samples
         logprob_n = [s.params.logprobs for s, _ in sampled_rows]
         want_logprobs = any(n is not None for n in logprob_n)
 
@@ -320,8 +324,10 @@ class ControlThread:
                          self._sampled_dev[slot], n_rows, seq_rows, kvs, seq_work,
                          self._sampler_state, self._forget,
                          (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
-                         else None)
-        if self._graphs is not None and n_rows == n_seqs:  # a decode round: fixed buffers
+                         else None, masks=self.masks, trace=trace)
+        # a decode round: fixed buffers (one with constrained rows replays the forward
+        # only, then samples its free rows before waiting for the masks)
+        if self._graphs is not None and n_rows == n_seqs:
             run.graph = (self._graphs, rows.copy())
         self._forget = []
         self.compute.launch(run)

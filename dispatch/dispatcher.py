@@ -18,7 +18,9 @@ from typing import TypeVar
 
 from eagerlm.dispatch.control_thread import ControlConfig, ControlThread
 from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+from eagerlm.dispatch.grammar import GrammarCompiler
 from eagerlm.dispatch.kv_capacity import KVCapacity, plan_capacity
+from eagerlm.dispatch.mask_board import MaskBoard
 from eagerlm.dispatch.messages import (
     Cancel,
     DeviceCall,
@@ -81,10 +83,16 @@ class Dispatcher:
         to_service: queue.Queue = queue.Queue()
         # per-round instrumentation for the profiler, newest last
         self.traces: collections.deque[RoundTrace] = collections.deque(maxlen=100_000)
+        # constraints: compiled at submission, their masks passed from the service thread
+        # to the sampler through the board (dispatch/mask_board.py)
+        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
+        self.masks = MaskBoard()
         self.service = ServiceThread(tokenizer, self.context_length, to_service, to_control,
-                                     self.lookahead, on_round=self._on_round)
+                                     self.lookahead, on_round=self._on_round,
+                                     masks=self.masks)
         self.control = ControlThread(device, transformer, self.pool, ctl, to_control,
-                                     to_service, self.lookahead, self.context_length)
+                                     to_service, self.lookahead, self.context_length,
+                                     masks=self.masks)
         self._ids = itertools.count(1)
         self._closed = False
         self.service.start()
@@ -92,7 +100,9 @@ class Dispatcher:
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
                sink: OutputSink) -> int:
-        """Queue a request; returns its id. Raises for a request that can never run."""
+        """Queue a request; returns its id. Raises for a request that can never run
+        (an invalid constraint: `InvalidConstraint`, naming the field, with llguidance's
+        message; its compilation runs here, on the caller's thread)."""
         if self._closed:
             raise EngineClosed("the engine is shut down")
         if not prompt_ids:
@@ -101,8 +111,11 @@ class Dispatcher:
             raise PromptTooLong(len(prompt_ids), self.context_length)
         TokenOutOfVocabulary.check(prompt_ids, self.tokenizer.vocab_size, params,
                                    self.control.transformer.config.vocab_size)
+        grammar = (self.grammars.matcher(params.constraint) if params.constraint is not None
+                   else None)
         rid = next(self._ids)
-        self.service.inbox.put(Submit(rid, list(prompt_ids), params.resolve_seed(), sink))
+        self.service.inbox.put(Submit(rid, list(prompt_ids), params.resolve_seed(), sink,
+                                      grammar))
         return rid
 
     def _on_round(self, rd: RoundDone) -> None:
@@ -166,6 +179,7 @@ class Dispatcher:
         if self._closed:
             return
         self._closed = True
+        self.masks.shutdown()  # a round waiting for a mask: its tokens are discarded now
         self.control.inbox.put(Shutdown())
         self.control.join(timeout)
         self.service.inbox.put(Shutdown())  # after the control thread's last message

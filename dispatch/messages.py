@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eagerlm.dispatch.grammar import GrammarMatcher
 from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
 from eagerlm.vmm.device import Event
 
@@ -56,6 +57,7 @@ class Submit:
     prompt_ids: list[int]
     params: SamplingParams  # seed already resolved
     sink: OutputSink
+    grammar: GrammarMatcher | None = None  # compiled at submission for a constraint
 
 
 @dataclass
@@ -172,3 +174,7 @@ class RoundTrace:
     n_prefill_tokens: int = 0
     n_sessions: int = 0
     pages_in_use: int = 0
+    # constrained rows sampled, and the seconds their sampling waited for the host's masks
+    # (written on the compute stream, read once the round's tokens have landed)
+    n_constrained: int = 0
+    mask_wait: float = 0.0

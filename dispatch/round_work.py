@@ -7,6 +7,11 @@ round's output buffer (and logprobs, if asked); a pure-decode round goes through
 graphs' fixed buffers where the backend has them. `SeqWork` is what it needs of each
 session beyond the metadata rows; `SamplerState` holds the sessions' penalty token counts
 and logit biases in the backend's form, touched only by work on the compute stream.
+
+Constrained rows (a JSON schema, a grammar) need a mask that depends on the token their
+session sampled in the previous round, which the host may not have yet: the round samples
+its other rows first, then takes the constrained rows' masks from the `MaskBoard` (waiting
+only if the host is late; dispatch/mask_board.py) and samples those.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from eagerlm.dispatch.mask_board import MaskBoard
+from eagerlm.dispatch.messages import RoundTrace
 from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.model import Transformer
@@ -34,6 +41,7 @@ class SeqWork:
     samples: bool
     slot: int  # the token-buffer row its sample goes to
     rebuild: list[int] | None
+    generation: int = 0  # which of its tokens it samples (0: the first): its mask's key
 
 
 class SamplerState:
@@ -59,7 +67,8 @@ class RoundWork:
     def __init__(self, transformer: Transformer, meta: Any, token_buf: Any, sampled: Any,
                  n_rows: int, seq_rows: list[tuple[int, int, int]], kvs: list[Any],
                  seq_work: list[SeqWork], state: SamplerState, forget: list[int],
-                 logprob_out: tuple[Any, Any] | None) -> None:
+                 logprob_out: tuple[Any, Any] | None, masks: MaskBoard | None = None,
+                 trace: RoundTrace | None = None) -> None:
         self.transformer = transformer
         self.backend: RoundBackend = transformer.ops
         self.meta, self.token_buf, self.sampled = meta, token_buf, sampled
@@ -67,6 +76,7 @@ class RoundWork:
         self.kvs, self.seq_work = kvs, seq_work
         self.state, self.forget = state, forget
         self.logprob_out = logprob_out
+        self.masks, self.trace = masks, trace
         self.graph: tuple[DecodeRounds, np.ndarray] | None = None  # (graphs, host rows)
 
     def __call__(self) -> None:
@@ -78,20 +88,48 @@ class RoundWork:
         slices = [SeqSlice(st, n, past, kv)
                   for (st, n, past), kv in zip(self.seq_rows, self.kvs, strict=True)]
         counts = self._count_inputs(tokens)
-        biases = dict(zip([w.session_id for w in self.seq_work], self._session_biases(),
-                          strict=True))
-        work = [(w, (st, n, past)) for w, (st, n, past) in zip(self.seq_work, self.seq_rows,
-                                                               strict=True) if w.samples]
+        # sampled rows, unconstrained first: they never wait for the host
+        work = sampled_order([(w, (st, n, past)) for w, (st, n, past)
+                              in zip(self.seq_work, self.seq_rows, strict=True) if w.samples])
         logit_rows = np.array([st + n - 1 for _, (st, n, _) in work], dtype=np.int64)
         batch = ForwardBatch(tokens, slices, logit_rows)
-        logits = self.transformer.forward(batch)
-        backend.sample_round(
-            logits, [w.params for w, _ in work], [past + n for _, (_, n, past) in work],
-            [counts.get(w.session_id) for w, _ in work],
-            [biases[w.session_id] for w, _ in work], out=self.sampled,
-            token_buf=self.token_buf, out_slots=[w.slot for w, _ in work],
-            logprobs_out=self.logprob_out)
+        self._sample(self.transformer.forward(batch), work, counts)
         self.kvs = []  # drop the views of the KV pages as soon as the work is done
+
+    def _sample(self, logits: Any, work: list[tuple[SeqWork, tuple[int, int, int]]],
+                counts: dict[int, Any]) -> None:
+        """Sample the round's rows from their logits (row i of `logits` is work[i]'s, in
+        `sampled_order`): the unconstrained rows, then the constrained ones once their
+        masks have come."""
+        backend = self.backend
+        biases = dict(zip([w.session_id for w in self.seq_work], self._session_biases(),
+                          strict=True))
+        n_free = sum(not w.params.constrained for w, _ in work)
+        for first, part, constrained in ((0, work[:n_free], False),
+                                         (n_free, work[n_free:], True)):
+            if not part:
+                continue
+            masks = self._take_masks([w for w, _ in part]) if constrained else None
+            backend.sample_round(
+                logits, [w.params for w, _ in part], [past + n for _, (_, n, past) in part],
+                [counts.get(w.session_id) for w, _ in part],
+                [biases[w.session_id] for w, _ in part], out=self.sampled,
+                token_buf=self.token_buf, out_slots=[w.slot for w, _ in part],
+                logprobs_out=self.logprob_out, masks=masks, first_row=first)
+
+    def _take_masks(self, work: list[SeqWork]) -> list[np.ndarray | None]:
+        """The constrained rows' masks, waiting for the host where it has not posted them
+        yet; the time waited goes to the round's trace."""
+        assert self.masks is not None, "a constrained row needs the dispatcher's MaskBoard"
+        out, waited = [], 0.0
+        for w in work:
+            mask, wait = self.masks.take(w.session_id, w.generation)
+            out.append(mask)
+            waited += wait
+        if self.trace is not None:
+            self.trace.mask_wait += waited
+            self.trace.n_constrained = len(work)
+        return out
 
     def _replay(self, graphs: DecodeRounds, rows: np.ndarray) -> bool:
         """A decode round in which every session samples, through the decode graphs' fixed
@@ -103,10 +141,28 @@ class RoundWork:
         counts = [None if c is None else (c, split)
                   for c, split in zip(self._session_counts(), self._prompt_rows(),
                                       strict=True)]
+        if any(w.params.constrained for w in self.seq_work):
+            return self._replay_forward(graphs, rows, counts)
         return graphs.run(rows, [past for _, _, past in self.seq_rows], self.kvs,
                           [w.params for w in self.seq_work], self.sampled,
                           [w.slot for w in self.seq_work], counts, self.logprob_out,
                           self._session_biases())
+
+    def _replay_forward(self, graphs: DecodeRounds, rows: np.ndarray,
+                        counts: list[Any]) -> bool:
+        """A decode round with constrained rows: the forward-only graph (which also counts
+        penalized sessions' inputs), then the general path's sampling from its logits. The
+        graph's rows are in plan order, the sampling's in `sampled_order`: the logits are
+        produced in that order (the graph's logit rows are a blob field)."""
+        order = sampled_order([(w, i) for i, w in enumerate(self.seq_work)])
+        logits = graphs.forward(rows, [past for _, _, past in self.seq_rows], self.kvs,
+                                [w.params for w in self.seq_work], counts,
+                                order=[i for _, i in order])
+        if logits is None:
+            return False
+        work = [(w, self.seq_rows[i]) for w, i in order]
+        self._sample(logits, work, self.state.counts)
+        return True
 
     def _count_inputs(self, tokens: Any) -> dict[int, Any]:
         """Bring penalized sessions' token counts up to date with this round's inputs
@@ -162,3 +218,10 @@ class RoundWork:
         """Per session, how many of its rows in this round are still prompt tokens."""
         return [max(0, min(n, w.prompt_len - past))
                 for w, (_, n, past) in zip(self.seq_work, self.seq_rows, strict=True)]
+
+
+def sampled_order(rows: list[Any]) -> list[Any]:
+    """A round's sampled rows in the order their samples are written: unconstrained
+    first, then constrained, each in plan order. Items are (SeqWork, ...) or (Session, ...)
+    pairs (the control thread lays out the round's output the same way)."""
+    return sorted(rows, key=lambda r: r[0].params.constrained)

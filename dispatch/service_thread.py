@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from eagerlm.dispatch.mask_board import MaskBoard
 from eagerlm.dispatch.messages import (
     AddSession,
     Cancel,
@@ -66,8 +67,11 @@ class ServiceStats:
 class ServiceThread:
     def __init__(self, tokenizer: Tokenizer, context_length: int, inbox: queue.Queue,
                  to_control: queue.Queue, lookahead: threading.Semaphore,
-                 on_round: Callable[[RoundDone], None] | None = None) -> None:
+                 on_round: Callable[[RoundDone], None] | None = None,
+                 masks: MaskBoard | None = None) -> None:
         self.tokenizer = tokenizer
+        # constrained requests' masks, posted here as their tokens land (mask_board.py)
+        self.masks = masks if masks is not None else MaskBoard()
         self.context_length = context_length
         self.inbox = inbox
         self.to_control = to_control
@@ -100,6 +104,7 @@ class ServiceThread:
             msg = self.inbox.get()
             if isinstance(msg, Shutdown):  # the dispatcher's last word, after the control's
                 self._fail_all("engine shut down")
+                self.masks.shutdown()
                 return
             try:
                 self._handle(msg)
@@ -146,8 +151,11 @@ class ServiceThread:
     def _submit(self, msg: Submit) -> None:
         max_new = min(msg.params.max_tokens, self.context_length - len(msg.prompt_ids))
         req = _Request(msg.request_id, msg.prompt_ids, msg.sink,
-                       TokenJudge(self.tokenizer, msg.params, max_new))
+                       TokenJudge(self.tokenizer, msg.params, max_new, msg.grammar))
         self._requests[msg.request_id] = req
+        if req.judge.constrained:  # its first mask, before any round can sample for it
+            self.masks.open(msg.request_id)
+            self.masks.post(msg.request_id, 0, req.judge.next_mask())
         self.to_control.put(AddSession(msg.request_id, msg.prompt_ids, msg.params, max_new))
 
     def _round(self, rd: RoundDone) -> None:
@@ -163,8 +171,11 @@ class ServiceThread:
         for sid, cached in rd.prefill_tokens.items():
             if sid in self._requests:
                 self._requests[sid].cached_tokens = cached
-        for sid, gen, token, lp in zip(rd.sessions, rd.generation, tokens, logprobs,
-                                       strict=True):
+        rows = list(zip(rd.sessions, rd.generation, tokens, logprobs, strict=True))
+        # constrained sessions first: a round in flight may be waiting for their masks
+        rows.sort(key=lambda r: r[0] not in self._requests
+                  or not self._requests[r[0]].judge.constrained)
+        for sid, gen, token, lp in rows:
             req = self._requests.get(sid)
             if req is None or req.done or gen != len(req.generated):
                 self.stats.tokens_discarded += 1
@@ -178,8 +189,11 @@ class ServiceThread:
         text, finish = req.judge.accept(token)
         logprobs = None if lp is None else [lp]
         if finish is not None:
-            self._finish(req, finish, text, [token], logprobs=logprobs)
+            self._finish(req, finish, text, [token], logprobs=logprobs,
+                         error=req.judge.error)
         else:
+            if req.judge.constrained and len(req.generated) < req.judge.max_new:
+                self.masks.post(req.request_id, len(req.generated), req.judge.next_mask())
             self._deliver(req, Output(req.request_id, text, [token],
                                       prompt_tokens=len(req.prompt_ids),
                                       cached_tokens=req.cached_tokens, logprobs=logprobs))
@@ -189,6 +203,7 @@ class ServiceThread:
                 tell_control: bool = True,
                 logprobs: list[TokenLogprob] | None = None) -> None:
         req.done = True
+        self.masks.close(req.request_id)  # a round in flight samples it without a mask
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
         if tell_control:
             # The KV holds the prompt and every accepted token but the last (never fed back).

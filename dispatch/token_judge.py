@@ -2,13 +2,18 @@
 
 Both the sequential loop and the service thread feed a request's tokens, in order, to a
 `TokenJudge`: it detokenizes incrementally, holds back text that may start a stop string,
-and says when the request is finished and why (an end token, a stop string, max tokens or
-the context). Keeping this logic once is what makes "the dispatcher's output equals the
-request run alone" a statement about scheduling, not about two copies of these rules.
+and says when the request is finished and why (an end token, a stop string, its grammar
+complete, max tokens or the context). A constrained request's grammar is advanced here, by
+each token as it is accepted, so the next mask is ready as soon as the token is judged.
+Keeping this logic once is what makes "the dispatcher's output equals the request run
+alone" a statement about scheduling, not about two copies of these rules.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+from eagerlm.dispatch.grammar import GrammarMatcher
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.dispatch.reasoning import ReasoningBlock, ReasoningGate
 from eagerlm.dispatch.stop_strings import StopMatcher
@@ -18,14 +23,19 @@ from eagerlm.loader.tokenizer import Tokenizer
 
 
 class TokenJudge:
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, max_new: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, max_new: int,
+                 grammar: GrammarMatcher | None = None) -> None:
         self.max_new = max_new
+        self.grammar = grammar
+        self.error: str | None = None  # why it finished with `error`
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher(params.stop)
         # stop strings match in the answer only, after a reasoning block (dispatch/reasoning.py)
         self.gate = (ReasoningGate(params.reasoning_block == ReasoningBlock.OPEN)
                      if params.reasoning_block and params.stop else None)
         self.end_ids = frozenset() if params.ignore_eos else tokenizer.end_ids
+        # a grammar allows an end token where it may end; ignore_eos takes that away
+        self._banned = sorted(tokenizer.end_ids) if params.ignore_eos else []
         self.generated: list[int] = []
 
     def _release(self, text: str) -> str:
@@ -45,10 +55,34 @@ class TokenJudge:
         self.generated.append(token)
         if token in self.end_ids:  # the end token itself is never shown
             return self._release_all(), FinishReason.STOP
+        if self.grammar is not None and not self.grammar.accept(token):
+            # the mask allowed it, so this is a bug, not the user's mistake
+            self.error = f"token {token} breaks the request's grammar: {self.grammar.error}"
+            return "", FinishReason.ERROR
         text = self._release(self.detok.push(token))
         if self.stops.stopped:
             return text, FinishReason.STOP
+        if self.grammar is not None and self.grammar.finished:
+            return text + self._release_all(), FinishReason.STOP
         if len(self.generated) >= self.max_new:
             text += self._release_all()
             return text, FinishReason.STOP if self.stops.stopped else FinishReason.LENGTH
         return text, None
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None
+
+    def next_mask(self) -> np.ndarray:
+        """The allowed-token mask of the next token (a constrained request); with
+        ignore_eos, end tokens are not allowed unless nothing else is."""
+        assert self.grammar is not None
+        mask = self.grammar.mask()
+        if self._banned:
+            kept = mask.copy()
+            words = kept.view(np.uint32)
+            for t in self._banned:
+                words[t // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (t % 32)))
+            if kept.any():
+                mask = kept
+        return mask

@@ -50,6 +50,15 @@ class DecodeRounds(Protocol):
         bucket and must take the general path."""
         ...
 
+    def forward(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
+                params: Sequence[SamplingParams],
+                counts: Sequence[tuple[Any, int] | None] | None = None,
+                order: Sequence[int] | None = None) -> Any | None:
+        """The decode round's forward only (a round with constrained rows, whose sampling
+        waits for the host): its logits [n, vocab], row j of session `order[j]`; None when
+        it does not fit a bucket."""
+        ...
+
     def close(self) -> None:
         """Free the graphs and their buffers, after the stream has finished every replay."""
         ...
@@ -101,12 +110,18 @@ class RoundBackend(Protocol[A]):
                      positions: Sequence[int], counts: Sequence[Any | None],
                      biases: Sequence[A | None], *, out: DeviceBuffer,
                      token_buf: DeviceBuffer, out_slots: Sequence[int],
-                     logprobs_out: tuple[DeviceBuffer, DeviceBuffer] | None = None) -> None:
+                     logprobs_out: tuple[DeviceBuffer, DeviceBuffer] | None = None,
+                     masks: Sequence[np.ndarray | None] | None = None,
+                     first_row: int = 0) -> None:
         """Sample one token per logit row into `out` (int32) and into the token buffer at
         `out_slots` (a negative slot writes none): the next round reads its decode inputs
-        there. Penalized rows need their `counts`, biased rows their `biases`; with
-        `logprobs_out`, also each row's logprobs (float32 [n, 1 + MAX_LOGPROBS], int32
-        [n, MAX_LOGPROBS]) for rows whose params ask for them."""
+        there. Penalized rows need their `counts`, biased rows their `biases`,
+        constrained rows their allowed-token `masks` (host int32 bitmasks, applied after
+        the bias and penalties); with `logprobs_out`, also each row's logprobs (float32
+        [n, 1 + MAX_LOGPROBS], int32 [n, MAX_LOGPROBS]) for rows whose params ask for them.
+        The rows sampled are `first_row .. first_row + len(params)` of `logits`, written to
+        the same rows of `out` and the logprob buffers: a round samples its unconstrained
+        rows first and its constrained rows once their masks have come."""
         ...
 
     def decode_graphs(self, transformer: Transformer, token_buf: DeviceBuffer, *,

@@ -29,8 +29,12 @@ A round with penalized or logit-biased sessions replays a variant of its bucket'
 that also counts the round's inputs (count_tokens) and samples from adjusted logits
 (penalize_rows; a session's bias is a device tensor that never moves, as its counts); a
 round in which some session asks for logprobs, one that also runs token_logprobs into the
-graph's own buffers, copied out after the replay as the sampled tokens are. Prefill
-and mixed rounds run through the general eager path.
+graph's own buffers, copied out after the replay as the sampled tokens are. A round with
+constrained sessions (a JSON schema, a grammar) replays a forward-only variant, which
+leaves the logits in a fixed buffer (`forward`): the round then samples from them as the
+general path does, its unconstrained rows first and its constrained rows once the host has
+their masks (dispatch/round_work.py), so the wait for the masks never holds back the
+forward's launch. Prefill and mixed rounds run through the general eager path.
 
 Every decode round that fits a bucket goes through these fixed buffers, graphs or not:
 with `enabled = False`, or where a capture failed (the reason is kept in `failures`), the
@@ -120,6 +124,7 @@ class _Kind:
 
     adjusted: bool  # count_tokens and penalize_rows (penalties, logit bias)
     logprobs: bool  # token_logprobs
+    forward_only: bool = False  # no sampling: the logits are left in `_Step.logits`
 
 
 @dataclass
@@ -135,6 +140,7 @@ class _Step:
     out: Any  # DeviceBuffer: int32 [batch] sampled tokens
     lp_values: Any  # DeviceBuffer: float32 [batch, 1 + MAX_LOGPROBS] (logprob kinds)
     lp_ids: Any  # DeviceBuffer: int32 [batch, MAX_LOGPROBS]
+    logits: Any = None  # DeviceBuffer: float32 [batch, vocab] (forward-only kinds)
     graph: Any = None
     exec: Any = None  # None: launched eagerly (graphs off, or the capture failed)
 
@@ -158,6 +164,7 @@ class DecodeGraphs:
         self.replays = 0
         self.adjusted_replays = 0  # of which, of graphs with penalties or a logit bias
         self.logprob_replays = 0  # and of graphs with logprobs
+        self.forward_replays = 0  # and of forward-only graphs (rounds with constraints)
         self.captured = 0
         self.eager_rounds = 0  # rounds through the fixed buffers launched one by one
 
@@ -187,6 +194,43 @@ class DecodeGraphs:
                      any(p.logprobs is not None for p in params))
         if kind.logprobs and logprobs_out is None:
             raise ValueError("a round with logprobs needs buffers for them")
+        step = self._launch(kind, rows, n_pasts, kvs, params, out_slots, counts, biases)
+        d, s = driver(), self.ops.stream.handle
+        copies = [(out, step.out, n * 4)]
+        if kind.logprobs and logprobs_out is not None:
+            copies += [(logprobs_out[0], step.lp_values, n * (1 + MAX_LOGPROBS) * 4),
+                       (logprobs_out[1], step.lp_ids, n * MAX_LOGPROBS * 4)]
+        for dst, src, nbytes in copies:
+            cu("cuMemcpyDtoDAsync", d.CUdeviceptr(dst.ptr), d.CUdeviceptr(src.ptr), nbytes, s)
+        return True
+
+    def forward(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
+                params: Sequence[SamplingParams],
+                counts: Sequence[tuple[DeviceTensor, int] | None] | None = None,
+                order: Sequence[int] | None = None) -> DeviceTensor | None:
+        """The decode round's forward only (counting penalized sessions' inputs, as `run`),
+        through the forward-only variant of its bucket: the logits, float32 [n, vocab], in
+        the variant's fixed buffer (valid until its next replay, which the stream orders
+        after this round's sampling); logits row j is row `order[j]`'s (default: row j's).
+        None when the round has no bucket."""
+        n = len(n_pasts)
+        if n == 0 or n > self.buckets[-1]:
+            return None
+        kind = _Kind(any(p.adjusts_logits for p in params), False, forward_only=True)
+        step = self._launch(kind, rows, n_pasts, kvs, params, [-1] * n, counts, None,
+                            penalties=False, order=order)
+        vocab = self.transformer.config.vocab_size
+        return DeviceTensor(step.logits.ptr, (n, vocab), "f32", step.logits)
+
+    def _launch(self, kind: _Kind, rows: np.ndarray, n_pasts: Sequence[int],
+                kvs: Sequence[Any], params: Sequence[SamplingParams],
+                out_slots: Sequence[int],
+                counts: Sequence[tuple[DeviceTensor, int] | None] | None,
+                biases: Sequence[DeviceTensor | None] | None, *,
+                penalties: bool = True, order: Sequence[int] | None = None) -> _Step:
+        """Fill the bucket's blob and replay its graph (or make its launches);
+        `penalties`: whether the graph adjusts the logits (a forward-only one does not)."""
+        n = len(n_pasts)
         b = next(x for x in self.buckets if x >= n)
         key = (b, context_bucket(max(n_pasts) + 1, self.max_context), kind)
         step = self.steps.get(key)
@@ -194,7 +238,8 @@ class DecodeGraphs:
             step = self.steps[key] = self._step(*key)
         if self.enabled and step.exec is None and key not in self.failures:
             self._capture(step)
-        blob = self._blob(b, rows, n_pasts, kvs, params, out_slots, counts, biases)
+        blob = self._blob(b, rows, n_pasts, kvs, params, out_slots, counts, biases,
+                          penalties=penalties, order=order)
         self.ops._ring.upload(blob, DeviceTensor(step.inputs.ptr, (blob.size,), "u8"))
         d = driver()
         self.ops.ctx.bind()
@@ -204,21 +249,17 @@ class DecodeGraphs:
             self.replays += 1
             self.adjusted_replays += kind.adjusted
             self.logprob_replays += kind.logprobs
+            self.forward_replays += kind.forward_only
         else:
             step.launch()
             self.eager_rounds += 1
-        copies = [(out, step.out, n * 4)]
-        if kind.logprobs and logprobs_out is not None:
-            copies += [(logprobs_out[0], step.lp_values, n * (1 + MAX_LOGPROBS) * 4),
-                       (logprobs_out[1], step.lp_ids, n * MAX_LOGPROBS * 4)]
-        for dst, src, nbytes in copies:
-            cu("cuMemcpyDtoDAsync", d.CUdeviceptr(dst.ptr), d.CUdeviceptr(src.ptr), nbytes, s)
-        return True
+        return step
 
     def _blob(self, b: int, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
               params: Sequence[SamplingParams], out_slots: Sequence[int] = (),
               counts: Sequence[tuple[DeviceTensor, int] | None] | None = None,
-              biases: Sequence[DeviceTensor | None] | None = None) -> np.ndarray:
+              biases: Sequence[DeviceTensor | None] | None = None, *,
+              penalties: bool = True, order: Sequence[int] | None = None) -> np.ndarray:
         """The graph's inputs for this round; rows past the real ones are padding."""
         n = len(n_pasts)
         lay = _Layout(b)
@@ -242,7 +283,10 @@ class DecodeGraphs:
         pos = field("positions", np.int32)
         pos[:n] = n_pasts
         pos[n:] = 0
-        field("logit_rows", np.int64)[:] = np.arange(b, dtype=np.int64)
+        logit_rows = field("logit_rows", np.int64)
+        logit_rows[:] = np.arange(b, dtype=np.int64)
+        if order is not None:  # a forward-only round's logits in its sampling order
+            logit_rows[:n] = order
         vocab = self.transformer.config.vocab_size
         table = field("params", SAMPLE_PARAMS)
         table[:n] = sample_table(params, [p + 1 for p in n_pasts], vocab)
@@ -259,8 +303,9 @@ class DecodeGraphs:
             c = list(counts or [None] * n)
             field("count_spans", COUNT_SPAN)[:n] = count_table(
                 [(None, i, 1, 0) if x is None else (x[0], i, 1, x[1]) for i, x in enumerate(c)])
-            field("penalties", PENALTY_ROW)[:n] = penalty_table(
-                params, [None if x is None else x[0] for x in c], biases, vocab)
+            if penalties:
+                field("penalties", PENALTY_ROW)[:n] = penalty_table(
+                    params, [None if x is None else x[0] for x in c], biases, vocab)
         return blob
 
     # -- the fixed launches and their capture ---------------------------------------------
@@ -273,6 +318,8 @@ class DecodeGraphs:
         out_buf = ops.device.alloc(b * 4)
         lp_values = ops.device.alloc(b * (1 + MAX_LOGPROBS) * 4) if kind.logprobs else None
         lp_ids = ops.device.alloc(b * MAX_LOGPROBS * 4) if kind.logprobs else None
+        vocab = self.transformer.config.vocab_size
+        logits_buf = ops.device.alloc(b * vocab * 4) if kind.forward_only else None
 
         def tensor(name: str, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
             return DeviceTensor(inputs.ptr + lay.offset(name), shape, dtype, inputs)
@@ -294,7 +341,6 @@ class DecodeGraphs:
 
         spans = tensor("count_spans", (b * COUNT_SPAN.itemsize,), "u8")
         penalties = tensor("penalties", (b * PENALTY_ROW.itemsize,), "u8")
-        vocab = self.transformer.config.vocab_size
 
         want = tensor("logprob_n", (b,), "i32")
 
@@ -302,6 +348,10 @@ class DecodeGraphs:
             if kind.adjusted:
                 ops.count_inputs_device(ids, spans, b, vocab)
             logits = self.transformer.forward(batch)
+            if logits_buf is not None:  # forward only: the round samples from the buffer
+                cu("cuMemcpyDtoDAsync", driver().CUdeviceptr(logits_buf.ptr),
+                   driver().CUdeviceptr(logits.ptr), b * vocab * 4, ops.stream.handle)
+                return
             drawn = ops.penalize_device(logits, penalties) if kind.adjusted else logits
             ops.sample_device(drawn, params, out=out, token_buf=self.token_buf.ptr,
                               out_slots=slots)
@@ -309,7 +359,7 @@ class DecodeGraphs:
                 ops.token_logprobs_device(logits, out, want, values=lp_values.ptr,
                                           top_ids=lp_ids.ptr)
 
-        return _Step(b, ctx, kind, launch, inputs, out_buf, lp_values, lp_ids)
+        return _Step(b, ctx, kind, launch, inputs, out_buf, lp_values, lp_ids, logits_buf)
 
     def _capture(self, step: _Step) -> None:
         """Record `step`'s launches as a graph. They run once first, on padding only (every
@@ -352,7 +402,7 @@ class DecodeGraphs:
             if step.exec is not None:
                 cu("cuGraphExecDestroy", step.exec)
                 cu("cuGraphDestroy", step.graph)
-            for buf in (step.inputs, step.out, step.lp_values, step.lp_ids):
+            for buf in (step.inputs, step.out, step.lp_values, step.lp_ids, step.logits):
                 if buf is not None:
                     buf.free()
         self.steps.clear()

@@ -65,6 +65,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     **{name: ("attention_decode", sig) for name, sig in _ATTENTION_DECODE.items()},
     "sample_rows": ("sampler", "ppppiqp"),
     "penalize_rows": ("sampler", "ppip"),
+    "mask_rows": ("sampler", "ppipip"),
     "count_tokens": ("sampler", "ppipi"),
     "token_logprobs": ("sampler", "pppiqppi"),
     **{f"dequant_{t}_{o}": ("dequant", "ppq") for t in _DEQUANT_TYPES for o in ("bf16", "f32")},

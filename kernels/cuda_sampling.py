@@ -1,8 +1,9 @@
 """The sampler on the cuda device, and the rest of a dispatcher round's work beside the
 forward that concerns sampling: a session's penalty token counts and logit bias kept on the
 device, a round's inputs counted into them, the logit bias and penalties applied to a copy
-of the logits, the draw, and the sampled tokens' logprobs (kernels/cuda/sampler.cu; the
-rules are kernels/sampling.py's).
+of the logits, constrained rows' allowed-token masks (uploaded per round from the host,
+where the grammar is), the draw, and the sampled tokens' logprobs (kernels/cuda/sampler.cu;
+the rules are kernels/sampling.py's).
 
 `CudaSampling` holds these as methods of `CudaOps` (the sampling half of
 kernels/backend.py's `RoundBackend`, which NumpyOps also satisfies), each with a `*_device`
@@ -24,6 +25,7 @@ from eagerlm.kernels.sampling import (
     SamplingParams,
     TokenCounts,
     dense_logit_bias,
+    mask_words,
 )
 
 if TYPE_CHECKING:
@@ -87,16 +89,24 @@ class CudaSampling:
                      positions: Sequence[int], counts: Sequence[DeviceTensor | None],
                      biases: Sequence[DeviceTensor | None], *,
                      out: Any, token_buf: Any, out_slots: Sequence[int],
-                     logprobs_out: tuple[Any, Any] | None = None) -> None:
-        """NumpyOps.sample_round on the device: logit bias and penalties, the draw,
-        logprobs."""
+                     logprobs_out: tuple[Any, Any] | None = None,
+                     masks: Sequence[np.ndarray | None] | None = None,
+                     first_row: int = 0) -> None:
+        """NumpyOps.sample_round on the device: logit bias and penalties, the masks, the
+        draw, logprobs; rows `first_row ..` of the logits, into the same rows of `out` and
+        the logprob buffers."""
+        n, vocab = len(params), logits.shape[1]
+        if first_row or n != logits.shape[0]:
+            logits = logits.view_at(first_row * vocab * 4, (n, vocab), "f32")
         slots = self.upload(np.asarray(out_slots, dtype=np.int32), "i32")
-        sampled = DeviceTensor(out.ptr, (len(params),), "i32")
+        sampled = DeviceTensor(out.ptr + first_row * 4, (n,), "i32")
         self.sample(logits, params, positions, counts=counts, biases=biases, out=sampled,
-                    token_buf=token_buf.ptr, out_slots=slots)
+                    token_buf=token_buf.ptr, out_slots=slots, masks=masks)
         if logprobs_out is not None:
+            cols = 1 + MAX_LOGPROBS
             self.token_logprobs(logits, sampled, [p.logprobs for p in params],
-                                values=logprobs_out[0].ptr, top_ids=logprobs_out[1].ptr)
+                                values=logprobs_out[0].ptr + first_row * cols * 4,
+                                top_ids=logprobs_out[1].ptr + first_row * MAX_LOGPROBS * 4)
 
     # -- the steps, also launched by the decode graphs -----------------------------------
 
@@ -105,19 +115,24 @@ class CudaSampling:
                counts: Sequence[DeviceTensor | None] | None = None,
                biases: Sequence[DeviceTensor | None] | None = None,
                out: DeviceTensor | None = None, token_buf: int = 0,
-               out_slots: DeviceTensor | None = None) -> DeviceTensor:
+               out_slots: DeviceTensor | None = None,
+               masks: Sequence[np.ndarray | None] | None = None) -> DeviceTensor:
         """One token per row of float32 `logits` [n, vocab] (kernels/sampling.py's rules),
         written to `out` (int32 [n]) and, for rows whose `out_slots` entry is >= 0, to
         `token_buf[slot]`. Rows whose params are penalized need `counts[i]` (from
         `token_counts`); rows with a logit bias take `biases[i]` (from `logit_bias`), or
-        have it uploaded here. A row that cannot be sampled (NaN logits) gets -1."""
+        have it uploaded here; rows with `masks[i]` (host int32 bitmasks) draw only among
+        the tokens it allows. A row that cannot be sampled (NaN logits) gets -1."""
         check_tensor(logits, "f32", "logits")
         n, vocab = logits.shape
         if len(params) != n or len(positions) != n:
             raise ValueError(f"{n} logit rows need {n} params and positions")
         table = sample_table(params, positions, vocab)
-        if any(p.adjusts_logits for p in params):
+        adjusted = any(p.adjusts_logits for p in params)
+        if adjusted:
             logits = self.penalize(logits, params, counts, biases)
+        if masks is not None and any(m is not None for m in masks):
+            logits = self.mask(logits, masks, in_place=adjusted)
         if out is None:
             out = self.empty((n,), "i32")
         self.sample_device(logits, self.upload(table.view(np.uint8), "u8"), out=out,
@@ -135,6 +150,26 @@ class CudaSampling:
                   for p, b in zip(params, biases or [None] * len(params), strict=True)]
         table = penalty_table(params, counts, biases, vocab)
         return self.penalize_device(logits, self.upload(table.view(np.uint8)))
+
+    def mask(self, logits: DeviceTensor, masks: Sequence[np.ndarray | None], *,
+             in_place: bool = False) -> DeviceTensor:
+        """`logits` with each masked row's disallowed tokens at -inf (mask_rows): a copy,
+        so the raw logits stay for the logprobs, unless `in_place` (they are already a
+        copy). The round's masks are uploaded in one table; rows without one are copied."""
+        n, vocab = logits.shape
+        which, table = mask_table(masks, vocab)
+        out = logits if in_place else self.empty((n, vocab), "f32")
+        self.mask_device(logits, self.upload(table), self.upload(which), out=out)
+        return out
+
+    def mask_device(self, logits: DeviceTensor, table: DeviceTensor, which: DeviceTensor, *,
+                    out: DeviceTensor) -> None:
+        """`mask` with its table (int32 [masks, words]) and row index already on the
+        device: the form a decode graph would capture."""
+        n, vocab = logits.shape
+        self.kernels["mask_rows"].launch(
+            self._s, (min(-(-vocab // 2048), 128), n, 1), 256, out.ptr, logits.ptr, vocab,
+            table.ptr, table.shape[1], which.ptr)
 
     def penalize_device(self, logits: DeviceTensor, table: DeviceTensor) -> DeviceTensor:
         """`penalize` with its table (PENALTY_ROW per row) already on the device."""
@@ -214,6 +249,21 @@ def penalty_table(params: Sequence[SamplingParams],
         table[i] = (0 if c is None else c.ptr, 0 if b is None else b.ptr,
                     p.repetition_penalty, p.presence_penalty, p.frequency_penalty, 0)
     return table
+
+
+def mask_table(masks: Sequence[np.ndarray | None], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """mask_rows' row index (int32 per row: its mask's row in the table, -1 none) and table
+    (int32 [masks, mask_words(vocab)]), checked."""
+    words = mask_words(vocab)
+    which = np.full(len(masks), -1, np.int32)
+    given = [(i, m) for i, m in enumerate(masks) if m is not None]
+    table = np.zeros((max(1, len(given)), words), np.int32)
+    for k, (i, m) in enumerate(given):
+        m = np.asarray(m, np.int32)
+        if m.shape != (words,):
+            raise ValueError(f"masks[{i}] must be int32 [{words}], got {m.shape}")
+        table[k], which[i] = m, k
+    return which, table
 
 
 def logprob_table(want: Sequence[int | None]) -> np.ndarray:

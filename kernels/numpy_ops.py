@@ -145,17 +145,22 @@ class NumpyOps:
                      positions: Sequence[int], counts: Sequence[TokenCounts | None],
                      biases: Sequence[np.ndarray | None], *,
                      out: DeviceBuffer, token_buf: DeviceBuffer, out_slots: Sequence[int],
-                     logprobs_out: tuple[DeviceBuffer, DeviceBuffer] | None = None) -> None:
+                     logprobs_out: tuple[DeviceBuffer, DeviceBuffer] | None = None,
+                     masks: Sequence[np.ndarray | None] | None = None,
+                     first_row: int = 0) -> None:
         """Sample one token per row into `out` and into the token buffer at `out_slots`;
         rows with penalties need their `counts`, rows with a logit bias their `biases`
-        (from `logit_bias`). With `logprobs_out`, also each row's logprobs (rows whose
-        params ask for them)."""
-        logits = np.asarray(logits, dtype=np.float32)
-        tokens = sample(logits, params, positions, counts, biases).astype(np.int32)
+        (from `logit_bias`), constrained rows their allowed-token `masks`. With
+        `logprobs_out`, also each row's logprobs (rows whose params ask for them). The
+        rows are `logits[first_row:first_row + len(params)]`, and so are their places in
+        `out` and the logprob buffers."""
+        n = len(params)
+        logits = np.asarray(logits, dtype=np.float32)[first_row:first_row + n]
+        tokens = sample(logits, params, positions, counts, biases, masks).astype(np.int32)
         slots = np.asarray(out_slots, np.int64)
         keep = slots >= 0  # as the device sampler: a negative slot writes no token buffer row
         _host_view(token_buf)[slots[keep]] = tokens[keep]
-        _host_view(out)[: len(tokens)] = tokens
+        _host_view(out)[first_row:first_row + n] = tokens
         if logprobs_out is None:
             return
         values = _host_view(logprobs_out[0], np.float32).reshape(-1, 1 + MAX_LOGPROBS)
@@ -164,10 +169,10 @@ class NumpyOps:
             if p.logprobs is None:
                 continue
             lp = token_logprob(logits[i], int(tokens[i]), p.logprobs)
-            values[i, 0] = lp.logprob
+            values[first_row + i, 0] = lp.logprob
             for j, (tid, v) in enumerate(lp.top):
-                values[i, 1 + j] = v
-                top_ids[i, j] = tid
+                values[first_row + i, 1 + j] = v
+                top_ids[first_row + i, j] = tid
 
     def decode_graphs(self, transformer: Transformer, token_buf: DeviceBuffer, *,
                       max_batch: int, max_context: int, layout: KVLayout,

@@ -41,6 +41,13 @@ mix64(seed) (hashing the seed keeps seeds s and s + gamma from giving shifted st
 Draw: order the surviving tokens by ascending id, accumulate their weights in float64, and
 return the first token whose running sum exceeds u * (total weight).
 
+**Constraints.** A request may carry a `Constraint` (a JSON schema, a regular expression, a
+Lark or a GBNF grammar). The sampler only sees its effect: an allowed-token bitmask per row
+(int32 words, bit `t % 32` of word `t // 32` set when token t may come next), applied after
+the logit bias and penalties and before everything else, so disallowed tokens get -inf and
+no filter or draw can pick them (`apply_token_mask`). Who makes the masks, and when, is the
+dispatcher's business (dispatch/grammar.py, dispatch/mask_board.py).
+
 `seed=None` means "random": the caller gives each request a seed once, with
 `SamplingParams.resolve_seed()` (or `fresh_seed()`), before its first round, so all of a
 request's rounds draw from one stream and a logged seed reproduces the run.
@@ -49,6 +56,7 @@ request's rounds draw from one stream and a logged seed reproduces the run.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import secrets
@@ -80,6 +88,49 @@ class InvalidSamplingParams(InvalidParameters):
     def __init__(self, field: str, message: str) -> None:
         self.field = field
         super().__init__(f"{field} {message}", param=field)
+
+
+CONSTRAINT_KINDS = ("json_schema", "regex", "lark", "gbnf")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match: a JSON schema (as JSON text), a regular
+    expression, a Lark grammar or a GBNF grammar (llama.cpp's). Only the description: it is
+    compiled against the model's tokenizer when the request is submitted
+    (dispatch/grammar.py), where an invalid one is refused naming `field`, the request
+    field it came from (a server sets it to its own field name)."""
+
+    kind: str
+    text: str
+    field: str = dataclasses.field(default="constraint", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidSamplingParams(
+                self.field, f"kind must be one of {', '.join(CONSTRAINT_KINDS)}, "
+                f"got {self.kind!r}")
+        if not isinstance(self.text, str) or not self.text:
+            raise InvalidSamplingParams(self.field, f"must be a non-empty string, got "
+                                                    f"{self.text!r}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str | bool, field: str = "constraint") -> Constraint:
+        """A JSON schema, as a mapping or JSON text (`{"type": "object"}` for any object)."""
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        return cls("json_schema", text, field)
+
+    @classmethod
+    def regex(cls, pattern: str, field: str = "constraint") -> Constraint:
+        return cls("regex", pattern, field)
+
+    @classmethod
+    def lark(cls, grammar: str, field: str = "constraint") -> Constraint:
+        return cls("lark", grammar, field)
+
+    @classmethod
+    def gbnf(cls, grammar: str, field: str = "constraint") -> Constraint:
+        return cls("gbnf", grammar, field)
 
 
 def _is_int(value: object) -> bool:
@@ -115,6 +166,8 @@ class SamplingParams:
     # a reasoning model's `<think>` block, which stop strings skip (dispatch/reasoning.py):
     # "" none, "may_open" the reply may open one, "open" the prompt opened it
     reasoning_block: str = ""
+    # the output must match it (None: free text); masked after the bias and penalties
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         def fail(field: str, allowed: str) -> None:
@@ -156,6 +209,8 @@ class SamplingParams:
         if self.reasoning_block not in ("", "may_open", "open"):
             fail("reasoning_block", "'', 'may_open' or 'open'")
         object.__setattr__(self, "logit_bias", _canonical_logit_bias(self.logit_bias))
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            fail("constraint", "None or a Constraint")
         # Canonical types, so equal parameters compare and hash equal.
         for name, kind in (("max_tokens", int), ("temperature", float), ("top_k", int),
                            ("top_p", float), ("min_p", float), ("ignore_eos", bool),
@@ -181,6 +236,12 @@ class SamplingParams:
         """Whether the sampler changes this request's logits before drawing (a logit bias
         or penalties): such rows are sampled from an adjusted copy of the logits."""
         return self.penalized or bool(self.logit_bias)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether each token needs an allowed-token mask, which depends on the previous
+        token: the sampling of such rows waits for the host (dispatch/mask_board.py)."""
+        return self.constraint is not None
 
     def resolve_seed(self) -> SamplingParams:
         """These parameters with a concrete seed: unchanged if one is set, else a fresh one."""
@@ -389,6 +450,29 @@ def adjust_logits(logits: np.ndarray, params: SamplingParams, counts: TokenCount
     return out
 
 
+def mask_words(vocab: int) -> int:
+    """int32 words in an allowed-token bitmask over `vocab` tokens."""
+    return (vocab + 31) // 32
+
+
+def allowed_tokens(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """The bitmask as bool [vocab] (tokens past the mask's bits are not allowed)."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, np.int32).view(np.uint8),
+                         bitorder="little")
+    out = np.zeros(vocab, bool)
+    n = min(vocab, bits.size)
+    out[:n] = bits[:n]
+    return out
+
+
+def apply_token_mask(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """One row of logits with the tokens the mask does not allow set to -inf (a new
+    float32 array)."""
+    out = np.array(logits, dtype=np.float32)
+    out[~allowed_tokens(mask, out.size)] = -np.inf
+    return out
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """The sampled token's log-probability and the `n` most likely alternatives', from the
@@ -412,14 +496,17 @@ def token_logprob(logits: np.ndarray, token: int, n: int) -> TokenLogprob:
 def sample(logits: np.ndarray, params: Sequence[SamplingParams],
            positions: Sequence[int],
            counts: Sequence[TokenCounts | None] | None = None,
-           biases: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
+           biases: Sequence[np.ndarray | None] | None = None,
+           masks: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
     """One token per row of `logits` [n, vocab]; row i uses params[i] and positions[i].
 
     `positions[i]` is the counter of the row's draw: the engine passes the sequence
     position the sampled token will occupy, which is unique per step of a request.
     Non-greedy rows need a resolved seed (see `SamplingParams.resolve_seed`). Rows whose
     params are `penalized` need `counts[i]`, the request's token counts so far; rows with a
-    logit bias may pass it dense as `biases[i]` (else it is built from their params).
+    logit bias may pass it dense as `biases[i]` (else it is built from their params). A row
+    with `masks[i]` (an allowed-token bitmask, int32 [mask_words(vocab)]) draws only among
+    the tokens it allows; ValueError when it allows none.
     """
     logits = np.asarray(logits)
     if logits.ndim != 2:
@@ -439,6 +526,11 @@ def sample(logits: np.ndarray, params: Sequence[SamplingParams],
         if p.penalized and c is None:
             raise ValueError(f"params[{i}] has penalties but no token counts were given")
         rows[i] = adjust_logits(rows[i], p, c, None if biases is None else biases[i])
+    for i, mask in enumerate(masks or ()):
+        if mask is not None:
+            rows[i] = apply_token_mask(rows[i], mask)
+            if not np.isfinite(rows[i]).any():
+                raise ValueError(f"the token mask of row {i} allows no token it can draw")
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     for i in drawn:
         if params[i].seed is None:
@@ -460,19 +552,24 @@ def sample(logits: np.ndarray, params: Sequence[SamplingParams],
 
 
 __all__ = [
+    "CONSTRAINT_KINDS",
     "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",
+    "Constraint",
     "InvalidSamplingParams",
     "SamplingParams",
     "TokenCounts",
     "TokenLogprob",
     "adjust_logits",
+    "allowed_tokens",
     "apply_penalties",
+    "apply_token_mask",
     "dense_logit_bias",
     "draw_uniform",
     "filter_candidates",
     "fresh_seed",
+    "mask_words",
     "sample",
     "token_logprob",
 ]

@@ -1,6 +1,7 @@
 """The dispatcher on the cuda backend, on the emulated GPU: whatever the configuration
 (graphs or eager launches, prefix cache, chunked prefill, eager or sync, preemption by
-recompute or swap), every request gives exactly the tokens it gives run alone.
+recompute or swap, constrained requests among the others), every request gives exactly the
+tokens it gives run alone.
 
 On a GPU, as on the emulator's default GEMM, a row's rounding may depend on how many rows
 share its GEMM, so batch composition can flip a near-tie; that is numerics, not dispatch.
@@ -11,13 +12,16 @@ slot, KV written to the wrong place), as the one a cached prefix once caused on 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import re
 
 import pytest
 
 from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.kernels.sampling import Constraint
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
@@ -198,3 +202,51 @@ def test_a_session_cancelled_before_its_first_round_waits_for_its_prefix_copy(gp
     want, _ = _results(_dispatcher(gpu, model, max_batch=1, round_tokens=256,
                                    prefix_cache=False), [("other", other, long)], then=0)
     assert got == want["other"]
+
+
+CONSTRAINTS = [Constraint.regex("[a-z]{2,6}(-[0-9]{1,3})?"),
+               Constraint.gbnf('root ::= ("yes" | "no" | "maybe") (" " root)?'),
+               Constraint.json_schema({"type": "object", "additionalProperties": False,
+                                       "required": ["n"], "properties": {
+                                           "n": {"type": "integer", "minimum": 0,
+                                                 "maximum": 999}}})]
+
+
+@pytest.fixture(scope="module")
+def constrained_workload(model):
+    """Every other request constrained (a regex, a GBNF grammar or a JSON schema), mixed
+    with unconstrained ones, penalties and logprobs, so decode rounds hold both."""
+    rng = random.Random(11)
+    return [(k, prompt, dataclasses.replace(
+                params, max_tokens=max(params.max_tokens, 8),
+                constraint=CONSTRAINTS[k % 3] if k % 2 else None,
+                repetition_penalty=rng.choice([1.0, 1.3]), logprobs=rng.choice([None, 2])))
+            for k, prompt, params in random_workload(model, rng, 8)]
+
+
+@pytest.mark.parametrize("config", ["graphs", "eager launches", "sync"])
+def test_constrained_requests_equal_their_runs_alone(gpu, model, constrained_workload,
+                                                     config) -> None:
+    """Decode rounds with constrained rows replay the forward-only graph variant (or its
+    launches one by one), then sample free rows first and constrained ones with their
+    masks: each request gives exactly the tokens it gives alone, and what the constrained
+    ones give matches their constraint."""
+    alone_ = {}
+    for req in constrained_workload:
+        got, _ = _results(_dispatcher(gpu, model, max_batch=1, round_tokens=256,
+                                      prefix_cache=False), [req], then=0)
+        alone_.update(got)
+    d = _dispatcher(gpu, model, **CONFIGS[config])
+    graphs = d.control._graphs
+    got, _ = _results(d, constrained_workload, random.Random(5), then=0)
+    differ = [k for k in got if got[k] != alone_[k]]
+    assert not differ, {k: (got[k][0], alone_[k][0]) for k in differ}
+    if config == "graphs":
+        assert graphs is not None and graphs.forward_replays > 0
+    for k, _, params in constrained_workload:
+        if params.constraint is not None and got[k][2].value == "stop":
+            text = got[k][1]
+            if params.constraint.kind == "json_schema":
+                assert 0 <= json.loads(text)["n"] <= 999
+            elif params.constraint.kind == "regex":
+                assert re.fullmatch("[a-z]{2,6}(-[0-9]{1,3})?", text), text

@@ -2,7 +2,8 @@
 kernels/sampling.py, on a GPU (skipped without one) and on the emulated GPU of
 tests/emulated_gpu/gpu_emulator.py: the draw (greedy ties, seeded draws equal to the reference's,
 independent of the batch, the token buffer and NaN rows), the logit bias and penalties
-(to the bit), the token counts kept on the device from a round's inputs, and logprobs.
+(to the bit), constrained rows' token masks (to the bit) and the round's split sampling,
+the token counts kept on the device from a round's inputs, and logprobs.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from eagerlm.kernels.sampling import (
     SamplingParams,
     TokenCounts,
     adjust_logits,
+    allowed_tokens,
     apply_penalties,
+    apply_token_mask,
     filter_candidates,
+    mask_words,
     sample,
     token_logprob,
 )
@@ -247,3 +251,74 @@ def test_logprobs_match_the_float64_reference(ops) -> None:
         np.testing.assert_allclose(got_v[i, 1:1 + k], [v for _, v in ref.top], rtol=1e-6,
                                    atol=1e-6)
     assert got_ids[2, :3].tolist() == [5, 9, 700]
+
+
+def _random_masks(n: int, vocab: int) -> list[np.ndarray | None]:
+    """Allowed-token bitmasks (a few to a few hundred tokens allowed), every third row
+    unmasked, one row allowing a single token past every 32-token word boundary."""
+    words = mask_words(vocab)
+    masks: list[np.ndarray | None] = []
+    for i in range(n):
+        if i % 3 == 2:
+            masks.append(None)
+            continue
+        bits = np.zeros(words * 32, np.uint8)
+        bits[rng.choice(vocab, int(rng.integers(1, 300)), replace=False)] = 1
+        masks.append(np.packbits(bits, bitorder="little").view(np.int32))
+    bits = np.zeros(words * 32, np.uint8)
+    bits[vocab - 1] = 1  # the last token, in the last (partial) word
+    masks[0] = np.packbits(bits, bitorder="little").view(np.int32)
+    return masks
+
+
+@pytest.mark.parametrize("vocab", [1000, 151936])
+def test_masked_rows_equal_the_reference_and_draw_only_allowed_tokens(ops, vocab) -> None:
+    """mask_rows against sampling.apply_token_mask (-inf where not allowed, to the bit),
+    then the draw with the masks against sampling.sample's, greedy and seeded, on rows
+    with and without a logit bias (masked in place on the adjusted copy)."""
+    n = 30
+    logits = _logits(n, vocab)
+    masks = _random_masks(n, vocab)
+    got = ops.to_numpy(ops.mask(ops.upload(logits), masks))
+    for i, m in enumerate(masks):
+        np.testing.assert_array_equal(got[i], logits[i] if m is None
+                                      else apply_token_mask(logits[i], m), err_msg=f"row {i}")
+    params = [SamplingParams(temperature=0.0, logit_bias={5: 50.0} if i % 4 == 0 else ())
+              if i % 2 else SAMPLERS[i % len(SAMPLERS)] for i in range(n)]
+    positions = list(range(7, 7 + n))
+    tokens = ops.to_numpy(ops.sample(ops.upload(logits), params, positions, masks=masks))
+    want = sample(logits, params, positions, masks=masks)
+    for i, m in enumerate(masks):
+        if m is not None:
+            assert allowed_tokens(m, vocab)[tokens[i]], i
+    assert float(np.mean(tokens == want)) >= 0.97
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    np.testing.assert_array_equal(tokens[greedy], want[greedy])
+
+
+def test_a_round_samples_its_constrained_rows_after_the_others_into_their_own_rows(
+        ops) -> None:
+    """sample_round with `first_row`: the round's unconstrained rows first, then the
+    constrained ones with their masks, each into its rows of the output and logprobs, as
+    one call over all rows would (dispatch/round_work.py)."""
+    vocab, n, split = 2000, 6, 4
+    logits = _logits(n, vocab)
+    params = [SamplingParams(temperature=0.0, logprobs=2)] * n
+    masks = _random_masks(n, vocab)[:n - split]
+    out = ops.empty((n,), "i32")
+    token_buf = ops.empty((n,), "i32")
+    values = ops.empty((n, 1 + MAX_LOGPROBS), "f32")
+    top = ops.empty((n, MAX_LOGPROBS), "i32")
+    dev_logits = ops.upload(logits)
+    for first, rows, m in ((0, range(split), None), (split, range(split, n), masks)):
+        ops.sample_round(dev_logits, [params[i] for i in rows], [10 + i for i in rows],
+                         [None] * len(rows), [None] * len(rows), out=out, token_buf=token_buf,
+                         out_slots=list(rows), logprobs_out=(values, top), masks=m,
+                         first_row=first)
+    want = sample(logits, params, [10 + i for i in range(n)], masks=[None] * split + masks)
+    np.testing.assert_array_equal(ops.to_numpy(out), want)
+    np.testing.assert_array_equal(ops.to_numpy(token_buf), want)
+    lp = ops.to_numpy(values)
+    for i in range(n):  # the logprobs are the raw logits', for the drawn token
+        assert lp[i, 0] == pytest.approx(token_logprob(logits[i], int(want[i]), 2).logprob,
+                                         abs=1e-4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -135,6 +136,26 @@ def test_cli_generate_is_reproducible_with_seed(model_path, capsys):
     assert outs[0] == outs[1]
 
 
+def test_cli_generate_output_follows_a_regex_a_grammar_and_a_json_schema(model_path, tmp_path,
+                                                                        capsys):
+    grammar = tmp_path / "answer.gbnf"
+    grammar.write_text('root ::= ("yes" | "no") "."')
+    schema = {"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    for flags, check in (
+            (["--regex", "[a-c]{3}-[0-9]{2}"], lambda t: re.fullmatch("[a-c]{3}-[0-9]{2}", t)),
+            (["--grammar", str(grammar)], lambda t: t in ("yes.", "no.")),
+            (["--json-schema", str(schema_file)], lambda t: 0 <= json.loads(t)["n"] <= 9),
+            (["--json-schema", json.dumps(schema)], lambda t: json.loads(t).keys() == {"n"})):
+        assert main(["generate", "-m", model_path, "-p", "hi", "-n", "20", "--seed", "2",
+                     "-q", *flags]) == 0
+        out, err = capsys.readouterr()
+        assert check(out.removesuffix("\n")), (flags, out)
+        assert "finish: stop" in err
+
+
 def test_cli_tokenize_prints_json_ids(model_path, model, tmp_path, capsys):
     text = "Hello, world!\n  tabs\tand 12345"
     f = tmp_path / "t.txt"
@@ -161,6 +182,9 @@ def test_cli_perplexity_last_line(model_path, model, tmp_path, capsys):
     (["-p", "hi", "--top-p", "0"], "top_p"),
     (["-p", "hi " * 60], "context"),
     (["-p", "hi", "--suffix", "there"], "fill-in-the-middle"),  # a model without FIM tokens
+    (["-p", "hi", "--regex", "[a-"], "invalid regular expression in '--regex'"),
+    (["-p", "hi", "--json-schema", '{"type": "objectx"}'], "'--json-schema'"),
+    (["-p", "hi", "--grammar", "/nonexistent.gbnf"], "cannot read"),
 ])
 def test_cli_bad_input_is_one_line_with_status_2(model_path, capsys, argv, message):
     assert main(["generate", "-m", model_path, "-q", *argv]) == 2

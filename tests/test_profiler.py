@@ -206,6 +206,26 @@ def test_profile_command_writes_trace_png_and_summary(tmp_path, capsys):
     assert 0.0 <= overhead["cpu_fraction"] < 1.0
 
 
+def test_profile_with_constrained_requests_shows_the_mask_wait(tmp_path, capsys):
+    """Half the requests follow a JSON schema: each of their tokens is sampled with a mask
+    in some round, and each round's wait for the host's masks is recorded."""
+    out = tmp_path / "prof"
+    args = _parse(["profile", "--synthetic", "tiny", "--requests", "4", "--max-batch", "4",
+                   "--output-len", "10", "--constrained-every", "2", "--out", str(out),
+                   "--no-png", "--quiet"])
+    assert args.func(args) == 0
+    summary = capsys.readouterr().out
+    assert "rounds with constrained rows" in summary and "mask wait ms" in summary
+    report = json.loads((out / "profile.json").read_text())
+    for mode in ("eager", "sync"):
+        m = report["modes"][mode]
+        assert m["latency"]["output_tokens"] == 4 * 10  # constrained ones run to length
+        assert m["timeline"]["constrained_rounds"] == len(m["rounds"])
+        assert sum(r["n_constrained"] for r in m["rounds"]) == 2 * 10
+        assert all(r["mask_wait"] >= 0 for r in m["rounds"])
+        assert m["timeline"]["mask_wait_max_ms"] >= m["timeline"]["mask_wait_ms"] >= 0
+
+
 def test_collector_sees_every_round_and_leaves_the_engines_traces_alone():
     """/metrics reads the same deque: the profiler must not take rounds out of it."""
     from eagerlm.service.measure.harness import (

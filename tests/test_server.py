@@ -589,7 +589,7 @@ BAD_REQUESTS = [
     ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}],
                               tool_choice="none"), 400, "tools", "unsupported_parameter"),
     ("chat/completions", chat(tool_choice="required"), 400, "tool_choice",
-     "unsupported_parameter"),
+     "invalid_value"),  # forcing a call needs tools
     ("chat/completions", chat(temprature=0.5), 400, "temprature", "unknown_parameter"),
     ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs",
      "invalid_value"),

@@ -409,6 +409,24 @@ extern "C" __global__ void penalize_rows(float* __restrict__ out, const float* _
   }
 }
 
+// out = the logits with every token a row's allowed-token bitmask does not allow set to
+// -inf (sampling.apply_token_mask; constrained decoding): bit t % 32 of word t / 32 of the
+// row's mask, `masks + which[row] * words`; a row whose `which` is -1 is copied unchanged.
+// Tokens past the mask's words are not allowed. `out` may be `logits` (in place, on the
+// copy penalize_rows made). Grid: (blocks over the vocabulary, rows).
+extern "C" __global__ void mask_rows(float* __restrict__ out, const float* __restrict__ logits,
+                                     int vocab, const unsigned* __restrict__ masks, int words,
+                                     const int* __restrict__ which) {
+  const int m = which[blockIdx.y];
+  const float* in = logits + (i64)blockIdx.y * vocab;
+  float* o = out + (i64)blockIdx.y * vocab;
+  const unsigned* mask = m >= 0 ? masks + (i64)m * words : nullptr;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < vocab; i += gridDim.x * blockDim.x) {
+    const bool allowed = mask == nullptr || (i / 32 < words && ((mask[i / 32] >> (i % 32)) & 1u));
+    o[i] = allowed ? in[i] : -EAGERLM_INF;
+  }
+}
+
 // Mirrors COUNT_SPAN in kernels/cuda_sampling.py (24 bytes): rows [start, start + n) of a
 // round's inputs belong to one penalized session; those before `split` are still its prompt.
 struct CountSpan {

@@ -292,8 +292,14 @@ class MultiStream:
         self._started = True
         engine = self._engine
         try:
-            prompts = await anyio.to_thread.run_sync(
-                lambda: [engine.prepare(p) for p, _ in self._requests])
+            def prepare() -> list[Prompt]:
+                if any(params.constraint is not None for _, params in self._requests):
+                    # the llguidance tokenizer is built once, on first use (about a
+                    # second for a large vocabulary): here, not on the event loop
+                    engine.dispatcher.grammars.ll_tokenizer()
+                return [engine.prepare(p) for p, _ in self._requests]
+
+            prompts = await anyio.to_thread.run_sync(prepare)
             waker = LoopWaker()
             inbox = self._inbox  # the sink must not keep the stream alive (see __del__)
             for i, (prompt, (_, params)) in enumerate(zip(prompts, self._requests)):

@@ -1,8 +1,10 @@
 """Tool calls in generated text: found, parsed, and kept out of the content.
 
-The engine has no constrained decoding. With `tools` in the prompt, the model writes a call
-as text in the format its chat template taught it, and the server parses that text, as
-vLLM's and llama.cpp's servers do. Two formats cover the supported model families:
+With `tools` in the prompt, the model writes a call as text in the format its chat template
+taught it, and the server parses that text, as vLLM's and llama.cpp's servers do. Under
+`tool_choice` "auto" that text is free; a forced call ("required", or a named function) is
+constrained to one call in the same format whose arguments follow the tool's parameter
+schema (`forced_call`), so the same parser reads it. Two formats cover the supported model families:
 
 - hermes (Qwen2.5, Qwen3, Hermes): one block per call, anywhere in the reply,
   `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`; the text outside the
@@ -40,15 +42,18 @@ import json
 import re
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagerlm.dispatch.grammar import JSON_OPTIONS
 from eagerlm.dispatch.stop_strings import StopMatcher
+from eagerlm.kernels.sampling import Constraint
 from eagerlm.loader.chat_template import ChatTemplate
 from eagerlm.service.api import bounded_json
 
 TOOL_CALL_START = "<tool_call>"  # hermes
+TOOL_CALL_END = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # llama3-json: Llama 3.1's marker before a call
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
@@ -196,6 +201,33 @@ class ToolCallParser:
         return Reply(content or None, tuple(kept))
 
 
+def forced_call(fmt: ToolCallFormat, tools: Sequence[tuple[str, dict[str, Any] | None]],
+                is_special: Callable[[str], bool], field: str = "tool_choice") -> Constraint:
+    """The constraint of a reply that is exactly one call of one of `tools` ((name,
+    parameter schema or None: any object) pairs), in the model's format: hermes a
+    `<tool_call>` block (the markers as the special tokens they are in the vocabulary, when
+    `is_special` says so), llama3-json the bare JSON call. Its arguments follow the tool's
+    parameters. One call: "required" asks for at least one, and one always parses."""
+    key = "arguments" if fmt is ToolCallFormat.HERMES else "parameters"
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
+              "properties": {"name": {"const": name},
+                             key: parameters if parameters else {"type": "object"}}}
+             for name, parameters in tools]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if fmt is ToolCallFormat.LLAMA3_JSON:
+        return Constraint.json_schema(schema, field)
+    if fmt is not ToolCallFormat.HERMES:
+        raise ValueError(f"no forced-call grammar for the {fmt.value} format")
+
+    def marker(text: str) -> str:
+        return text if is_special(text) else json.dumps(text)
+
+    schema = {**schema, "x-guidance": JSON_OPTIONS}  # as a schema constraint's JSON
+
+    return Constraint.lark(f'start: {marker(TOOL_CALL_START)} "\\n" '
+                           f'%json {json.dumps(schema)} "\\n" {marker(TOOL_CALL_END)}', field)
+
+
 class ToolCallStream(ABC):
     """One streamed choice's text on its way to the client: `push` each new piece and show
     what it returns as content; `finish` gives the rest, content and calls."""
@@ -269,12 +301,14 @@ class _LeadingCallStream(ToolCallStream):
 
 __all__ = [
     "PYTHON_TAG",
+    "TOOL_CALL_END",
     "TOOL_CALL_START",
     "Reply",
     "ToolCall",
     "ToolCallFormat",
     "ToolCallParser",
     "ToolCallStream",
+    "forced_call",
     "format_of_template",
     "new_call_id",
 ]

@@ -32,7 +32,7 @@ from eagerlm.service.measure.bench import add_bench_parser
 from eagerlm.service.measure.profiler import add_profile_parser
 
 if TYPE_CHECKING:
-    from eagerlm.kernels.sampling import SamplingParams
+    from eagerlm.kernels.sampling import Constraint, SamplingParams
     from eagerlm.service.api.engine import Engine
     from eagerlm.service.api.sync_engine import SyncEngine
 
@@ -135,10 +135,28 @@ def _sampling(args: argparse.Namespace, **extra: object) -> SamplingParams:
                           ignore_eos=getattr(args, "ignore_eos", False), **extra)
 
 
+def _constraint(args: argparse.Namespace) -> Constraint | None:
+    """The output's constraint from `--json-schema FILE|JSON`, `--grammar FILE` (GBNF; Lark
+    when the file ends in .lark) or `--regex` (at most one: argparse's group)."""
+    from eagerlm.kernels.sampling import Constraint
+
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith(("{", "[", "true", "false")):
+            text = _read_text(text)  # a file name, not inline JSON
+        return Constraint.json_schema(text, "--json-schema")
+    if args.grammar is not None:
+        kind = "lark" if args.grammar.endswith(".lark") else "gbnf"
+        return Constraint(kind, _read_text(args.grammar), "--grammar")
+    if args.regex is not None:
+        return Constraint.regex(args.regex, "--regex")
+    return None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from eagerlm.service.api.engine import GenerationError
 
-    params = _sampling(args)
+    params = _sampling(args, constraint=_constraint(args))
     with _open_engine(args) as engine:
         t0 = time.perf_counter()
         if args.chat:
@@ -332,6 +350,15 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--suffix", metavar="TEXT",
                       help="fill in the middle: write what goes between the prompt and "
                            "TEXT (models with FIM tokens, e.g. Qwen2.5-Coder)")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE|JSON",
+                       help="constrain the output to JSON that follows this schema (a file, "
+                            "or the schema itself, e.g. '{\"type\": \"object\"}')")
+    shape.add_argument("--grammar", metavar="FILE",
+                       help="constrain the output to a GBNF grammar (llama.cpp's; a .lark "
+                            "file is read as a Lark grammar)")
+    shape.add_argument("--regex", metavar="RE",
+                       help="constrain the output to match a regular expression")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser(

@@ -22,7 +22,7 @@ from eagerlm.errors import (
     ModelTooLarge,
     UnsupportedModel,
 )
-from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.kernels.sampling import Constraint, SamplingParams
 from eagerlm.service.api.engine import (
     Chunk,
     Completion,
@@ -38,6 +38,7 @@ from eagerlm.service.api.sync_engine import SyncEngine
 __all__ = [
     "Chunk",
     "Completion",
+    "Constraint",
     "ContextTooLong",
     "DeviceUnavailable",
     "EagerLMError",

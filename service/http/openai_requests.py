@@ -12,11 +12,14 @@ Every request field is one of:
 response message back whole includes `"refusal": null` and the like).
 
 Tools (chat): `tools` is a list of `{"type": "function", "function": {"name", "description"?,
-"parameters"?, "strict"?}}` with distinct names; `tool_choice` is "auto" (the default) or
-"none" (the tools are shown to the model, its text is all content); `parallel_tool_calls`
-false returns at most the first call. "required", a named function and `strict: true`
-would need constrained decoding, which the engine does not have: 400s with code
-`unsupported_parameter`, never ignored. The conversation may carry an assistant message
+"parameters"?, "strict"?}}` with distinct names; `tool_choice` is "auto" (the default: the
+model decides, its text unconstrained), "none" (the tools are shown to the model, its text
+is all content), "required" or `{"type": "function", "function": {"name": ...}}`: the reply
+is then constrained to one call (of any tool, or of the named one) in the template's call
+format, whose arguments follow the tool's `parameters` schema (service/tool_calls.py's
+`forced_call`); `strict: true` is accepted (a forced call always follows the schema; under
+"auto" nothing is constrained). `parallel_tool_calls` false returns at most the first call.
+The conversation may carry an assistant message
 with `tool_calls` (content null or text) and `{"role": "tool", "tool_call_id", "content"}`
 answers; a call's `arguments` must be a JSON object's text, and reach the template parsed,
 as Hugging Face templates expect. `ChatCompletionRequest.tool_parser` refuses tools for a
@@ -29,6 +32,15 @@ Extensions many OpenAI-compatible servers accept are supported too: `top_k`, `mi
 `suffix` (completions) asks for the text between each text prompt and the suffix: a
 fill-in-the-middle prompt (Tokenizer.encode_infill; the server refuses it for a model
 without FIM tokens). `""` or null is no suffix.
+
+Structured output (constrained decoding, dispatch/grammar.py): `response_format` (chat) is
+`{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON object) or
+`{"type": "json_schema", "json_schema": {"name", "schema"?, "strict"?, "description"?}}`;
+llama.cpp's `json_schema` (a schema object) and `grammar` (GBNF text) are accepted on both
+routes. At most one constraint per request (a forced tool call counts as one). An invalid
+schema or grammar is a 400 naming the field, with llguidance's message, when the request
+is submitted. A reply cut by max_tokens ends with `length` and need not parse; a grammar
+that completes ends the reply with `stop`.
 
 `logit_bias` (both routes) is OpenAI's: a JSON object whose keys are token ids as decimal
 strings and whose values are numbers in [-100, 100], e.g. `{"50256": -100}`; `{}` or null
@@ -47,6 +59,7 @@ prompt's length. Response bodies are service/http/openai_responses.py.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -54,12 +67,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from eagerlm.kernels.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    Constraint,
     InvalidSamplingParams,
     SamplingParams,
 )
 from eagerlm.loader.chat_template import ChatTemplate
 from eagerlm.service.api import bounded_json
-from eagerlm.service.api.tool_calls import ToolCallFormat, ToolCallParser, format_of_template
+from eagerlm.service.api.tool_calls import (
+    ToolCallFormat,
+    ToolCallParser,
+    forced_call,
+    format_of_template,
+)
 from eagerlm.service.http.ignored_fields import is_ignored
 from eagerlm.service.http.openai_errors import OpenAIError, bad_request, brief
 
@@ -85,7 +104,7 @@ class FunctionDefinition(_Strict):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema, shown to the model as is
-    strict: bool | None = None  # true is refused in `check`: it needs constrained decoding
+    strict: bool | None = None  # forced calls follow `parameters` whether or not it is set
 
 
 class ToolDefinition(_Strict):
@@ -186,6 +205,8 @@ class _Sampling(_Request):
     repetition_penalty: float | None = Field(None, gt=0)
     logit_bias: dict[str, Any] | None = None  # checked in `check`: ids and biases
     user: str | None = None
+    json_schema: dict[str, Any] | None = None  # llama.cpp's: the output's JSON schema
+    grammar: str | None = Field(None, min_length=1)  # llama.cpp's: a GBNF grammar
 
     def check(self) -> None:
         """Rules across fields, once the fields are valid (raises OpenAIError)."""
@@ -193,6 +214,23 @@ class _Sampling(_Request):
             raise bad_request("'stream_options' is only allowed when 'stream' is true.",
                               param="stream_options")
         self.logit_bias_pairs()
+        given = self.constraint_fields()
+        if len(given) > 1:
+            raise bad_request(f"Give at most one of {', '.join(repr(f) for f in given)}: "
+                              f"each constrains the whole reply.", param=given[1],
+                              code="invalid_value")
+
+    def constraint_fields(self) -> list[str]:
+        """The request fields that constrain the reply, as given."""
+        return [name for name in ("json_schema", "grammar") if getattr(self, name) is not None]
+
+    def constraint(self) -> Constraint | None:
+        """The reply's constraint from the request's fields (None: free text)."""
+        if self.json_schema is not None:
+            return Constraint.json_schema(self.json_schema, "json_schema")
+        if self.grammar is not None:
+            return Constraint.gbnf(self.grammar, "grammar")
+        return None
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; a 400 naming `logit_bias` for a key that
@@ -226,9 +264,11 @@ class _Sampling(_Request):
         """Alternatives per token to report (None: no logprobs)."""
         return None
 
-    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, choice: int,
+                        constraint: Constraint | None = None) -> SamplingParams:
         """The engine's parameters for choice `choice` of this request. With a seed,
-        choice i draws from seed + i, so choices differ but the request is reproducible."""
+        choice i draws from seed + i, so choices differ but the request is reproducible.
+        `constraint`: the reply's (`constraint()`, or a forced tool call's)."""
         seed = None if self.seed is None else (self.seed + choice) % (1 << 64)
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
@@ -243,7 +283,8 @@ class _Sampling(_Request):
                 repetition_penalty=_or(self.repetition_penalty, 1.0),
                 presence_penalty=_or(self.presence_penalty, 0.0),
                 frequency_penalty=_or(self.frequency_penalty, 0.0),
-                logprobs=self.logprob_count, logit_bias=self.logit_bias_pairs())
+                logprobs=self.logprob_count, logit_bias=self.logit_bias_pairs(),
+                constraint=constraint)
         except InvalidSamplingParams as e:
             raise bad_request(f"Invalid value for '{e.field}': {e}", param=e.field,
                               code="invalid_value") from None
@@ -278,31 +319,68 @@ class ChatCompletionRequest(_Sampling):
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
         return kwargs
 
+    response_format: dict[str, Any] | None = None  # checked in `check`
+
+    def constraint_fields(self) -> list[str]:
+        given = super().constraint_fields()
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            given.insert(0, "response_format")
+        if self.forced_tool is not None:
+            given.append("tool_choice")
+        return given
+
+    def constraint(self) -> Constraint | None:
+        """`response_format`'s constraint, or llama.cpp's fields' (a forced tool call's
+        needs the template: `tool_constraint`)."""
+        fmt = self.response_format
+        if fmt is None or fmt["type"] == "text":
+            return super().constraint()
+        if fmt["type"] == "json_object":
+            return Constraint.json_schema({"type": "object"}, "response_format")
+        schema = fmt["json_schema"].get("schema", {"type": "object"})
+        return Constraint.json_schema(schema, "response_format.json_schema.schema")
+
+    @property
+    def forced_tool(self) -> str | None:
+        """"" when tool_choice is "required" (any tool), the function's name when it names
+        one, None when the model decides or no call may be made."""
+        choice = self.tool_choice
+        if choice == "required":
+            return ""
+        if isinstance(choice, dict):
+            return choice["function"]["name"]
+        return None
+
+    def tool_constraint(self, parser: ToolCallParser | None,
+                        is_special: Callable[[str], bool]) -> Constraint | None:
+        """The constraint of a forced tool call in the parser's format (None: no call is
+        forced)."""
+        forced = self.forced_tool
+        if forced is None or parser is None or not self.tools:
+            return None
+        tools = [(t.function.name, t.function.parameters) for t in self.tools
+                 if forced in ("", t.function.name)]
+        return forced_call(parser.format, tools, is_special)
+
     def check(self) -> None:
-        super().check()
+        self._check_tools()
+        self._check_tool_choice()
+        self._check_response_format()
+        super().check()  # after: it counts the constraints these fields make
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs' to be true.",
                               param="top_logprobs", code="invalid_value")
-        self._check_tools()
-        self._check_tool_choice()
         for i, message in enumerate(self.messages):
             _check_tool_fields(message, f"messages[{i}]")
 
     def _check_tools(self) -> None:
         seen: set[str] = set()
-        for i, tool in enumerate(self.tools or ()):
+        for tool in self.tools or ():
             name = tool.function.name
             if name in seen:
                 raise bad_request(f"Invalid value for 'tools': the function name {name!r} "
                                   f"is given twice.", param="tools", code="invalid_value")
             seen.add(name)
-            if tool.function.strict:
-                raise bad_request(
-                    f"'tools[{i}].function.strict' = true is not supported by this server: "
-                    f"arguments that always follow the schema need constrained decoding. "
-                    f"Send strict false (the model is shown the schema and usually follows "
-                    f"it).", param=f"tools[{i}].function.strict",
-                    code="unsupported_parameter")
 
     def _check_tool_choice(self) -> None:
         choice = self.tool_choice
@@ -312,15 +390,55 @@ class ChatCompletionRequest(_Sampling):
                  and isinstance(choice.get("function"), dict)
                  and isinstance(choice["function"].get("name"), str))
         if choice == "required" or named:
-            raise bad_request(
-                f"'tool_choice' = {brief(choice, 80)} is not supported by this server: "
-                f"forcing a tool call needs constrained decoding. Supported: 'auto' (the "
-                f"model decides) and 'none'.", param="tool_choice",
-                code="unsupported_parameter")
+            if not self.tools:
+                raise bad_request(f"'tool_choice' = {brief(choice, 80)} needs 'tools'.",
+                                  param="tool_choice", code="invalid_value")
+            names = {t.function.name for t in self.tools}
+            if named and choice["function"]["name"] not in names:
+                raise bad_request(f"Invalid value for 'tool_choice': no tool is named "
+                                  f"{brief(choice['function']['name'])}.",
+                                  param="tool_choice", code="invalid_value")
+            return
         raise bad_request(f"Invalid value for 'tool_choice': expected 'auto', 'none', "
                           f"'required' or {{\"type\": \"function\", \"function\": "
                           f"{{\"name\": ...}}}}, got {brief(choice)}.",
                           param="tool_choice", code="invalid_value")
+
+    def _check_response_format(self) -> None:
+        fmt = self.response_format
+        if fmt is None:
+            return
+        kind = fmt.get("type")
+        allowed = {"text": set(), "json_object": set(), "json_schema": {"json_schema"}}
+        if kind not in allowed:
+            raise bad_request(f"Invalid value for 'response_format.type': expected 'text', "
+                              f"'json_object' or 'json_schema', got {brief(kind)}.",
+                              param="response_format.type", code="invalid_value")
+        extra = set(fmt) - {"type"} - allowed[kind]
+        if extra:
+            name = sorted(extra)[0]
+            raise bad_request(f"Unrecognized argument: 'response_format.{brief(name, 40)}'.",
+                              param=f"response_format.{name}", code="unknown_parameter")
+        if kind != "json_schema":
+            return
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request("Missing required parameter: 'response_format.json_schema'.",
+                              param="response_format.json_schema")
+        if not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise bad_request("Missing required parameter: "
+                              "'response_format.json_schema.name'.",
+                              param="response_format.json_schema.name")
+        for key, value in spec.items():
+            where = f"response_format.json_schema.{key}"
+            if key not in ("name", "schema", "strict", "description"):
+                raise bad_request(f"Unrecognized argument: '{brief(where, 80)}'.",
+                                  param=where, code="unknown_parameter")
+            kind, what = {"schema": (dict, "an object"), "strict": (bool, "a boolean"),
+                          "description": (str, "a string")}.get(key, (str, "a string"))
+            if value is not None and not isinstance(value, kind):
+                raise bad_request(f"Invalid type for '{where}': expected {what}.",
+                                  param=where, code="invalid_type")
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -422,7 +540,7 @@ class CompletionRequest(_Sampling):
 
 # Fields of OpenAI's APIs accepted only with these values (the engine cannot do others).
 _DEFAULT_ONLY_CHAT: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},), "modalities": (["text"],),
+    "modalities": (["text"],),
 }
 _DEFAULT_ONLY_COMPLETIONS: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "best_of": (1,),
@@ -531,6 +649,8 @@ _EXPECTED = {
     "logit_bias": "an object mapping token ids (decimal strings) to biases in [-100, 100]",
     "tools": 'a list of {"type": "function", "function": {"name": ...}} objects',
     "tool_choice": "'auto', 'none' or an object",
+    "response_format": 'an object such as {"type": "json_object"}',
+    "json_schema": "a JSON schema (an object)", "grammar": "a GBNF grammar (a string)",
 }
 _NAMED_PARTS = frozenset().union(*(m.model_fields for m in (
     ChatMessage, TextPart, StreamOptions, ToolDefinition, FunctionDefinition,

@@ -21,14 +21,17 @@ What a client can count on:
 - fill in the middle (completions' `suffix`, for models with FIM tokens such as
   Qwen2.5-Coder): the prompt built as llama.cpp's server builds it
   (Tokenizer.encode_infill); a model without them, or id prompts, are a 400;
-- tool calling (`tools`, `tool_choice` "auto" or "none", `parallel_tool_calls`) for models
-  whose chat template shows tools: calls the model writes (Hermes/Qwen `<tool_call>` blocks
-  or Llama 3 JSON, chosen by the template) come back as `message.tool_calls` with
-  finish_reason "tool_calls", streamed as one delta per call at the end; text that is not
-  a valid call of a given tool stays content, and a reply cut by max_tokens is never
-  parsed (service/tool_calls.py). Forcing a call ("required", a named function, `strict`
-  schemas) needs constrained decoding and is a 400, as are tools for a model whose template
-  cannot show them;
+- tool calling (`tools`, `tool_choice` "auto", "none", "required" or a named function,
+  `parallel_tool_calls`, `strict`) for models whose chat template shows tools: calls the
+  model writes (Hermes/Qwen `<tool_call>` blocks or Llama 3 JSON, chosen by the template)
+  come back as `message.tool_calls` with finish_reason "tool_calls", streamed as one delta
+  per call at the end; text that is not a valid call of a given tool stays content, and a
+  reply cut by max_tokens is never parsed (service/tool_calls.py). A forced call is
+  constrained to one call whose arguments follow the tool's parameter schema; tools for a
+  model whose template cannot show them are a 400;
+- structured output: `response_format` json_object / json_schema (chat), llama.cpp's
+  `json_schema` and `grammar` (GBNF) on both routes, by constrained decoding
+  (dispatch/grammar.py); an invalid schema or grammar is a 400 naming the field;
 - a client that goes away, mid-stream or while queued, cancels its requests, so their KV
   pages go back to the pool;
 - at most `max_concurrency` requests generate at once, `max_queue` more wait
@@ -411,8 +414,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
             thinking = _Thinking(reasoning_format, prompt.chat_text)
             max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt.ids),
                                             engine.context_length, None, "messages")
+            constraint = req.tool_constraint(parser, _is_special_text(engine)) \
+                or req.constraint()
             streams = engine.generate_many(
-                [(prompt, thinking.params(req.sampling_params(max_tokens, i)))
+                [(prompt, thinking.params(req.sampling_params(max_tokens, i, constraint)))
                  for i in range(req.n_choices)])
             queued = _streams_while_queued(req.stream, ticket, cfg)
             if not queued:
@@ -498,7 +503,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
                 max_tokens = resolve_max_tokens(req.requested_max_tokens, len(p.ids),
                                                 engine.context_length,
                                                 COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
-                requests += [(p, req.sampling_params(max_tokens, i)) for i in range(n)]
+                requests += [(p, req.sampling_params(max_tokens, i, req.constraint()))
+                             for i in range(n)]
             streams = engine.generate_many(requests)
             queued = _streams_while_queued(req.stream, ticket, cfg)
             if not queued:
@@ -527,6 +533,17 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
 def _model_card(engine: Engine, created: int) -> dict[str, Any]:
     return {"id": engine.name, "object": "model", "created": created, "owned_by": "eagerlm",
             "max_model_len": engine.context_length}
+
+
+def _is_special_text(engine: Engine) -> Callable[[str], bool]:
+    """Whether a text is one special token of the model's vocabulary (a forced call's
+    markers are then written as that token, as the model learned them)."""
+    tok = engine.tokenizer
+
+    def is_special(text: str) -> bool:
+        tid = tok.token_id(text)
+        return tid is not None and tok.is_special(tid)
+    return is_special
 
 
 def _as_openai_error(e: EagerLMError) -> OpenAIError:

@@ -25,11 +25,11 @@ from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.messages import Output
 from eagerlm.dispatch.scheduler import SchedulerConfig
 from eagerlm.errors import InvalidParameters
-from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.kernels.sampling import Constraint, SamplingParams
 from eagerlm.service.api.model_loading import LoadedModel, open_model
 from eagerlm.service.cli.device_args import add_device_args, kv_budget_bytes
 from eagerlm.service.measure.request_metrics import RequestRecord
-from eagerlm.service.measure.workload import LengthRange, PlannedRequest
+from eagerlm.service.measure.workload import CONSTRAINED_SCHEMA, LengthRange, PlannedRequest
 
 
 @dataclass(frozen=True)
@@ -142,9 +142,12 @@ class RunResult:
     end: float  # when the last request finished
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    """Every benchmark request: greedy, EOS ignored, so it yields exactly `max_tokens`."""
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def greedy(max_tokens: int, constrained: bool = False) -> SamplingParams:
+    """Every benchmark request: greedy, EOS ignored, so it yields exactly `max_tokens`
+    (a constrained one too: its schema outlasts it, workload.CONSTRAINED_SCHEMA)."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          constraint=Constraint.json_schema(CONSTRAINED_SCHEMA)
+                          if constrained else None)
 
 
 def run_requests(engine: Dispatcher, requests: Sequence[PlannedRequest],
@@ -173,7 +176,7 @@ def run_requests(engine: Dispatcher, requests: Sequence[PlannedRequest],
         if delay > 0:
             time.sleep(delay)
         rec.arrival = time.perf_counter()
-        engine.submit(req.prompt_ids, greedy(req.max_tokens), sink_for(rec))
+        engine.submit(req.prompt_ids, greedy(req.max_tokens, req.constrained), sink_for(rec))
     for _ in records:
         try:
             finished.get(timeout=stall_timeout_s)

@@ -254,6 +254,10 @@ def format_summary(profiles: Sequence[ModeProfile], overhead: Overhead | None = 
         lambda p: f"{p.timeline.lookahead_mean:.2f}/{p.timeline.lookahead_max}")
     row("TTFT ms p50/p90/p99", lambda p: _pcts(p.latency.ttft))
     row("ITL ms p50/p90/p99", lambda p: _pcts(p.latency.itl))
+    if any(p.timeline.constrained_rounds for p in profiles):
+        row("rounds with constrained rows", lambda p: f"{p.timeline.constrained_rounds}")
+        row("  mask wait ms mean/max",
+            lambda p: f"{p.timeline.mask_wait_ms:.3f}/{p.timeline.mask_wait_max_ms:.3f}")
     row("output tokens", lambda p: f"{p.latency.output_tokens}")
     row("output tok/s", lambda p: f"{p.latency.output_tok_s:.1f}")
     width = max(len(label) for label, _ in rows) + 2
@@ -336,7 +340,7 @@ def run_profile(loaded: MeasuredModel, settings: ProfileSettings, out_dir: Path,
                 "date": time.strftime("%Y-%m-%d"), "requests": w.n_requests,
                 "prompt_len": str(w.input_len), "output_len": str(w.output_len),
                 "rate": rate_label(w.request_rate), "max_batch": e.max_batch,
-                "lookahead": e.lookahead}
+                "lookahead": e.lookahead, "constrained_every": w.constrained_every}
     outputs, text = write_outputs(out_dir, profiles, overhead, settings, metadata, png)
     return profiles, overhead, outputs, text
 
@@ -346,7 +350,7 @@ def run_profile(loaded: MeasuredModel, settings: ProfileSettings, out_dir: Path,
 def cmd_profile(args: argparse.Namespace) -> int:
     check_device(args.device)  # a clear error before anything is loaded
     workload = WorkloadSpec(args.requests or args.max_batch, args.prompt_len, args.output_len,
-                            args.request_rate, args.seed)
+                            args.request_rate, args.seed, args.constrained_every)
     settings = ProfileSettings(workload, engine_settings(args),
                                MODES if args.mode == "both" else (args.mode,),
                                min_batch=args.min_batch, window=args.window)
@@ -391,6 +395,10 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                    metavar="N|MIN-MAX", help="generated tokens per request (default 32)")
     p.add_argument("--request-rate", type=rate, default=math.inf,
                    help="Poisson arrivals per second (default inf: all at once)")
+    p.add_argument("--constrained-every", type=int, default=0, metavar="K",
+                   help="constrain every K-th request's output to a JSON schema (2: half of "
+                        "them); the summary then shows how long their sampling waited for "
+                        "the grammar's masks (default 0: none)")
     add_engine_args(p, max_batch=PROFILE_BATCH)
     p.add_argument("--min-batch", type=int, default=1,
                    help="steady decode counts rounds with at least this many decoding "

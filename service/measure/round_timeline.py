@@ -87,6 +87,8 @@ class RoundSpan:
     n_prefill_tokens: int = 0
     n_sessions: int = 0
     pages_in_use: int = 0
+    n_constrained: int = 0  # rows whose sampling took a grammar's mask
+    mask_wait: float = 0.0  # seconds that sampling waited for the host's masks
 
     @property
     def host_s(self) -> float:
@@ -111,7 +113,8 @@ def spans_from_traces(traces: Iterable[RoundTrace], clock: DeviceClock) -> list[
         spans.append(RoundSpan(
             t.round_id, t.plan_start, t.plan_end, t.launch_end,
             clock.host_time(t.device_start), clock.host_time(t.device_end), t.tokens_ready,
-            t.n_decode, t.n_prefill_tokens, t.n_sessions, t.pages_in_use))
+            t.n_decode, t.n_prefill_tokens, t.n_sessions, t.pages_in_use, t.n_constrained,
+            t.mask_wait))
     return sorted(spans, key=lambda s: s.round_id)
 
 
@@ -215,6 +218,12 @@ class TimelineStats:
     lookahead_mean: float
     lookahead_max: int
     batch_mean: float
+    # rounds that sampled constrained rows, and how long those waited for their masks
+    # (all such rounds, not only steady ones): the part of the grammar's work on the host
+    # that the forward running meanwhile did not hide
+    constrained_rounds: int = 0
+    mask_wait_ms: float = 0.0  # mean over those rounds
+    mask_wait_max_ms: float = 0.0
 
 
 def timeline_stats(spans: Sequence[RoundSpan], min_batch: int = 1) -> TimelineStats:
@@ -224,6 +233,7 @@ def timeline_stats(spans: Sequence[RoundSpan], min_batch: int = 1) -> TimelineSt
     flight = dict(zip((s.round_id for s in sorted(spans, key=lambda x: x.round_id)),
                       in_flight_at_launch(spans)))
     flights = [flight[s.round_id] for s in chosen]
+    masked = [s for s in spans if s.n_constrained]
 
     def mean_ms(values: list[float]) -> float:
         return 1e3 * sum(values) / len(values) if values else 0.0
@@ -237,4 +247,6 @@ def timeline_stats(spans: Sequence[RoundSpan], min_batch: int = 1) -> TimelineSt
         ready_ms=mean_ms([s.tokens_ready - s.device_end for s in chosen]),
         lookahead_mean=sum(flights) / len(flights) if flights else 0.0,
         lookahead_max=max(flights, default=0),
-        batch_mean=sum(s.n_decode for s in chosen) / len(chosen) if chosen else 0.0)
+        batch_mean=sum(s.n_decode for s in chosen) / len(chosen) if chosen else 0.0,
+        constrained_rounds=len(masked), mask_wait_ms=mean_ms([s.mask_wait for s in masked]),
+        mask_wait_max_ms=1e3 * max((s.mask_wait for s in masked), default=0.0))

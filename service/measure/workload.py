@@ -43,6 +43,12 @@ class LengthRange:
         return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
 
 
+# A JSON array of short strings that cannot end before a thousand items: a constrained
+# request of the workload yields its whole output length, as the others do.
+CONSTRAINED_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12},
+                      "minItems": 1000}
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     n_requests: int
@@ -50,12 +56,17 @@ class WorkloadSpec:
     output_len: LengthRange
     request_rate: float = math.inf  # requests per second, Poisson; inf: all at time 0
     seed: int = 0
+    # every k-th request (0: none) is constrained to JSON that outlasts its output length
+    # (`CONSTRAINED_SCHEMA`): what constrained rows cost the rounds they share
+    constrained_every: int = 0
 
     def __post_init__(self) -> None:
         if self.n_requests < 1:
             raise InvalidParameters("the workload needs at least one request")
         if not self.request_rate > 0:
             raise InvalidParameters("the request rate must be positive (inf: all at once)")
+        if self.constrained_every < 0:
+            raise InvalidParameters("--constrained-every must be >= 0 (0: none)")
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class PlannedRequest:
     prompt_ids: list[int]
     max_tokens: int
     arrival_s: float  # offset from the start of the run
+    constrained: bool = False  # its output follows CONSTRAINED_SCHEMA
 
 
 def make_workload(spec: WorkloadSpec, vocab_size: int,
@@ -83,7 +95,8 @@ def make_workload(spec: WorkloadSpec, vocab_size: int,
         prompt = [rng.randrange(vocab_size) for _ in range(n_in)]
         if math.isfinite(spec.request_rate) and i > 0:
             t += rng.expovariate(spec.request_rate)
-        out.append(PlannedRequest(i, prompt, n_out, t))
+        constrained = spec.constrained_every > 0 and i % spec.constrained_every == 0
+        out.append(PlannedRequest(i, prompt, n_out, t, constrained))
     return out
 
 

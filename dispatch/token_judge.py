@@ -19,7 +19,7 @@ from eagerlm.loader.tokenizer import Tokenizer
 class TokenJudge:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, max_new: int) -> None:
         self.max_new = max_new
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.stops = StopMatcher(params.stop)
         self.end_ids = frozenset() if params.ignore_eos else tokenizer.end_ids
         self.generated: list[int] = []

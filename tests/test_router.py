@@ -13,6 +13,7 @@ Every wait is bounded (HTTP timeouts, deadlines), so a regression fails instead 
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -315,9 +316,13 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_rejoins_once_restarted(
                 lines = [line for line in r.iter_lines() if line.startswith("data:")]
         except httpx.TransportError:
             return "failed"
-        if lines[-1:] == ["data: [DONE]"] and not any('"error"' in x for x in lines):
-            return "done"
-        return "failed"
+        if lines[-1:] != ["data: [DONE]"]:
+            return "failed"
+        chunks = [json.loads(line[5:]) for line in lines[:-1]]
+        if any("error" in c for c in chunks):
+            return "failed"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # all 48 tokens
+        return "done"
 
     # Under load: twelve streams in flight over three replicas; the victim dies holding some.
     started = time.monotonic()

@@ -251,7 +251,8 @@ def distinct_prompt(i: int) -> str:
 def test_an_idle_replica_reports_no_load_however_warm_its_cache(replica_set):
     """`/get_load` in SGLang's form (what the router's power_of_two policy reads): one
     entry, whose `num_tokens` counts running requests' tokens, not cached prefixes. The
-    router reads it as SGLang's (its own `/get_loads` says -1 for a load it cannot read)."""
+    router reads it as SGLang's (its own `/get_loads` says -1 for a load it cannot read),
+    and lists the served model under its name, read from each replica's `/server_info`."""
     replicas, router = replica_set
     for i in range(3):
         r = httpx.post(replicas[0].url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
@@ -261,6 +262,7 @@ def test_an_idle_replica_reports_no_load_however_warm_its_cache(replica_set):
     assert replicas[0].metric("eagerlm_kv_pages_in_use") > 0  # the prefixes stay cached
     assert httpx.get(replicas[0].url + "/get_load", timeout=5).json() == [
         {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    assert httpx.get(router.url + "/v1/models", timeout=5).json()["data"][0]["id"] == MODEL
     loads = httpx.get(router.url + "/get_loads", timeout=5).json()["workers"]
     assert sorted((w["worker"], w["load"]) for w in loads) == sorted(
         (r.url, 0) for r in replicas)

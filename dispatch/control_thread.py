@@ -242,11 +242,17 @@ class ControlThread:
         if entry is None or n <= 0:
             return
         region = self.pool.new_region(self.layout, self.context_length)
-        try:
-            region.share_prefix_from(entry.region, n, stream=self.compute)
-        except OutOfPages:
-            region.release()
-            return
+        while True:
+            try:
+                region.share_prefix_from(entry.region, n, stream=self.compute)
+                break
+            except OutOfPages:
+                # A pool full of other cached prefixes (an idle replica's usual state) must
+                # not cost the hit: evict them, least recently used first (`longest` has
+                # just made this entry the most recent), as the scheduler would for pages.
+                if len(self.cache) <= 1 or not self._evict_cached():
+                    region.release()
+                    return
         # the copy of the partial page reads the entry after its last round and writes the
         # new region before any: releasing either (eviction; a cancel or preemption before
         # the first round) must wait for the copy, or a page is unmapped and reused under it

@@ -28,7 +28,7 @@ class TokenJudge:
         self.max_new = max_new
         self.grammar = grammar
         self.error: str | None = None  # why it finished with `error`
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.stops = StopMatcher(params.stop)
         # stop strings match in the answer only, after a reasoning block (dispatch/reasoning.py)
         self.gate = (ReasoningGate(params.reasoning_block == ReasoningBlock.OPEN)

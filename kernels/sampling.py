@@ -168,6 +168,9 @@ class SamplingParams:
     reasoning_block: str = ""
     # the output must match it (None: free text); masked after the bias and penalties
     constraint: Constraint | None = None
+    # vLLM's and SGLang's `skip_special_tokens`: leave control tokens out of the text (the
+    # SGLang router asks for it on every request); off, they show as their text
+    skip_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         def fail(field: str, allowed: str) -> None:
@@ -195,8 +198,9 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise InvalidSamplingParams(
                     "stop", f"must contain only non-empty strings, got {s!r}")
-        if not isinstance(self.ignore_eos, (bool, np.bool_)):
-            fail("ignore_eos", "a bool")
+        for flag in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), (bool, np.bool_)):
+                fail(flag, "a bool")
         if not _is_real(self.repetition_penalty) or not (
                 math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             fail("repetition_penalty", "a finite number > 0 (1 disables it)")
@@ -214,6 +218,7 @@ class SamplingParams:
         # Canonical types, so equal parameters compare and hash equal.
         for name, kind in (("max_tokens", int), ("temperature", float), ("top_k", int),
                            ("top_p", float), ("min_p", float), ("ignore_eos", bool),
+                           ("skip_special_tokens", bool),
                            ("repetition_penalty", float), ("presence_penalty", float),
                            ("frequency_penalty", float)):
             object.__setattr__(self, name, kind(getattr(self, name)))

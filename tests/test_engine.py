@@ -410,3 +410,28 @@ def test_sync_iterator_left_early_cancels_its_session(engine):
         assert chunk.finish_reason is None
         break
     assert_no_session_or_page_leaked(engine)
+
+
+def test_a_pool_full_of_cached_prefixes_still_gives_the_next_turn_its_hit(model_path):
+    """Once unrelated requests have left their prefixes in every page (a replica that has
+    served a while, now idle), a second chat turn still reuses the first: older entries
+    are evicted to make room for the hit, rather than the hit being dropped. Eight large
+    pages, so that a few cached prefixes fill the pool."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    turn1 = [{"role": "user", "content": "tell me about the mat"}]
+    engine = Engine.load(model_path, page_size=1 << 16, kv_budget_bytes=8 << 16)
+    pool = engine.dispatcher.pool
+
+    async def main():
+        for i in range(2 * pool.n_pages):
+            await engine.complete(f"unrelated prompt number {i}: " + "w " * 20, params)
+        first = await engine.chat_complete(turn1, params)
+        full = pool.n_free == 0
+        turn2 = [*turn1, {"role": "assistant", "content": first.text},
+                 {"role": "user", "content": "and then?"}]
+        return first, full, await engine.chat_complete(turn2, params)
+
+    with engine:
+        first, full, second = anyio.run(main)
+    assert full  # the case in point: no free page when the second turn arrives
+    assert second.cached_tokens == first.prompt_tokens + first.completion_tokens - 1

@@ -127,10 +127,12 @@ class RequestTimer:
                 self.t_last = now
                 self.n_tokens += len(out.token_ids)
                 m.generation_tokens += len(out.token_ids)
+                m.live_tokens += len(out.token_ids)
             if out.finish_reason is not None:
                 if self.t_last is None:
                     m.waiting -= 1
                 m.running -= 1
+                m.live_tokens -= self.n_prompt + self.n_tokens
                 reason = out.finish_reason.value
                 m.finished[reason] = m.finished.get(reason, 0) + 1
                 m.duration.observe(now - self.t_submit)
@@ -140,7 +142,8 @@ class RequestTimer:
 @dataclass
 class EngineMetrics:
     """Counters of one engine. `running` counts submitted requests not yet finished;
-    `waiting` those of them with no token yet."""
+    `waiting` those of them with no token yet; `live_tokens` their prompt and generated
+    tokens, the KV they hold or will (what a load-aware router compares)."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
@@ -153,6 +156,7 @@ class EngineMetrics:
     generation_tokens: int = 0
     running: int = 0
     waiting: int = 0
+    live_tokens: int = 0  # prompt and generated tokens of the running requests
 
     def start(self, n_prompt: int) -> RequestTimer:
         with self.lock:
@@ -160,6 +164,7 @@ class EngineMetrics:
             self.running += 1
             self.waiting += 1
             self.prompt_tokens += n_prompt
+            self.live_tokens += n_prompt
         return RequestTimer(self, n_prompt)
 
     def not_submitted(self, n_prompt: int) -> None:
@@ -169,6 +174,7 @@ class EngineMetrics:
             self.running -= 1
             self.waiting -= 1
             self.prompt_tokens -= n_prompt
+            self.live_tokens -= n_prompt
 
     def write(self, out: PrometheusText) -> None:
         with self.lock:

@@ -27,7 +27,11 @@ template that cannot show them and picks the parser of the template's call forma
 (service/tool_calls.py).
 
 Extensions many OpenAI-compatible servers accept are supported too: `top_k`, `min_p`,
-`ignore_eos`, `repetition_penalty` (vLLM's: > 0, 1 = off, over prompt and output tokens).
+`ignore_eos`, `repetition_penalty` (vLLM's: > 0, 1 = off, over prompt and output tokens),
+`skip_special_tokens` (vLLM's and SGLang's: control tokens left out of the text; off by
+default here, so they show, as before). SGLang's router adds a few of SGLang's own fields
+to every request; they are accepted at the values it sends, which are this server's
+behaviour (`_SGLANG_ROUTER_DEFAULTS`; docs/deployment.md).
 
 `suffix` (completions) asks for the text between each text prompt and the suffix: a
 fill-in-the-middle prompt (Tokenizer.encode_infill; the server refuses it for a model
@@ -200,6 +204,7 @@ class _Sampling(_Request):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None  # vLLM's and SGLang's; off by default here
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -284,7 +289,8 @@ class _Sampling(_Request):
                 presence_penalty=_or(self.presence_penalty, 0.0),
                 frequency_penalty=_or(self.frequency_penalty, 0.0),
                 logprobs=self.logprob_count, logit_bias=self.logit_bias_pairs(),
-                constraint=constraint)
+                constraint=constraint,
+                skip_special_tokens=bool(self.skip_special_tokens))
         except InvalidSamplingParams as e:
             raise bad_request(f"Invalid value for '{e.field}': {e}", param=e.field,
                               code="invalid_value") from None
@@ -538,12 +544,21 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
 
+# SGLang's own fields, which its router (sglang-router) adds to every request it forwards,
+# at values that are this server's behaviour: stop strings trimmed, no hidden states, a
+# new assistant turn rather than the last one continued, and no reasoning parser (so
+# separating reasoning out is a no-op, as on SGLang started without --reasoning-parser).
+_SGLANG_ROUTER_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "no_stop_trim": (False,), "return_hidden_states": (False,),
+}
 # Fields of OpenAI's APIs accepted only with these values (the engine cannot do others).
 _DEFAULT_ONLY_CHAT: dict[str, tuple[Any, ...]] = {
-    "modalities": (["text"],),
+    "modalities": (["text"],), **_SGLANG_ROUTER_DEFAULTS,
+    "continue_final_message": (False,), "separate_reasoning": (True,),
+    "stream_reasoning": (True,),
 }
 _DEFAULT_ONLY_COMPLETIONS: dict[str, tuple[Any, ...]] = {
-    "echo": (False,), "best_of": (1,),
+    "echo": (False,), "best_of": (1,), **_SGLANG_ROUTER_DEFAULTS,
 }
 # Known OpenAI fields with no support at all.
 _KNOWN_UNSUPPORTED = {
@@ -645,7 +660,7 @@ _EXPECTED = {
     "model": "a string", "messages": "a non-empty list of messages",
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of ids",
     "stop": "a string or a list of strings", "stream": "a boolean",
-    "ignore_eos": "a boolean", "user": "a string",
+    "ignore_eos": "a boolean", "skip_special_tokens": "a boolean", "user": "a string",
     "logit_bias": "an object mapping token ids (decimal strings) to biases in [-100, 100]",
     "tools": 'a list of {"type": "function", "function": {"name": ...}} objects',
     "tool_choice": "'auto', 'none' or an object",

@@ -3,7 +3,9 @@
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as
 server-sent events or not), POST /tokenize and /detokenize (vLLM's: a prompt or chat
 messages to the ids the completion routes would use, and ids back to text; what a client
-needs to build a `logit_bias`), GET /health, GET /metrics (Prometheus text).
+needs to build a `logit_bias`), GET /health, GET /metrics (Prometheus text), GET
+/server_info and /get_load (SGLang's: what its router reads from a worker;
+service/http/sglang_worker.py).
 
 What a client can count on:
 - every error is OpenAI's JSON error body with the status OpenAI would use (400 for a bad
@@ -108,6 +110,7 @@ from eagerlm.service.http.openai_responses import (
     usage_chunk_body,
 )
 from eagerlm.service.http.request_body import read_json
+from eagerlm.service.http.sglang_worker import add_sglang_worker_routes
 from eagerlm.service.http.shutdown import (
     AFTER_GRACE_S,
     Drain,
@@ -357,6 +360,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
         write_vllm_metrics(out, engine.metrics, engine.name,  # service/api/vllm_metrics.py
                            VllmGauges(pool.n_pages - pool.n_free, pool.n_pages, gate.queued))
         return PlainTextResponse(out.text(), media_type="text/plain; version=0.0.4")
+
+    add_sglang_worker_routes(app, engine, gate)  # GET /server_info, /get_load
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:

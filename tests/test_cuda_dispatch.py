@@ -224,18 +224,25 @@ def constrained_workload(model):
             for k, prompt, params in random_workload(model, rng, 8)]
 
 
-@pytest.mark.parametrize("config", ["graphs", "eager launches", "sync"])
-def test_constrained_requests_equal_their_runs_alone(gpu, model, constrained_workload,
-                                                     config) -> None:
-    """Decode rounds with constrained rows replay the forward-only graph variant (or its
-    launches one by one), then sample free rows first and constrained ones with their
-    masks: each request gives exactly the tokens it gives alone, and what the constrained
-    ones give matches their constraint."""
+@pytest.fixture(scope="module")
+def constrained_alone(gpu, model, constrained_workload):
+    """What each request of the constrained workload gives run alone (one per round)."""
     alone_ = {}
     for req in constrained_workload:
         got, _ = _results(_dispatcher(gpu, model, max_batch=1, round_tokens=256,
                                       prefix_cache=False), [req], then=0)
         alone_.update(got)
+    return alone_
+
+
+@pytest.mark.parametrize("config", ["graphs", "eager launches", "sync"])
+def test_constrained_requests_equal_their_runs_alone(gpu, model, constrained_workload,
+                                                     constrained_alone, config) -> None:
+    """Decode rounds with constrained rows replay the forward-only graph variant (or its
+    launches one by one), then sample free rows first and constrained ones with their
+    masks: each request gives exactly the tokens it gives alone, and what the constrained
+    ones give matches their constraint."""
+    alone_ = constrained_alone
     d = _dispatcher(gpu, model, **CONFIGS[config])
     graphs = d.control._graphs
     got, _ = _results(d, constrained_workload, random.Random(5), then=0)

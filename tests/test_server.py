@@ -61,6 +61,11 @@ class LiveServer:
         self.thread.join(10)
         self.sock.close()
 
+    def openai(self, timeout: float = 30) -> openai.OpenAI:
+        """The official client against this server (no retries: a failure shows)."""
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                             timeout=timeout)
+
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
@@ -83,8 +88,7 @@ def server(engine):
 
 @pytest.fixture()
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=30) as c:
+    with server.openai() as c:
         yield c
 
 

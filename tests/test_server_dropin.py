@@ -54,8 +54,7 @@ def server(engine):
 
 @pytest.fixture()
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=30) as c:
+    with server.openai() as c:
         yield c
 
 

@@ -29,6 +29,7 @@ from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.service.api.engine import Engine
 from eagerlm.service.http.server import ServerConfig, create_app
 from tests.test_server import LiveServer, sse_payloads
+from tests.test_server_tools import END, forcing
 
 # Qwen3's chat template (Qwen/Qwen3-8B, tokenizer_config.json)
 QWEN3_TEMPLATE = """\
@@ -131,7 +132,6 @@ reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
 """
 
 MODEL = "tiny-thinker"
-END = "<|end-of-script|>"
 THOUGHT = "The user greets me. I could say STOP, but a greeting deserves one back."
 ANSWER = "Hello! How can I help?"
 THINK_REPLY = f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}{END}"
@@ -214,14 +214,9 @@ def server(engine):
 
 @pytest.fixture()
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=30) as c:
+    with server.openai() as c:
         yield c
 
-
-def forcing(engine: Engine, script: str, **fields) -> dict:
-    return {"logit_bias": {str(engine.tokenizer.token_id(script)): 100}, "stop": [END],
-            "max_tokens": 4, **fields}
 
 
 def test_the_thinking_comes_back_as_reasoning_content(client, engine):

@@ -14,7 +14,6 @@ from typing import Literal
 
 import httpx
 import jsonschema
-import openai
 import pydantic
 import pytest
 
@@ -34,8 +33,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 @pytest.fixture()
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=60) as c:
+    with server.openai(60) as c:
         yield c
 
 

@@ -15,7 +15,6 @@ import json
 import re
 
 import httpx
-import openai
 import pytest
 
 from eagerlm.loader.chat_template import ChatTemplate
@@ -69,8 +68,7 @@ def server(engine):
 
 @pytest.fixture()
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=30) as c:
+    with server.openai() as c:
         yield c
 
 

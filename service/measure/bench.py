@@ -80,7 +80,7 @@ def run_engine(loaded: MeasuredModel, settings: DispatchSettings,
                requests: Sequence[PlannedRequest], sync: bool = False) -> list[RequestRecord]:
     """The workload through a fresh in-process engine (after a warm-up request)."""
     with start_engine(loaded, settings, sync) as engine:
-        warm_up(engine, loaded)
+        warm_up(engine, loaded.vocab_size)
         return run_requests(engine, requests).records
 
 

@@ -185,21 +185,11 @@ def run_requests(engine: Dispatcher, requests: Sequence[PlannedRequest],
     return RunResult(records, start, time.perf_counter())
 
 
-WARM_UP_PROMPT = 512  # a full round of the default round size (SchedulerConfig)
-
-
-def warm_up(engine: Dispatcher, loaded: MeasuredModel) -> None:
-    """A short request, then one as long as a full round (within the context), so
-    first-call costs are not charged to the measured run: allocations and page mapping,
-    the cpu backend's worker threads and tiles, and glibc raising its mmap threshold to the
-    forward's largest temporaries (until then each is a fresh mapping, faulted in page by
-    page: the first of two engines in one process took ~70 ms longer to its first token
-    with an 8-token warm-up); then forget their traces."""
-    long = max(8, min(WARM_UP_PROMPT, loaded.context_length - 8))
-    for length, out in ((8, 4), (long, 2)):
-        req = PlannedRequest(0, [i % loaded.vocab_size for i in range(1, length + 1)], out,
-                             0.0)
-        run_requests(engine, [req], stall_timeout_s=300.0)
+def warm_up(engine: Dispatcher, vocab_size: int) -> None:
+    """One short request, so first-call costs (allocations, page mapping) are not charged
+    to the measured run; then forget its traces."""
+    req = PlannedRequest(0, [i % vocab_size for i in range(1, 9)], 4, 0.0)
+    run_requests(engine, [req], stall_timeout_s=300.0)
     engine.traces.clear()
 
 

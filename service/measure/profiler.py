@@ -168,7 +168,7 @@ def profile_mode(loaded: MeasuredModel, settings: ProfileSettings, mode: str,
         raise ValueError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
     with start_engine(loaded, settings.engine, sync=mode == "sync") as engine:
         if settings.warm_up:
-            warm_up(engine, loaded)
+            warm_up(engine, loaded.vocab_size)
         clock = DeviceClock.calibrate(engine.device)
         with RoundCollector(engine, clock) as collector:
             run = run_requests(engine, requests)
@@ -213,7 +213,7 @@ def measure_overhead(loaded: MeasuredModel, settings: ProfileSettings,
     cpu: list[float] = []
     wall: list[float] = []
     with start_engine(loaded, settings.engine, sync=False) as engine:
-        warm_up(engine, loaded)
+        warm_up(engine, loaded.vocab_size)
         clock = DeviceClock.calibrate(engine.device)
         for i in range(repeats):
             order = ((False, off), (True, on))

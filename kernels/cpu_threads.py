@@ -82,8 +82,8 @@ def by_rows(n_rows: int, part: Callable[[int, int], None], *, causal: bool = Fal
     releases the GIL in its loops), or over all of them on the calling thread when they
     are few. `causal`: row i costs about i (a prompt's attention), so the shares are cut
     at n * sqrt(i / cores) to take equal time."""
-    workers = core_workers()
-    if n_rows < SPLIT_MIN_ROWS or workers.parts == 1:
+    workers = core_workers() if n_rows >= SPLIT_MIN_ROWS else None
+    if workers is None or workers.parts == 1:  # decode's one row per session: no lock
         part(0, n_rows)
         return
 

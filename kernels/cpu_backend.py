@@ -10,6 +10,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from eagerlm.errors import InvalidParameters
+from eagerlm.kernels.cpu_threads import hold_blas_to_one_thread
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.kernels.quantized import QuantizedMatrix, warm_up
@@ -85,4 +86,5 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
         seconds = warm_up(types)
         if on_compile is not None:
             on_compile(seconds)
+    hold_blas_to_one_thread()  # the products split themselves over the cores
     return Transformer(model.config, held, NumpyOps())

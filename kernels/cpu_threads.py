@@ -1,17 +1,21 @@
-"""How the cpu backend's quantized matmuls use the machine's cores.
+"""How the cpu backend's matmuls use the machine's cores.
 
 Two kinds of parallel work share the cores: the fused GEMVs (numba `prange`, OpenMP
 threads) and the many-rows path (a tile of weights dequantized, then BLAS). Left alone,
 numpy's OpenBLAS starts its own threads for each product and keeps them spinning after
 it, and on a 2-core machine they and numba's threads took turns being descheduled inside
 each other's barriers: the 126 tile products of the demo model's layers at 8 rows took
-0.4-1.5 s instead of 80 ms, even with the machine otherwise idle. So once the cpu backend
-holds quantized weights, numpy's BLAS runs on one thread in this process (threadpoolctl;
-OpenBLAS's threads then sleep) and the many-rows path parallelizes itself: `CoreWorkers`
-splits the output rows in one contiguous share per core, and each worker dequantizes its
-share tile by tile into its own reused buffer and multiplies it with single-threaded BLAS
-(numba and BLAS both release the GIL). The rest of the forward's numpy products
-(attention) are small beside the weights' and run on the calling thread.
+0.4-1.5 s instead of 80 ms, even with the machine otherwise idle. The spinning threads
+also take the cores from the host threads eager dispatch overlaps with a round (with
+float32 weights, `eagerlm profile --synthetic tiny` used 1.7 cores for one core's work). So
+once a cpu backend is built, numpy's BLAS runs on one thread in this process
+(threadpoolctl; OpenBLAS's threads then sleep) and the big products parallelize
+themselves: `CoreWorkers` splits the output features in one contiguous share per core
+(`by_output_features`). The quantized many-rows path dequantizes its share tile by tile
+into a reused buffer per worker and multiplies it with single-threaded BLAS; a float32
+matrix's share is multiplied directly (numba and BLAS both release the GIL). The rest of
+the forward's numpy products (attention) are small beside the weights' and run on the
+calling thread, or split by rows (`by_rows`).
 """
 
 from __future__ import annotations
@@ -67,11 +71,31 @@ def core_workers() -> CoreWorkers:
 
 
 def hold_blas_to_one_thread() -> None:
-    """Set numpy's BLAS to one thread, for the rest of the process (each time a quantized
-    cpu backend is built: a BLAS library loaded since is caught too; ~5 ms). Limited only
+    """Set numpy's BLAS to one thread, for the rest of the process (each time a cpu
+    backend is built: a BLAS library loaded since is caught too; ~5 ms). Limited only
     around the many-rows path, OpenBLAS's threads, woken by any other product of the
     forward (attention), still spun through the next tile products."""
     ThreadpoolController().select(user_api="blas").limit(limits=1)
+
+
+# Below this many multiply-adds a product runs on the calling thread alone: waking the
+# workers (ours, or numba's sleeping ones) costs ~20-50 µs, more than a 256 x 640 GEMV
+# takes on one core.
+SERIAL_MAX_VALUES = 1 << 18
+
+
+def by_output_features(n_values: int, out_features: int,
+                       part: Callable[[int, int], None]) -> None:
+    """`part(start, stop)` over one contiguous share of a product's `out_features` per
+    core, or over all of them on the calling thread when the product (`n_values`
+    multiply-adds) is too small to pay for the hand-off."""
+    workers = core_workers() if n_values >= SERIAL_MAX_VALUES else None
+    if workers is None or workers.parts == 1:
+        part(0, out_features)
+        return
+    per_share = -(-out_features // workers.parts)
+    workers.run(lambda i, parts: part(min(out_features, i * per_share),
+                                      min(out_features, (i + 1) * per_share)))
 
 
 SPLIT_MIN_ROWS = 32  # fewer rows stay on the calling thread: a hand-off costs ~20-50 µs

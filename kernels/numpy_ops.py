@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
-from eagerlm.kernels.cpu_threads import by_rows
+from eagerlm.kernels.cpu_threads import by_output_features, by_rows
 from eagerlm.kernels.quantized import QuantizedMatrix, quantized_linear
 from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,
@@ -73,6 +73,18 @@ def _attend(s: SeqSlice, layer: int, q: np.ndarray, out: np.ndarray, scale: np.f
     o = p.reshape(n_kv, g * n, -1) @ vals.transpose(1, 0, 2)  # [kv, g*n, hd]
     out[s.start + a:s.start + b] = o.reshape(n_kv, g, n, hd).transpose(2, 0, 1, 3).reshape(
         n, n_heads, hd)
+
+
+def _float_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w^T, its output features split over the cores (BLAS itself runs on one thread:
+    kernels/cpu_threads.py says why)."""
+    (n, in_features), out_features = x.shape, w.shape[0]
+    y = np.empty((n, out_features), np.result_type(x, w))
+
+    def part(a: int, b: int) -> None:
+        np.matmul(x, w[a:b].T, out=y[:, a:b])
+    by_output_features(n * out_features * in_features, out_features, part)
+    return y
 
 
 def _host_view(buf: DeviceBuffer, dtype: type[np.generic] = np.int32) -> np.ndarray:
@@ -209,7 +221,7 @@ class NumpyOps:
                bias: np.ndarray | None = None) -> np.ndarray:
         """x @ w^T with w stored (out_features, in_features), as GGUF stores it: a float32
         array, or the file's blocks (kernels/quantized.py's compiled kernels)."""
-        y = quantized_linear(x, w) if isinstance(w, QuantizedMatrix) else x @ w.T
+        y = quantized_linear(x, w) if isinstance(w, QuantizedMatrix) else _float_linear(x, w)
         return y + bias if bias is not None else y
 
     def gated_ffn_act(self, gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:

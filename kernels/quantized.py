@@ -29,7 +29,13 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from eagerlm.kernels import cpu_quant_kernels as k
-from eagerlm.kernels.cpu_threads import core_count, core_workers, hold_blas_to_one_thread
+from eagerlm.kernels.cpu_threads import (
+    SERIAL_MAX_VALUES,
+    by_output_features,
+    core_count,
+    core_workers,
+    hold_blas_to_one_thread,
+)
 from eagerlm.loader.weights import dequantize_blocks
 
 Q = GGMLQuantizationType
@@ -52,9 +58,6 @@ FUSED: dict[GGMLQuantizationType, Gemv] = {
 # dotted with every row of x); beyond, tiles dequantized and multiplied by BLAS.
 FEW_ROWS = 64
 TILE_ELEMENTS = 1 << 18  # weights per tile: 1 MiB of float32, cache-sized
-# Below this many multiply-adds a GEMV runs on the calling thread alone: waking numba's
-# sleeping workers costs ~40 µs, more than a 256 x 640 GEMV takes on one core.
-SERIAL_MAX_VALUES = 1 << 18
 _CORES = min(core_count(), numba.config.NUMBA_NUM_THREADS)
 
 # numba's workqueue threading layer (used where neither OpenMP nor TBB is installed) must
@@ -136,19 +139,17 @@ def quantized_linear(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
             else:
                 k.gemv_rows(w.blocks, int(w.qtype), x, y)
         return y
-    workers = core_workers()
-    workers.run(partial(_tiles_of_share, x, w, y, workers.local))
+    by_output_features(n * out_features * in_features, out_features,
+                       partial(_tiles, x, w, y, core_workers().local))
     return y
 
 
-def _tiles_of_share(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: threading.local,
-                    share: int, shares: int) -> None:
-    """Output rows of share `share` of `shares` (contiguous): a tile of `TILE_ELEMENTS`
-    weights at a time dequantized into this thread's buffer, times x by BLAS."""
-    out_features, in_features = w.shape
-    tile_rows = max(1, min(out_features, TILE_ELEMENTS // in_features))
-    per_share = -(-out_features // shares)
-    start, stop = share * per_share, min(out_features, (share + 1) * per_share)
+def _tiles(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: threading.local,
+           start: int, stop: int) -> None:
+    """Output features start .. stop - 1: a tile of `TILE_ELEMENTS` weights at a time
+    dequantized into this thread's buffer, times x by BLAS."""
+    in_features = w.shape[1]
+    tile_rows = max(1, min(stop - start, TILE_ELEMENTS // in_features))
     tile = getattr(local, "tile", None)
     if tile is None or tile.size < tile_rows * in_features:
         tile = local.tile = np.empty(TILE_ELEMENTS + in_features, np.float32)

@@ -52,6 +52,10 @@ class ForwardBatch:
     # instead of deriving one from `seqs`.
     device_meta: Any = None
     positions: np.ndarray = field(init=False)  # int32 [T]
+    # What a backend's ops derive from the batch once and reuse in every layer (the cpu
+    # backend's table of decode rows, kernels/cpu_attention.py), keyed by its type.
+    ops_cache: dict[Any, Any] = field(init=False, default_factory=dict, repr=False,
+                                      compare=False)
 
     def __post_init__(self) -> None:
         total = sum(s.n_new for s in self.seqs)

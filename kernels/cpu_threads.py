@@ -20,11 +20,13 @@ calling thread, or split by rows (`by_rows`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import numba
 from threadpoolctl import ThreadpoolController
 
 
@@ -96,6 +98,22 @@ def by_output_features(n_values: int, out_features: int,
     per_share = -(-out_features // workers.parts)
     workers.run(lambda i, parts: part(min(out_features, i * per_share),
                                       min(out_features, (i + 1) * per_share)))
+
+
+_NUMBA_CORES = min(core_count(), numba.config.NUMBA_NUM_THREADS)
+# numba's workqueue threading layer (used where neither OpenMP nor TBB is installed) must
+# not be entered by two threads at once; two engines in one process share the parallel
+# kernels.
+_NUMBA_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def numba_threads(n_values: int) -> Iterator[None]:
+    """Run a numba parallel kernel of `n_values` multiply-adds: on every core, or on one
+    thread below `SERIAL_MAX_VALUES`; one caller at a time."""
+    with _NUMBA_LOCK:
+        numba.set_num_threads(1 if n_values < SERIAL_MAX_VALUES else _NUMBA_CORES)
+        yield
 
 
 SPLIT_MIN_ROWS = 32  # fewer rows stay on the calling thread: a hand-off costs ~20-50 µs

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
-from eagerlm.kernels.cpu_threads import by_output_features, by_rows
+from eagerlm.kernels.cpu_attention import DecodeRows
+from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, by_output_features, by_rows
 from eagerlm.kernels.quantized import QuantizedMatrix, quantized_linear
 from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,
@@ -79,6 +80,8 @@ def _float_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x @ w^T, its output features split over the cores (BLAS itself runs on one thread:
     kernels/cpu_threads.py says why)."""
     (n, in_features), out_features = x.shape, w.shape[0]
+    if n * out_features * in_features < SERIAL_MAX_VALUES:
+        return x @ w.T  # one thread: not worth a hand-off
     y = np.empty((n, out_features), np.result_type(x, w))
 
     def part(a: int, b: int) -> None:
@@ -296,10 +299,15 @@ class NumpyOps:
     # -- KV cache and attention ------------------------------------------------------
 
     def kv_append(self, batch: ForwardBatch, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Write this batch's K and V `[T, kv_heads, head_dim]` at their positions."""
+        """Write this batch's K and V `[T, kv_heads, head_dim]` at their positions: every
+        decode row in one compiled call (kernels/cpu_attention.py), prompts by slices."""
+        decode = DecodeRows.of(batch)
+        if decode is not None:
+            decode.append(layer, k, v)
         for s in batch.seqs:
-            s.kv.k(layer)[s.n_past:s.n_total] = k[s.start:s.end]
-            s.kv.v(layer)[s.n_past:s.n_total] = v[s.start:s.end]
+            if decode is None or s.start not in decode.starts:
+                s.kv.k(layer)[s.n_past:s.n_total] = k[s.start:s.end]
+                s.kv.v(layer)[s.n_past:s.n_total] = v[s.start:s.end]
 
     def attention(self, batch: ForwardBatch, layer: int, q: np.ndarray, *, scale: float,
                   window: int) -> np.ndarray:
@@ -310,7 +318,11 @@ class NumpyOps:
         """
         n_tok, n_heads, hd = q.shape
         out = np.empty((n_tok, n_heads, hd), dtype=np.float32)
+        decode = DecodeRows.of(batch)
+        if decode is not None:  # every one-row session, in one compiled call
+            decode.attend(layer, q, out, scale, window)
         for s in batch.seqs:  # a prompt's query rows split over the cores (by_rows)
-            by_rows(s.n_new, partial(_attend, s, layer, q, out, np.float32(scale), window),
-                    causal=True)
+            if decode is None or s.start not in decode.starts:
+                by_rows(s.n_new, partial(_attend, s, layer, q, out, np.float32(scale),
+                                         window), causal=True)
         return out.reshape(n_tok, n_heads * hd)

@@ -24,17 +24,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 
-import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from eagerlm.kernels import cpu_quant_kernels as k
 from eagerlm.kernels.cpu_threads import (
-    SERIAL_MAX_VALUES,
     by_output_features,
-    core_count,
     core_workers,
     hold_blas_to_one_thread,
+    numba_threads,
 )
 from eagerlm.loader.weights import dequantize_blocks
 
@@ -58,12 +56,6 @@ FUSED: dict[GGMLQuantizationType, Gemv] = {
 # dotted with every row of x); beyond, tiles dequantized and multiplied by BLAS.
 FEW_ROWS = 64
 TILE_ELEMENTS = 1 << 18  # weights per tile: 1 MiB of float32, cache-sized
-_CORES = min(core_count(), numba.config.NUMBA_NUM_THREADS)
-
-# numba's workqueue threading layer (used where neither OpenMP nor TBB is installed) must
-# not be entered by two threads at once; two engines in one process share the parallel
-# kernels (the GEMVs).
-_KERNEL_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,9 +123,7 @@ def quantized_linear(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
     out_features, in_features = w.shape
     y = np.empty((n, out_features), np.float32)
     if w.qtype in FUSED and n <= FEW_ROWS:
-        threads = 1 if n * out_features * in_features < SERIAL_MAX_VALUES else _CORES
-        with _KERNEL_LOCK:
-            numba.set_num_threads(threads)
+        with numba_threads(n * out_features * in_features):
             if n == 1:
                 FUSED[w.qtype](w.blocks, x, y)
             else:

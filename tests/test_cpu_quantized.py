@@ -25,7 +25,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from eagerlm.kernels import cpu_quant_kernels, quantized
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_backend import cpu_transformer, held_bytes
-from eagerlm.kernels.cpu_threads import CoreWorkers
+from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, CoreWorkers
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.kernels.quantized import FUSED, QuantizedMatrix, quantized_linear
 from eagerlm.loader.model_file import ModelFile
@@ -139,16 +139,29 @@ def test_core_workers_run_every_share_once_and_raise_what_a_share_raised():
         workers.run(failing)
 
 
-def test_a_quantized_cpu_backend_runs_blas_on_one_thread(synthetic):
+@pytest.mark.parametrize("weights", ["quantized", "float"])
+def test_a_cpu_backend_runs_blas_on_one_thread(synthetic, weights):
     """Its own threads parallelize the products; OpenBLAS's, left at the machine's cores,
-    fought them (docs/performance.md)."""
+    fought them, and with float32 weights their spinning took the cores from eager
+    dispatch's host threads (kernels/cpu_threads.py)."""
     with threadpool_limits(2, user_api="blas"):
-        cpu_transformer(synthetic, weights="float")  # the float path leaves BLAS alone
         blas = [lib for lib in threadpool_info() if lib["user_api"] == "blas"]
         assert blas and all(lib["num_threads"] == 2 for lib in blas)
-        cpu_transformer(synthetic)
+        cpu_transformer(synthetic, weights=weights)
         assert all(lib["num_threads"] == 1 for lib in threadpool_info()
                    if lib["user_api"] == "blas")
+
+
+def test_a_big_float_product_split_over_the_cores_is_the_whole_product():
+    """`_float_linear` cuts the output features in one share per core above
+    SERIAL_MAX_VALUES multiply-adds; the shares together are x @ w^T (float64 numpy)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 300)).astype(np.float32)
+    w = rng.standard_normal((1001, 300)).astype(np.float32)  # 1001: shares of unequal size
+    assert x.shape[0] * w.shape[0] * w.shape[1] >= SERIAL_MAX_VALUES
+    got = NumpyOps().linear(x, w)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_the_embedding_of_a_quantized_table_is_its_dequantized_rows():

@@ -1,0 +1,130 @@
+"""The cpu backend's compiled decode rows (kernels/cpu_attention.py): every one-row
+session's KV append and attention in one call per layer, held to a float64 numpy
+computation of causal (and sliding-window) GQA attention written here from the cache
+contents, and to the numpy path the prompts keep."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eagerlm.kernels.batch import ForwardBatch, SeqSlice
+from eagerlm.kernels.cpu_attention import DecodeRows
+from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES
+from eagerlm.kernels.numpy_ops import NumpyOps
+from eagerlm.vmm.kv_layout import TokenMajorKV
+
+N_LAYERS, N_KV, HEAD_DIM, N_HEADS = 3, 2, 16, 6  # GQA: 3 query heads per KV head
+CAPACITY = 48
+
+
+def cache(rng: np.random.Generator) -> TokenMajorKV:
+    return TokenMajorKV(rng.standard_normal((CAPACITY, N_LAYERS, 2, N_KV, HEAD_DIM)).astype(
+        np.float32))
+
+
+class SlicedKV:
+    """A `SessionKV` the kernels cannot address (not a token-major array): the numpy
+    path serves it."""
+
+    def __init__(self, inner: TokenMajorKV) -> None:
+        self.inner = inner
+        self.capacity = inner.capacity
+
+    def k(self, layer: int) -> np.ndarray:
+        return self.inner.k(layer)
+
+    def v(self, layer: int) -> np.ndarray:
+        return self.inner.v(layer)
+
+
+def batch_of(kvs, n_pasts, n_news) -> ForwardBatch:
+    seqs, start = [], 0
+    for kv, n_past, n_new in zip(kvs, n_pasts, n_news, strict=True):
+        seqs.append(SeqSlice(start, n_new, n_past, kv))
+        start += n_new
+    return ForwardBatch(np.zeros(start, np.int32), seqs, np.arange(start, dtype=np.int64))
+
+
+def float64_attention(kv, layer: int, q_rows: np.ndarray, first: int, scale: float,
+                      window: int) -> np.ndarray:
+    """Rows of q at positions first, first + 1, ... over the cache, in float64."""
+    out = np.empty((len(q_rows), N_HEADS, HEAD_DIM))
+    group = N_HEADS // N_KV
+    for r, q in enumerate(q_rows.astype(np.float64)):
+        pos = first + r
+        lo = max(0, pos - window + 1) if window else 0
+        keys = kv.k(layer)[lo:pos + 1].astype(np.float64)
+        values = kv.v(layer)[lo:pos + 1].astype(np.float64)
+        for head in range(N_HEADS):
+            s = keys[:, head // group] @ q[head] * scale
+            p = np.exp(s - s.max())
+            out[r, head] = p @ values[:, head // group] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_rows_attend_like_float64_attention_beside_a_prompt(window):
+    """Sessions at position 0, in the middle and at the cache's last slot decode beside a
+    4-row prompt; every layer's K/V lands where it belongs and every row's attention is
+    the float64 one within float32 rounding."""
+    rng = np.random.default_rng(0)
+    kvs = [cache(rng) for _ in range(4)]
+    before = [kv.data.copy() for kv in kvs]
+    n_pasts, n_news = [0, 20, 10, CAPACITY - 1], [1, 1, 4, 1]
+    batch = batch_of(kvs, n_pasts, n_news)
+    table = DecodeRows.of(batch)
+    assert table is not None and table.starts == {0, 1, 6}  # the prompt is numpy's
+    ops = NumpyOps()
+    n = len(batch.tokens)
+    for layer in range(N_LAYERS):
+        k = rng.standard_normal((n, N_KV, HEAD_DIM)).astype(np.float32)
+        v = rng.standard_normal((n, N_KV, HEAD_DIM)).astype(np.float32)
+        q = rng.standard_normal((n, N_HEADS, HEAD_DIM)).astype(np.float32)
+        ops.kv_append(batch, layer, k, v)
+        out = ops.attention(batch, layer, q, scale=0.3, window=window).reshape(
+            n, N_HEADS, HEAD_DIM)
+        for s, old in zip(batch.seqs, before, strict=True):
+            rows = slice(s.start, s.end)
+            np.testing.assert_array_equal(s.kv.k(layer)[s.n_past:s.n_total], k[rows])
+            np.testing.assert_array_equal(s.kv.v(layer)[s.n_past:s.n_total], v[rows])
+            old[s.n_past:s.n_total, layer, 0] = k[rows]
+            old[s.n_past:s.n_total, layer, 1] = v[rows]
+            want = float64_attention(s.kv, layer, q[rows], s.n_past, 0.3, window)
+            np.testing.assert_allclose(out[rows], want, rtol=2e-5, atol=2e-6)
+    for kv, old in zip(kvs, before, strict=True):  # nothing else was written
+        np.testing.assert_array_equal(kv.data, old)
+
+
+def test_a_cache_the_kernels_cannot_address_takes_the_numpy_path():
+    rng = np.random.default_rng(1)
+    kvs = [cache(rng), SlicedKV(cache(rng))]
+    batch = batch_of(kvs, [7, 9], [1, 1])
+    table = DecodeRows.of(batch)
+    assert table is not None and table.starts == {0}
+    assert DecodeRows.of(batch_of([SlicedKV(cache(rng))], [3], [1])) is None
+    ops = NumpyOps()
+    k = rng.standard_normal((2, N_KV, HEAD_DIM)).astype(np.float32)
+    q = rng.standard_normal((2, N_HEADS, HEAD_DIM)).astype(np.float32)
+    ops.kv_append(batch, 1, k, k)
+    out = ops.attention(batch, 1, q, scale=0.25, window=0).reshape(2, N_HEADS, HEAD_DIM)
+    for s in batch.seqs:
+        np.testing.assert_array_equal(s.kv.k(1)[s.n_past], k[s.start])
+        want = float64_attention(s.kv, 1, q[s.start:s.end], s.n_past, 0.25, 0)
+        np.testing.assert_allclose(out[s.start:s.end], want, rtol=2e-5, atol=2e-6)
+
+
+def test_many_sessions_split_over_the_cores_give_the_same_rows():
+    """Above SERIAL_MAX_VALUES multiply-adds the (session, KV head) items run on every
+    core; each row is computed by one item alone, so the result is the one-thread one."""
+    rng = np.random.default_rng(2)
+    n = 40
+    kvs = [cache(rng) for _ in range(n)]
+    batch = batch_of(kvs, [CAPACITY - 1] * n, [1] * n)
+    assert n * CAPACITY * N_HEADS * HEAD_DIM * 2 >= SERIAL_MAX_VALUES
+    q = rng.standard_normal((n, N_HEADS, HEAD_DIM)).astype(np.float32)
+    out = NumpyOps().attention(batch, 2, q, scale=0.25, window=0).reshape(
+        n, N_HEADS, HEAD_DIM)
+    for s in batch.seqs:
+        want = float64_attention(s.kv, 2, q[s.start:s.end], s.n_past, 0.25, 0)
+        np.testing.assert_allclose(out[s.start:s.end], want, rtol=2e-5, atol=2e-6)

@@ -143,7 +143,8 @@ def test_eagerlm_profile_on_cuda(emulator, tmp_path, capsys) -> None:
     out = tmp_path / "prof"
     args = _cli(["profile", "--synthetic", "tiny", "--device", "cuda", "--requests", "4",
                  "--max-batch", "4", "--prompt-len", "6", "--output-len", "8", "--min-batch",
-                 "2", "--memory-fraction", "0.02", "--out", str(out), "--quiet"])
+                 "2", "--memory-fraction", "0.02", "--repeats", "1", "--out", str(out),
+                 "--quiet"])
     assert args.func(args) == 0
     assert "bubble, steady decode" in capsys.readouterr().out
     report = json.loads((out / "profile.json").read_text())

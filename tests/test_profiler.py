@@ -1,6 +1,7 @@
 """The profiler: its pure computations on timelines built by hand (exact results), the
-common host/device clock, the trace-event file's structure, and `eagerlm profile` run for
-real on the cpu backend with a tiny synthetic model."""
+common host/device clock, the trace-event file's structure, the repeated runs (ABBA order,
+each mode reported by its median run) with runs faked at known speeds, and `eagerlm
+profile` run for real on the cpu backend with a tiny synthetic model."""
 
 from __future__ import annotations
 
@@ -8,11 +9,21 @@ import argparse
 import itertools
 import json
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
-from eagerlm.service.measure.profiler import add_profile_parser
-from eagerlm.service.measure.request_metrics import RequestRecord
+from eagerlm.errors import InvalidParameters
+from eagerlm.service.measure import profiler
+from eagerlm.service.measure.harness import RunResult
+from eagerlm.service.measure.profiler import (
+    ModeProfile,
+    ProfileSettings,
+    add_profile_parser,
+    run_order,
+    run_profile,
+)
+from eagerlm.service.measure.request_metrics import RequestRecord, summarize
 from eagerlm.service.measure.round_timeline import (
     Bubble,
     DeviceClock,
@@ -24,6 +35,7 @@ from eagerlm.service.measure.round_timeline import (
     union_length,
 )
 from eagerlm.service.measure.trace_export import TRACK_NAMES, TracedRun, chrome_trace
+from eagerlm.service.measure.workload import LengthRange, WorkloadSpec
 from eagerlm.vmm.device import Event, open_device
 
 
@@ -160,6 +172,115 @@ def test_trace_events_have_the_expected_tracks_and_microsecond_times():
     assert counters == {"batch", "rounds in flight"}
 
 
+# -- repeated runs, faked at known speeds ------------------------------------------------
+
+def test_two_modes_alternate_abba_and_one_mode_just_repeats():
+    assert run_order(("eager", "sync"), 3) == ["eager", "sync", "sync", "eager",
+                                              "eager", "sync"]
+    assert run_order(("eager", "sync"), 4) == ["eager", "sync", "sync", "eager",
+                                              "eager", "sync", "sync", "eager"]
+    assert run_order(("eager", "sync"), 1) == ["eager", "sync"]
+    assert run_order(("sync",), 3) == ["sync"] * 3
+
+
+class FakeRuns:
+    """Stands in for `profile_mode`: the n-th run of a mode makes `speeds[mode][n]` output
+    tokens/s, and its one round has the run's place in the whole order as its id."""
+
+    def __init__(self, speeds: dict[str, list[float]]) -> None:
+        self.speeds = {mode: iter(v) for mode, v in speeds.items()}
+        self.order: list[str] = []
+
+    def __call__(self, loaded, settings, mode, requests) -> ModeProfile:
+        tok_s = next(self.speeds[mode])
+        rid = len(self.order)
+        self.order.append(mode)
+        record = RequestRecord(0, 0.0, 4, token_times=[k / tok_s for k in range(1, 101)])
+        spans = [span(rid, (0.25, 0.5))]
+        return ModeProfile(mode, spans, RunResult([record], 0.0, 100 / tok_s),
+                           summarize([record]), timeline_stats(spans), 0.5, 0.0)
+
+
+def _fake_profile(monkeypatch, tmp_path, speeds: dict[str, list[float]]):
+    fake = FakeRuns(speeds)
+    monkeypatch.setattr(profiler, "profile_mode", fake)
+    repeats = len(next(iter(speeds.values())))
+    settings = ProfileSettings(WorkloadSpec(2, LengthRange(4, 4), LengthRange(4, 4)),
+                               modes=tuple(speeds), repeats=repeats)
+    loaded = SimpleNamespace(vocab_size=512, context_length=64, label="fake")
+    results, _, outputs, text = run_profile(loaded, settings, tmp_path, png=False)
+    return fake.order, results, outputs, text
+
+
+def test_profile_runs_the_modes_in_abba_order(monkeypatch, tmp_path):
+    order, results, _, _ = _fake_profile(monkeypatch, tmp_path, {
+        "eager": [1.0, 2.0, 3.0], "sync": [1.0, 2.0, 3.0]})
+    assert order == ["eager", "sync", "sync", "eager", "eager", "sync"]
+    # each mode keeps its runs in the order they ran
+    assert [[s.spans[0].round_id for s in r.runs] for r in results] == [[0, 3, 4], [1, 2, 5]]
+    order, results, _, _ = _fake_profile(monkeypatch, tmp_path, {"eager": [1.0, 2.0]})
+    assert order == ["eager", "eager"] and [r.mode for r in results] == ["eager"]
+
+
+def test_each_mode_is_reported_by_its_median_run_in_summary_json_and_trace(monkeypatch,
+                                                                          tmp_path):
+    # 4 runs each: the lower middle one, eager's 4th (200) and sync's 3rd (50)
+    order, results, outputs, text = _fake_profile(monkeypatch, tmp_path, {
+        "eager": [100.0, 400.0, 300.0, 200.0], "sync": [40.0, 70.0, 50.0, 60.0]})
+    eager_rid, sync_rid = 7, 5  # their places in eager sync sync eager eager sync sync eager
+    assert (order[eager_rid], order[sync_rid]) == ("eager", "sync")
+    assert [r.median_index for r in results] == [3, 2]
+    assert [r.median.spans[0].round_id for r in results] == [eager_rid, sync_rid]
+
+    lines = text.splitlines()
+    assert lines[0].split()[-1] == "repeats=4"  # the header
+    (tok_s,) = [ln for ln in lines if ln.startswith("output tok/s ")]
+    assert tok_s.split()[-2:] == ["200.0", "50.0"]
+    (each,) = [ln for ln in lines if ln.startswith("output tok/s, each run")]
+    assert each.split()[-2:] == ["100/400/300/200", "40/70/50/60"]
+    assert lines[-1] == ("eager / sync output tok/s: 4.00x (median of 4 runs each; per "
+                         "ABBA pair: 2.50x 5.71x 6.00x 3.33x)")
+    assert outputs.summary.read_text().strip() == text.strip()
+
+    report = json.loads(outputs.json.read_text())
+    assert report["metadata"]["repeats"] == 4
+    eager, sync = report["modes"]["eager"], report["modes"]["sync"]
+    assert eager["runs_output_tok_s"] == pytest.approx([100.0, 400.0, 300.0, 200.0])
+    assert sync["runs_output_tok_s"] == pytest.approx([40.0, 70.0, 50.0, 60.0])
+    assert (eager["median_run"], sync["median_run"]) == (3, 2)
+    assert eager["latency"]["output_tok_s"] == pytest.approx(200.0)
+    assert sync["latency"]["output_tok_s"] == pytest.approx(50.0)
+    assert [r["round_id"] for r in eager["rounds"]] == [eager_rid]
+    assert [r["round_id"] for r in sync["rounds"]] == [sync_rid]
+
+    events = json.loads(outputs.trace.read_text())["traceEvents"]
+    rounds = {(e["pid"], e["name"]) for e in events if e["ph"] == "X" and e["tid"] == 2}
+    assert rounds == {(1, f"round {eager_rid}"), (2, f"round {sync_rid}")}
+
+
+def test_one_run_or_one_mode_summarizes_without_pairs(monkeypatch, tmp_path):
+    _, _, _, text = _fake_profile(monkeypatch, tmp_path, {"eager": [30.0], "sync": [20.0]})
+    assert text.splitlines()[-1] == "eager / sync output tok/s: 1.50x (one run each)"
+    _, _, _, text = _fake_profile(monkeypatch, tmp_path, {"sync": [20.0, 10.0, 30.0]})
+    assert "output tok/s, each run" in text and " / " not in text.splitlines()[-1]
+    assert [ln.split()[-1] for ln in text.splitlines()
+            if ln.startswith("output tok/s ")] == ["20.0"]
+
+
+def test_repeats_below_one_is_refused_before_any_model_is_loaded(tmp_path, monkeypatch):
+    with pytest.raises(InvalidParameters, match="--repeats must be >= 1"):
+        ProfileSettings(WorkloadSpec(1, LengthRange(4, 4), LengthRange(4, 4)), repeats=0)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(profiler, "open_measured_model", no_loading)
+    args = _parse(["profile", "--synthetic", "tiny", "--repeats", "0", "--out", str(tmp_path)])
+    with pytest.raises(InvalidParameters, match="--repeats must be >= 1"):
+        args.func(args)
+    assert _parse(["profile"]).repeats == ProfileSettings.repeats == 3
+
+
 # -- eagerlm profile, for real ------------------------------------------------------------
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -172,10 +293,11 @@ def test_profile_command_writes_trace_png_and_summary(tmp_path, capsys):
     out = tmp_path / "prof"
     args = _parse(["profile", "--synthetic", "tiny", "--requests", "4", "--max-batch", "4",
                    "--prompt-len", "8-16", "--output-len", "12", "--out", str(out),
-                   "--overhead-repeats", "1", "--quiet"])
+                   "--repeats", "2", "--overhead-repeats", "1", "--quiet"])
     assert args.func(args) == 0
     summary = capsys.readouterr().out
     assert "bubble, steady decode" in summary and "profiler overhead" in summary
+    assert "eager / sync output tok/s" in summary and "median of 2 runs each" in summary
     assert summary.strip() == (out / "summary.txt").read_text().strip()
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -186,6 +308,9 @@ def test_profile_command_writes_trace_png_and_summary(tmp_path, capsys):
     report = json.loads((out / "profile.json").read_text())
     for mode, pid in (("eager", 1), ("sync", 2)):
         m = report["modes"][mode]
+        # the reported run is the slower of the two (the lower middle of an even count)
+        assert len(m["runs_output_tok_s"]) == 2
+        assert m["latency"]["output_tok_s"] == min(m["runs_output_tok_s"])
         rounds = m["rounds"]
         device_slices = [e for e in events if e["ph"] == "X" and e["pid"] == pid
                          and e["tid"] == 2]
@@ -212,7 +337,7 @@ def test_profile_with_constrained_requests_shows_the_mask_wait(tmp_path, capsys)
     out = tmp_path / "prof"
     args = _parse(["profile", "--synthetic", "tiny", "--requests", "4", "--max-batch", "4",
                    "--output-len", "10", "--constrained-every", "2", "--out", str(out),
-                   "--no-png", "--quiet"])
+                   "--repeats", "1", "--no-png", "--quiet"])
     assert args.func(args) == 0
     summary = capsys.readouterr().out
     assert "rounds with constrained rows" in summary and "mask wait ms" in summary

@@ -7,6 +7,15 @@ decode, host time per round, the lookahead actually reached, and the request lat
 (Perfetto / chrome://tracing), `timeline.png` (a window of rounds, the modes one above the
 other), `summary.txt` (the table printed) and `profile.json` (every number).
 
+Each mode runs `--repeats N` times (default 3), each run on a fresh engine, the modes
+alternating ABBA (eager, sync, sync, eager, eager, sync, ...) so that slow drift of the
+machine and the first engine's extra costs fall on both alike: run-to-run noise on a busy
+cpu is larger than the eager-vs-sync difference. A mode is reported by its run with the
+median output tokens/s (the lower middle one for an even N): that run's timeline, latencies
+and rounds, in the table, trace.json, timeline.png and profile.json, a real run and not an
+average; the summary adds every run's tokens/s and the ratio of the modes' medians with the
+ratio of each ABBA pair, profile.json every run's tokens/s.
+
 What "the profiler" costs: the dispatcher always records a `RoundTrace` per round (a few
 timestamps and two timing events). The profiler adds a collector thread that, while the run
 goes on, takes those traces out of the dispatcher's deque and queries the events' timings,
@@ -34,6 +43,7 @@ from typing import Any
 
 from eagerlm.dispatch.dispatcher import Dispatcher
 from eagerlm.dispatch.messages import RoundTrace
+from eagerlm.errors import InvalidParameters
 from eagerlm.service.api.model_loading import check_device
 from eagerlm.service.measure.harness import (
     DispatchSettings,
@@ -148,10 +158,18 @@ class ProfileSettings:
     min_batch: int = 1  # steady decode: rounds with at least this many decoding sessions
     window: int = 12  # rounds in the PNG
     warm_up: bool = True
+    repeats: int = 3  # runs of each mode, alternating ABBA; each reported by its median run
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise InvalidParameters(f"--repeats must be >= 1 (runs of each mode), "
+                                    f"not {self.repeats}")
 
 
 @dataclass
 class ModeProfile:
+    """One run of the workload in one mode."""
+
     mode: str
     spans: list[RoundSpan]
     run: RunResult
@@ -178,6 +196,34 @@ def profile_mode(loaded: MeasuredModel, settings: ProfileSettings, mode: str,
     return ModeProfile(mode, spans, run, summarize(run.records),
                        timeline_stats(spans, settings.min_batch),
                        busy / wall if wall > 0 else 0.0, clock.uncertainty_s)
+
+
+def run_order(modes: Sequence[str], repeats: int) -> list[str]:
+    """The modes' runs in ABBA order: eager, sync, sync, eager, eager, sync, ...
+    (`repeats` runs of each), so a drift in time or a first-run cost falls on each alike."""
+    return [m for i in range(repeats) for m in (modes if i % 2 == 0 else modes[::-1])]
+
+
+@dataclass
+class ModeRuns:
+    """A mode's runs, in the order they ran, and the one it is reported by: the run with
+    the median output tokens/s (for an even count, the lower middle one)."""
+
+    mode: str
+    runs: list[ModeProfile]
+
+    @property
+    def output_tok_s(self) -> list[float]:
+        return [p.latency.output_tok_s for p in self.runs]
+
+    @property
+    def median_index(self) -> int:
+        by_speed = sorted(range(len(self.runs)), key=self.output_tok_s.__getitem__)
+        return by_speed[(len(by_speed) - 1) // 2]
+
+    @property
+    def median(self) -> ModeProfile:
+        return self.runs[self.median_index]
 
 
 @dataclass(frozen=True)
@@ -233,9 +279,12 @@ def measure_overhead(loaded: MeasuredModel, settings: ProfileSettings,
 
 # -- reporting ---------------------------------------------------------------------------
 
-def format_summary(profiles: Sequence[ModeProfile], overhead: Overhead | None = None,
+def format_summary(results: Sequence[ModeRuns], overhead: Overhead | None = None,
                    header: str = "") -> str:
-    """The plain-text table: one column per mode."""
+    """The plain-text table: one column per mode, its median run; then every run's
+    output tokens/s and, with two modes, the ratio of their medians and of each ABBA
+    pair (run i of the first mode against run i of the second)."""
+    profiles = [r.median for r in results]
     rows: list[tuple[str, list[str]]] = []
 
     def row(label: str, fmt) -> None:
@@ -260,12 +309,24 @@ def format_summary(profiles: Sequence[ModeProfile], overhead: Overhead | None = 
             lambda p: f"{p.timeline.mask_wait_ms:.3f}/{p.timeline.mask_wait_max_ms:.3f}")
     row("output tokens", lambda p: f"{p.latency.output_tokens}")
     row("output tok/s", lambda p: f"{p.latency.output_tok_s:.1f}")
+    rows.append(("output tok/s, each run",
+                 ["/".join(f"{v:.0f}" for v in r.output_tok_s) for r in results]))
     width = max(len(label) for label, _ in rows) + 2
     col = max(16, *(len(v) + 2 for _, vals in rows for v in vals))
     lines = [header] if header else []
     lines.append("".ljust(width) + "".join(p.mode.rjust(col) for p in profiles))
     lines += [label.ljust(width) + "".join(v.rjust(col) for v in vals) for label, vals in rows]
     lines.append("(steady decode: consecutive decode-only rounds; times in the steady rounds)")
+    n = max(len(r.runs) for r in results)
+    if n > 1:
+        lines.append(f"(each column: the mode's run with the median output tok/s, of {n})")
+    if len(results) == 2:
+        a, b = results
+        pairs = " ".join(_ratio(x, y) for x, y in zip(a.output_tok_s, b.output_tok_s))
+        runs = f"median of {n} runs each; per ABBA pair: {pairs}" if n > 1 else "one run each"
+        lines.append(f"{a.mode} / {b.mode} output tok/s: "
+                     f"{_ratio(a.median.latency.output_tok_s, b.median.latency.output_tok_s)}"
+                     f" ({runs})")
     if overhead is not None:
         o = overhead
         lines.append(
@@ -280,15 +341,23 @@ def _pcts(d) -> str:
     return f"{d.p50:.1f}/{d.p90:.1f}/{d.p99:.1f}"
 
 
-def profile_json(profiles: Sequence[ModeProfile], overhead: Overhead | None,
+def _ratio(x: float, y: float) -> str:
+    return f"{x / y:.2f}x" if y > 0 else "-"
+
+
+def profile_json(results: Sequence[ModeRuns], overhead: Overhead | None,
                  metadata: dict[str, Any]) -> dict[str, Any]:
+    """Per mode its median run's numbers and rounds, the index of that run and every
+    run's output tokens/s (in the order the mode's runs ran)."""
     out: dict[str, Any] = {"metadata": metadata, "modes": {}}
-    for p in profiles:
-        out["modes"][p.mode] = {
+    for r in results:
+        p = r.median
+        out["modes"][r.mode] = {
             "timeline": dataclasses.asdict(p.timeline),
             "latency": dataclasses.asdict(p.latency) | {
                 "output_tok_s": p.latency.output_tok_s},
             "device_busy": p.device_busy, "clock_uncertainty_s": p.clock_uncertainty_s,
+            "runs_output_tok_s": r.output_tok_s, "median_run": r.median_index,
             "rounds": [dataclasses.asdict(s) for s in p.spans]}
     if overhead is not None:
         out["overhead"] = dataclasses.asdict(overhead) | {
@@ -304,18 +373,20 @@ class ProfileOutputs:
     png: Path | None
 
 
-def write_outputs(out_dir: Path, profiles: Sequence[ModeProfile], overhead: Overhead | None,
+def write_outputs(out_dir: Path, results: Sequence[ModeRuns], overhead: Overhead | None,
                   settings: ProfileSettings, metadata: dict[str, Any], png: bool = True
                   ) -> tuple[ProfileOutputs, str]:
+    """trace.json and timeline.png of each mode's median run, summary.txt, profile.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    profiles = [r.median for r in results]
     runs = [TracedRun(p.mode, p.spans, p.run.records, p.run.start) for p in profiles]
     trace = write_chrome_trace(out_dir / "trace.json", chrome_trace(runs, metadata))
     header = " ".join(f"{k}={v}" for k, v in metadata.items())
-    text = format_summary(profiles, overhead, header)
+    text = format_summary(results, overhead, header)
     summary = out_dir / "summary.txt"
     summary.write_text(text + "\n", encoding="utf-8")
     js = out_dir / "profile.json"
-    js.write_text(json.dumps(profile_json(profiles, overhead, metadata), indent=1),
+    js.write_text(json.dumps(profile_json(results, overhead, metadata), indent=1),
                   encoding="utf-8")
     png_path = None
     if png:
@@ -329,10 +400,14 @@ def write_outputs(out_dir: Path, profiles: Sequence[ModeProfile], overhead: Over
 
 def run_profile(loaded: MeasuredModel, settings: ProfileSettings, out_dir: Path,
                 overhead_repeats: int = 0, png: bool = True
-                ) -> tuple[list[ModeProfile], Overhead | None, ProfileOutputs, str]:
-    """Everything `eagerlm profile` does once the model is loaded."""
+                ) -> tuple[list[ModeRuns], Overhead | None, ProfileOutputs, str]:
+    """Everything `eagerlm profile` does once the model is loaded: `settings.repeats`
+    runs of each mode in ABBA order (`run_order`), each on a fresh engine."""
     requests = make_workload(settings.workload, loaded.vocab_size, loaded.context_length)
-    profiles = [profile_mode(loaded, settings, mode, requests) for mode in settings.modes]
+    runs: dict[str, list[ModeProfile]] = {mode: [] for mode in settings.modes}
+    for mode in run_order(settings.modes, settings.repeats):
+        runs[mode].append(profile_mode(loaded, settings, mode, requests))
+    results = [ModeRuns(mode, profiles) for mode, profiles in runs.items()]
     overhead = (measure_overhead(loaded, settings, requests, overhead_repeats)
                 if overhead_repeats > 0 else None)
     w, e = settings.workload, settings.engine
@@ -340,9 +415,10 @@ def run_profile(loaded: MeasuredModel, settings: ProfileSettings, out_dir: Path,
                 "date": time.strftime("%Y-%m-%d"), "requests": w.n_requests,
                 "prompt_len": str(w.input_len), "output_len": str(w.output_len),
                 "rate": rate_label(w.request_rate), "max_batch": e.max_batch,
-                "lookahead": e.lookahead, "constrained_every": w.constrained_every}
-    outputs, text = write_outputs(out_dir, profiles, overhead, settings, metadata, png)
-    return profiles, overhead, outputs, text
+                "lookahead": e.lookahead, "constrained_every": w.constrained_every,
+                "repeats": settings.repeats}
+    outputs, text = write_outputs(out_dir, results, overhead, settings, metadata, png)
+    return results, overhead, outputs, text
 
 
 # -- command line ------------------------------------------------------------------------
@@ -353,7 +429,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                             args.request_rate, args.seed, args.constrained_every)
     settings = ProfileSettings(workload, engine_settings(args),
                                MODES if args.mode == "both" else (args.mode,),
-                               min_batch=args.min_batch, window=args.window)
+                               min_batch=args.min_batch, window=args.window,
+                               repeats=args.repeats)
     need = args.prompt_len.high + args.output_len.high + 1
     if not args.quiet:
         print("loading the model...", file=sys.stderr, flush=True)
@@ -363,7 +440,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"profiling {loaded.label}: {workload.n_requests} requests, prompt "
                   f"{workload.input_len}, output {workload.output_len} tokens, rate "
-                  f"{rate_label(workload.request_rate)}, modes {'+'.join(settings.modes)}",
+                  f"{rate_label(workload.request_rate)}, modes {'+'.join(settings.modes)}, "
+                  f"runs of each: {settings.repeats}",
                   file=sys.stderr, flush=True)
         _, _, outputs, text = run_profile(loaded, settings, Path(args.out),
                                           args.overhead_repeats, png=not args.no_png)
@@ -381,12 +459,19 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         "profile", help="timeline, bubble fraction and latencies of eager vs sync dispatch",
         description="Run a workload and report from the dispatcher's per-round "
                     "instrumentation: bubble fraction in steady decode, host time per round, "
-                    "lookahead reached, TTFT / ITL percentiles, output tokens/s. Writes "
-                    "trace.json (open in ui.perfetto.dev), timeline.png, summary.txt and "
-                    "profile.json to --out.")
+                    "lookahead reached, TTFT / ITL percentiles, output tokens/s. Each mode "
+                    "runs --repeats times on a fresh engine, the modes alternating (eager, "
+                    "sync, sync, eager, ...), and is reported by its run with the median "
+                    "output tokens/s. Writes trace.json (open in ui.perfetto.dev), "
+                    "timeline.png, summary.txt and profile.json to --out.")
     add_model_args(p)
     p.add_argument("--mode", choices=(*MODES, "both"), default="both",
                    help="dispatch mode(s) to profile (default both)")
+    p.add_argument("--repeats", type=int, default=ProfileSettings.repeats, metavar="N",
+                   help="runs of each mode, each on a fresh engine; with both modes they "
+                        "alternate ABBA (eager, sync, sync, eager, ...) and each mode's "
+                        "column is its run with the median output tok/s (default "
+                        f"{ProfileSettings.repeats})")
     p.add_argument("--requests", "-n", type=int, default=None,
                    help="number of requests (default: --max-batch)")
     p.add_argument("--prompt-len", type=length_range, default=LengthRange(32, 32),

@@ -3,6 +3,7 @@ float32 on request), with the numpy ops and the compiled quantized kernels."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -10,6 +11,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from eagerlm.errors import InvalidParameters
+from eagerlm.kernels import cpu_attention
+from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.cpu_threads import hold_blas_to_one_thread
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.numpy_ops import NumpyOps
@@ -37,6 +40,17 @@ def held_bytes(model: ModelFile, weights: WeightsMode) -> int:
     4 bytes per value where it dequantizes."""
     return sum(info.n_bytes if keeps_blocks(info, weights) else 4 * info.n_elements
                for info in model.gguf.tensors.values())
+
+
+def compile_kernels(qtypes: set[GGMLQuantizationType]) -> float:
+    """Compile (or load from numba's disk cache) the kernels a model with matrices of
+    `qtypes` runs: the quantized matmuls of those types, the row-wise ops and the decode
+    attention; returns the seconds it took. The first forward would otherwise pay it."""
+    t0 = time.perf_counter()
+    warm_up(qtypes)
+    row_ops.warm_up()
+    cpu_attention.warm_up()
+    return time.perf_counter() - t0
 
 
 def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | None = None,
@@ -80,11 +94,12 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
     if on_bytes is not None:
         on_bytes(total, total)  # tensors the architecture does not use count as done
     types = {w.qtype for w in held.handles() if isinstance(w, QuantizedMatrix)}
-    if types:
-        if on_compile is not None:
-            on_compile(None)
-        seconds = warm_up(types)
-        if on_compile is not None:
-            on_compile(seconds)
-    hold_blas_to_one_thread()  # the products split themselves over the cores
+    if on_compile is not None:
+        on_compile(None)
+    seconds = compile_kernels(types)
+    if on_compile is not None:
+        on_compile(seconds)
+    # the products split themselves over the cores; after the compiles, as numba may load
+    # SciPy's BLAS too
+    hold_blas_to_one_thread()
     return Transformer(model.config, held, NumpyOps())

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cpu_attention import DecodeRows
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, by_output_features, by_rows
@@ -33,19 +34,6 @@ if TYPE_CHECKING:
     from eagerlm.kernels.model import Transformer
     from eagerlm.vmm.device import DeviceBuffer, HostBuffer, Stream
     from eagerlm.vmm.kv_region import KVRegion
-
-_GELU_C = np.float32(np.sqrt(2.0 / np.pi))
-
-
-def _gated(gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
-    """act(gate) * up: SiLU (SwiGLU) or GELU with the tanh approximation (GeGLU)."""
-    if act is Activation.SWIGLU:
-        with np.errstate(over="ignore"):  # exp(-gate) = inf gives the right limit, 0
-            return gate / (np.float32(1.0) + np.exp(-gate)) * up
-    g3 = gate * gate * gate
-    return np.float32(0.5) * gate * (
-        np.float32(1.0) + np.tanh(_GELU_C * (gate + np.float32(0.044715) * g3))) * up
-
 
 def _attend(s: SeqSlice, layer: int, q: np.ndarray, out: np.ndarray, scale: np.float32,
             window: int, a: int, b: int) -> None:
@@ -208,17 +196,24 @@ class NumpyOps:
         return x * np.float32(scale) if scale != 1.0 else x.copy()
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-        """x / sqrt(mean(x^2) + eps) * w over the last axis (also per head for QK-norm).
-        One thread: split over the cores, a 128-token prefill's norms took twice as long
-        (each thread's Python between numpy's loops waits for the GIL)."""
-        ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
-        return (x / np.sqrt(ms + np.float32(eps))) * w
+        """x / sqrt(mean(x^2) + eps) * w over the last axis (also per head for QK-norm),
+        compiled (kernels/cpu_row_ops.py). One thread: split over the cores, a 128-token
+        prefill's norms took twice as long (each thread's Python between numpy's loops
+        waited for the GIL)."""
+        x = np.ascontiguousarray(x, np.float32)
+        out = np.empty_like(x)
+        d = x.shape[-1]
+        row_ops.rms_norm(x.reshape(-1, d), w, eps, out.reshape(-1, d))
+        return out
 
     def add_rms_norm(self, residual: np.ndarray, x: np.ndarray, w: np.ndarray,
                      eps: float) -> tuple[np.ndarray, np.ndarray]:
         """residual + x, and its RMS norm: the fused step between two sub-layers."""
-        h = residual + x
-        return h, self.rms_norm(h, w, eps)
+        residual = np.ascontiguousarray(residual, np.float32)
+        x = np.ascontiguousarray(x, np.float32)
+        h, out = np.empty_like(x), np.empty_like(x)
+        row_ops.add_rms_norm(residual, x, w, eps, h, out)
+        return h, out
 
     def linear(self, x: np.ndarray, w: np.ndarray | QuantizedMatrix,
                bias: np.ndarray | None = None) -> np.ndarray:
@@ -228,10 +223,15 @@ class NumpyOps:
         return y + bias if bias is not None else y
 
     def gated_ffn_act(self, gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
-        out = np.empty(gate.shape, np.result_type(gate, up))
+        """act(gate) * up: SiLU (SwiGLU) or GELU with the tanh approximation (GeGLU),
+        compiled; a prompt's rows split over the cores."""
+        gate = np.ascontiguousarray(gate, np.float32)
+        up = np.ascontiguousarray(up, np.float32)
+        out = np.empty_like(gate)
+        silu = act is Activation.SWIGLU
 
         def part(a: int, b: int) -> None:
-            out[a:b] = _gated(gate[a:b], up[a:b], act)
+            row_ops.gated(gate[a:b], up[a:b], silu, out[a:b])
         by_rows(len(gate), part)
         return out
 
@@ -251,20 +251,14 @@ class NumpyOps:
         extrapolated, freq_scale * theta_e interpolated, and with YaRN (ext_factor != 0) a
         per-pair blend of the two along the ramp between the correction dims; cos and sin
         are scaled by mscale (see `RopeParams`). Angles in float64, cos and sin rounded to
-        float32, the rotation float32.
+        float32, the rotation float32 (compiled, kernels/cpu_row_ops.py): the pairs are
+        (i, i + dim / 2) in NEOX style, (2i, 2i + 1) in NORM style.
         """
-        dim = rope.dim
-        half = dim // 2
         cos, sin = self._rope_table(positions, rope, freq_factors)
-        out = x.copy()
-        if rope.style is RopeStyle.NEOX:
-            a, b = x[..., :half], x[..., half:dim]
-            out[..., :half] = a * cos - b * sin
-            out[..., half:dim] = a * sin + b * cos
-        else:
-            a, b = x[..., 0:dim:2], x[..., 1:dim:2]
-            out[..., 0:dim:2] = a * cos - b * sin
-            out[..., 1:dim:2] = a * sin + b * cos
+        x = np.ascontiguousarray(x, np.float32)
+        out = np.empty_like(x)
+        row_ops.rope(x, cos.reshape(len(x), -1), sin.reshape(len(x), -1), rope.dim,
+                     rope.style is RopeStyle.NEOX, out)
         return out
 
     def _rope_table(self, positions: np.ndarray, rope: RopeParams,

@@ -31,7 +31,6 @@ from eagerlm.kernels import cpu_quant_kernels as k
 from eagerlm.kernels.cpu_threads import (
     by_output_features,
     core_workers,
-    hold_blas_to_one_thread,
     numba_threads,
 )
 from eagerlm.loader.weights import dequantize_blocks
@@ -152,8 +151,7 @@ def _tiles(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: threading.lo
 
 def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> float:
     """Compile (or load from numba's disk cache) the kernels of `qtypes`, on tiny inputs;
-    returns the seconds it took. The first forward would otherwise pay it. Also sets
-    numpy's BLAS to one thread (kernels/cpu_threads.py)."""
+    returns the seconds it took. The first forward would otherwise pay it."""
     t0 = time.perf_counter()
     for qtype in sorted(set(qtypes) & FUSED.keys()):
         block, type_size = GGML_QUANT_SIZES[qtype]
@@ -161,5 +159,4 @@ def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> float:
         for rows in (1, 2):  # the one-row GEMV, `gemv_rows`
             quantized_linear(np.zeros((rows, block), np.float32), w)
         w.dequantize()  # `dequant`, the tiles
-    hold_blas_to_one_thread()  # after the compiles: numba may load SciPy's BLAS too
     return time.perf_counter() - t0

@@ -30,8 +30,8 @@ from eagerlm.vmm.device import Device, open_device
 @dataclass(frozen=True)
 class LoadProgress:
     """One step of loading: `stage` is "header", "weights", "compile" or "ready"; `done` of
-    `total` counts bytes of weights (0 of 0 for the other stages). "compile" (cpu, quantized
-    weights) comes twice: before the compiled kernels are built or read from their disk
+    `total` counts bytes of weights (0 of 0 for the other stages). "compile" (cpu) comes
+    twice: before the compiled kernels are built or read from their disk
     cache, with `seconds` None, and after, with the seconds it took."""
 
     stage: str

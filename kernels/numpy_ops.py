@@ -35,6 +35,19 @@ if TYPE_CHECKING:
     from eagerlm.vmm.device import DeviceBuffer, HostBuffer, Stream
     from eagerlm.vmm.kv_region import KVRegion
 
+_GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+
+
+def _gated(gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
+    """act(gate) * up: SiLU (SwiGLU) or GELU with the tanh approximation (GeGLU)."""
+    if act is Activation.SWIGLU:
+        with np.errstate(over="ignore"):  # exp(-gate) = inf gives the right limit, 0
+            return gate / (np.float32(1.0) + np.exp(-gate)) * up
+    g3 = gate * gate * gate
+    return np.float32(0.5) * gate * (
+        np.float32(1.0) + np.tanh(_GELU_C * (gate + np.float32(0.044715) * g3))) * up
+
+
 def _attend(s: SeqSlice, layer: int, q: np.ndarray, out: np.ndarray, scale: np.float32,
             window: int, a: int, b: int) -> None:
     """Query rows a .. b of session s (positions n_past + a ..) over the keys they see."""
@@ -223,15 +236,10 @@ class NumpyOps:
         return y + bias if bias is not None else y
 
     def gated_ffn_act(self, gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
-        """act(gate) * up: SiLU (SwiGLU) or GELU with the tanh approximation (GeGLU),
-        compiled; a prompt's rows split over the cores."""
-        gate = np.ascontiguousarray(gate, np.float32)
-        up = np.ascontiguousarray(up, np.float32)
-        out = np.empty_like(gate)
-        silu = act is Activation.SWIGLU
+        out = np.empty(gate.shape, np.result_type(gate, up))
 
         def part(a: int, b: int) -> None:
-            row_ops.gated(gate[a:b], up[a:b], silu, out[a:b])
+            out[a:b] = _gated(gate[a:b], up[a:b], act)
         by_rows(len(gate), part)
         return out
 

@@ -1,7 +1,8 @@
-"""The cpu backend's compiled row-wise ops (kernels/cpu_row_ops.py, through NumpyOps),
-each held to the same formula computed here in float64 numpy: RMS norm alone, per head
-and fused with the residual add, the rotary embedding in both pairings with a partial
-rotary dim, and both gated activations (SiLU's overflow included)."""
+"""The cpu backend's row-wise ops (RMS norm and rope compiled in kernels/cpu_row_ops.py;
+the gated activation numpy's), through NumpyOps, each held to the same formula computed
+here in float64 numpy: RMS norm alone, per head and fused with the residual add, the
+rotary embedding in both pairings with a partial rotary dim, and both gated activations
+(SiLU's overflow included)."""
 
 from __future__ import annotations
 

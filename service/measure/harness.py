@@ -187,10 +187,26 @@ def run_requests(engine: Dispatcher, requests: Sequence[PlannedRequest],
 
 def warm_up(engine: Dispatcher, vocab_size: int) -> None:
     """One short request, so first-call costs (allocations, page mapping) are not charged
-    to the measured run; then forget its traces."""
+    to the measured run; then forget its traces, once every round it caused has left one
+    (eager dispatch launches rounds past a request's end; their traces, recorded after the
+    clear, were counted as the measured run's)."""
     req = PlannedRequest(0, [i % vocab_size for i in range(1, 9)], 4, 0.0)
     run_requests(engine, [req], stall_timeout_s=300.0)
+    engine.flush()  # the control thread has taken the request's stop: no round follows
+    wait_rounds_consumed(engine)
     engine.traces.clear()
+
+
+def wait_rounds_consumed(engine: Dispatcher, timeout_s: float = 2.0) -> None:
+    """Wait until the service thread has recorded the trace of every round launched so
+    far: a request's final tokens reach its sink just before its round's trace is."""
+    deadline = time.perf_counter() + timeout_s
+    traces = engine.traces
+    while time.perf_counter() < deadline:
+        last = engine.control.round_id - 1
+        if last < 0 or (traces and traces[-1].round_id >= last):
+            return
+        time.sleep(0.001)
 
 
 def rate_label(rate: float) -> str:

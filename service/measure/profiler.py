@@ -58,6 +58,7 @@ from eagerlm.service.measure.harness import (
     rate_label,
     run_requests,
     start_engine,
+    wait_rounds_consumed,
     warm_up,
 )
 from eagerlm.service.measure.request_metrics import LatencySummary, summarize
@@ -113,22 +114,11 @@ class RoundCollector:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self._wait_consumed()
+        wait_rounds_consumed(self.engine)
         t0 = time.thread_time()
         self._collect()  # what arrived since the thread's last pass
         self.cpu_s += time.thread_time() - t0
         self.spans.sort(key=lambda s: s.round_id)
-
-    def _wait_consumed(self, timeout_s: float = 2.0) -> None:
-        """Let the service thread hand over the last launched rounds: a request's final
-        tokens reach its sink just before its round's trace is recorded."""
-        deadline = time.perf_counter() + timeout_s
-        traces = self.engine.traces
-        while time.perf_counter() < deadline:
-            last = self.engine.control.round_id - 1
-            if last < 0 or (traces and traces[-1].round_id >= last):
-                return
-            time.sleep(0.001)
 
     def _run(self) -> None:
         t0 = time.thread_time()

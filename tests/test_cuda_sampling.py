@@ -53,9 +53,10 @@ SAMPLERS = [
 ]
 
 
-@pytest.mark.parametrize("vocab", [1000, 151936])
-def test_sampling_matches_the_reference(ops, vocab) -> None:
-    n = 96
+@pytest.mark.parametrize(("vocab", "n"), [(1000, 96), (151936, 30)])
+def test_sampling_matches_the_reference(ops, vocab, n) -> None:
+    """Every sampler on many rows of a small vocabulary, and five rows each of a real one
+    (Qwen's; the emulated GPU takes ~0.5 s per row of it)."""
     logits = _logits(n, vocab)
     params = [SAMPLERS[i % len(SAMPLERS)] for i in range(n)]
     positions = [int(p) for p in rng.integers(0, 1 << 40, n)]

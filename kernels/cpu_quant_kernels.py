@@ -34,27 +34,11 @@ path's 3.9 ms on 16384 x 2048).
 
 from __future__ import annotations
 
-import os
-import tempfile
-
-import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-# numba caches compiled code in __pycache__ beside this file, or in the user's cache
-# directory where that is not writable; where neither is (a read-only install with no
-# home), a temporary directory keeps the cache for this machine's later runs.
-if "NUMBA_CACHE_DIR" not in os.environ and not os.access(os.path.dirname(__file__), os.W_OK):
-    numba.config.CACHE_DIR = os.path.join(tempfile.gettempdir(), "eagerlm-numba-cache")
-
-# numba's OpenMP workers spin after each parallel loop by default, and on a machine with
-# few cores they then starve other threads (BLAS's, the engine's own; a 6-token prefill of
-# the demo model once took 13 s instead of 0.25 s on 2 cores); passive workers sleep
-# instead. Read when numba first starts its thread pool, so set here, before any kernel
-# runs; a user's own setting (or GOMP_SPINCOUNT) wins.
-if "GOMP_SPINCOUNT" not in os.environ:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from eagerlm.kernels import numba_settings  # noqa: F401  (before the first @njit)
 
 _JIT = {"cache": True, "nogil": True, "fastmath": True}
 

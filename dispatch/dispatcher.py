@@ -1,8 +1,10 @@
 """The dispatcher: the user layer's entry to the service and control threads.
 
 `submit` is thread-safe and never blocks on the engine (it validates, then posts a message),
-so async code can call it from the event loop. Outputs arrive through the request's sink,
-called on the service thread.
+so async code can call it from the event loop, once it has compiled the request's
+constraint, if any, on a worker thread (`grammars.matchers`: up to
+`GrammarLimits.compile_seconds`). Outputs arrive through the request's sink, called on the
+service thread.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TypeVar
 
 from eagerlm.dispatch.control_thread import ControlConfig, ControlThread
 from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
-from eagerlm.dispatch.grammar import GrammarCompiler
+from eagerlm.dispatch.grammar import GrammarCompiler, GrammarLimits, GrammarMatcher
 from eagerlm.dispatch.kv_capacity import KVCapacity, plan_capacity
 from eagerlm.dispatch.mask_board import MaskBoard
 from eagerlm.dispatch.messages import (
@@ -56,6 +58,8 @@ class DispatcherConfig:
     # context length in tokens; None: the model's (see ModelConfig.context_for), or less
     # where the pool holds less; a requested one the pool cannot hold is refused
     max_context: int | None = None
+    # what one request's schema or grammar may cost (dispatch/grammar.py)
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
 
 class Dispatcher:
@@ -83,9 +87,10 @@ class Dispatcher:
         to_service: queue.Queue = queue.Queue()
         # per-round instrumentation for the profiler, newest last
         self.traces: collections.deque[RoundTrace] = collections.deque(maxlen=100_000)
-        # constraints: compiled at submission, their masks passed from the service thread
+        # constraints: compiled before submission, their masks passed from the service thread
         # to the sampler through the board (dispatch/mask_board.py)
-        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size,
+                                        self.config.grammar_limits)
         self.masks = MaskBoard()
         self.service = ServiceThread(tokenizer, self.context_length, to_service, to_control,
                                      self.lookahead, on_round=self._on_round,
@@ -99,10 +104,12 @@ class Dispatcher:
         self.control.start()
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
-               sink: OutputSink) -> int:
+               sink: OutputSink, grammar: GrammarMatcher | None = None) -> int:
         """Queue a request; returns its id. Raises for a request that can never run
         (an invalid constraint: `InvalidConstraint`, naming the field, with llguidance's
-        message; its compilation runs here, on the caller's thread)."""
+        message). `grammar`: the matcher of `params.constraint`, compiled beforehand
+        (`grammars.matcher`, fresh, one per request); without it the constraint is
+        compiled here, the caller waiting (at most `GrammarLimits.compile_seconds`)."""
         if self._closed:
             raise EngineClosed("the engine is shut down")
         if not prompt_ids:
@@ -111,8 +118,13 @@ class Dispatcher:
             raise PromptTooLong(len(prompt_ids), self.context_length)
         TokenOutOfVocabulary.check(prompt_ids, self.tokenizer.vocab_size, params,
                                    self.control.transformer.config.vocab_size)
-        grammar = (self.grammars.matcher(params.constraint) if params.constraint is not None
-                   else None)
+        if params.constraint is None:
+            grammar = None
+        elif grammar is None:
+            grammar = self.grammars.matcher(params.constraint)
+        elif grammar.constraint != params.constraint or grammar.tokens:
+            raise ValueError("the grammar given is not a fresh matcher of the request's "
+                             "constraint")
         rid = next(self._ids)
         self.service.inbox.put(Submit(rid, list(prompt_ids), params.resolve_seed(), sink,
                                       grammar))

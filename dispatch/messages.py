@@ -41,6 +41,9 @@ class Output:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # the request field at fault when the error is the request's own (a constraint that
+    # failed while generating: dispatch/grammar.py's ConstraintFailed), None for the engine's
+    error_param: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV was reused, not prefilled
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
@@ -57,7 +60,7 @@ class Submit:
     prompt_ids: list[int]
     params: SamplingParams  # seed already resolved
     sink: OutputSink
-    grammar: GrammarMatcher | None = None  # compiled at submission for a constraint
+    grammar: GrammarMatcher | None = None  # compiled before submission for a constraint
 
 
 @dataclass

@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from eagerlm.dispatch.grammar import ConstraintFailed
 from eagerlm.dispatch.mask_board import MaskBoard
 from eagerlm.dispatch.messages import (
     AddSession,
@@ -155,7 +156,12 @@ class ServiceThread:
         self._requests[msg.request_id] = req
         if req.judge.constrained:  # its first mask, before any round can sample for it
             self.masks.open(msg.request_id)
-            self.masks.post(msg.request_id, 0, req.judge.next_mask())
+            try:  # (computed when the constraint was compiled: this does not fail)
+                self.masks.post(msg.request_id, 0, req.judge.next_mask())
+            except ConstraintFailed as exc:
+                self._finish(req, FinishReason.ERROR, "", error=str(exc),
+                             error_param=exc.param, tell_control=False)
+                return
         self.to_control.put(AddSession(msg.request_id, msg.prompt_ids, msg.params, max_new))
 
     def _round(self, rd: RoundDone) -> None:
@@ -187,13 +193,18 @@ class ServiceThread:
     def _accept(self, req: _Request, token: int, lp: TokenLogprob | None) -> None:
         self.stats.tokens_accepted += 1
         text, finish = req.judge.accept(token)
+        error, error_param = req.judge.error, req.judge.error_param
+        if finish is None and req.judge.constrained and len(req.generated) < req.judge.max_new:
+            try:
+                self.masks.post(req.request_id, len(req.generated), req.judge.next_mask())
+            except ConstraintFailed as exc:  # a step beyond the grammar's limits: this
+                finish, error, error_param = FinishReason.ERROR, str(exc), exc.param
+                # request ends here, the rounds waiting for its mask take none
         logprobs = None if lp is None else [lp]
         if finish is not None:
-            self._finish(req, finish, text, [token], logprobs=logprobs,
-                         error=req.judge.error)
+            self._finish(req, finish, text, [token], logprobs=logprobs, error=error,
+                         error_param=error_param)
         else:
-            if req.judge.constrained and len(req.generated) < req.judge.max_new:
-                self.masks.post(req.request_id, len(req.generated), req.judge.next_mask())
             self._deliver(req, Output(req.request_id, text, [token],
                                       prompt_tokens=len(req.prompt_ids),
                                       cached_tokens=req.cached_tokens, logprobs=logprobs))
@@ -201,7 +212,8 @@ class ServiceThread:
     def _finish(self, req: _Request, reason: FinishReason, text: str,
                 token_ids: list[int] | None = None, error: str | None = None,
                 tell_control: bool = True,
-                logprobs: list[TokenLogprob] | None = None) -> None:
+                logprobs: list[TokenLogprob] | None = None,
+                error_param: str | None = None) -> None:
         req.done = True
         self.masks.close(req.request_id)  # a round in flight samples it without a mask
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
@@ -211,7 +223,7 @@ class ServiceThread:
                                             req.prompt_ids + req.generated[:-1]))
         del self._requests[req.request_id]
         self._deliver(req, Output(req.request_id, text, token_ids or [], reason, error,
-                                  prompt_tokens=len(req.prompt_ids),
+                                  error_param, prompt_tokens=len(req.prompt_ids),
                                   cached_tokens=req.cached_tokens, logprobs=logprobs))
 
     def _deliver(self, req: _Request, out: Output) -> None:

@@ -28,6 +28,7 @@ class TokenJudge:
         self.max_new = max_new
         self.grammar = grammar
         self.error: str | None = None  # why it finished with `error`
+        self.error_param: str | None = None  # the request field at fault, if it was
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.stops = StopMatcher(params.stop)
         # stop strings match in the answer only, after a reasoning block (dispatch/reasoning.py)
@@ -56,8 +57,12 @@ class TokenJudge:
         if token in self.end_ids:  # the end token itself is never shown
             return self._release_all(), FinishReason.STOP
         if self.grammar is not None and not self.grammar.accept(token):
-            # the mask allowed it, so this is a bug, not the user's mistake
-            self.error = f"token {token} breaks the request's grammar: {self.grammar.error}"
+            if self.grammar.over_limits:  # the constraint's doing (dispatch/grammar.py)
+                failure = self.grammar.failure()
+                self.error, self.error_param = str(failure), failure.param
+            else:  # the mask allowed it, so this is a bug, not the user's mistake
+                self.error = (f"token {token} breaks the request's grammar: "
+                              f"{self.grammar.error}")
             return "", FinishReason.ERROR
         text = self._release(self.detok.push(token))
         if self.stops.stopped:
@@ -75,7 +80,8 @@ class TokenJudge:
 
     def next_mask(self) -> np.ndarray:
         """The allowed-token mask of the next token (a constrained request); with
-        ignore_eos, end tokens are not allowed unless nothing else is."""
+        ignore_eos, end tokens are not allowed unless nothing else is. Raises
+        `ConstraintFailed` for a grammar whose step went beyond the parser limits."""
         assert self.grammar is not None
         mask = self.grammar.mask()
         if self._banned:

@@ -41,9 +41,10 @@ import numpy as np
 
 from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from eagerlm.dispatch.grammar import GrammarMatcher
 from eagerlm.dispatch.messages import FinishReason, Output
 from eagerlm.dispatch.scheduler import SchedulerConfig
-from eagerlm.errors import EngineFailure, InvalidParameters
+from eagerlm.errors import EagerLMError, EngineFailure, InvalidParameters
 from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
 from eagerlm.loader.config import RopeOverride
 from eagerlm.loader.model_file import ModelFile
@@ -190,7 +191,9 @@ class RequestResult:
     """Turns one request's outputs into chunks and, once finished, a `Completion`.
 
     Shared by the async streams and the sync iterators so both report the same thing;
-    raises `GenerationError` for a request that ended in an engine error.
+    raises `GenerationError` for a request that ended in an engine error, and
+    `InvalidParameters` naming the field for one that failed by its own fault (a schema
+    or grammar beyond its limits while generating: dispatch/grammar.py).
     """
 
     def __init__(self, engine: Engine, prompt: Prompt,
@@ -210,6 +213,9 @@ class RequestResult:
         self.cached_tokens = out.cached_tokens
         if out.finish_reason is FinishReason.ERROR:
             self.finish = out.finish_reason
+            if out.error_param is not None:  # the request's own (a constraint that failed)
+                raise InvalidParameters(out.error or "the request failed",
+                                        param=out.error_param)
             raise GenerationError(out.error or "the engine failed")
         logprobs = None
         if self.wants_logprobs:
@@ -292,21 +298,22 @@ class MultiStream:
         self._started = True
         engine = self._engine
         try:
-            def prepare() -> list[Prompt]:
-                if any(params.constraint is not None for _, params in self._requests):
-                    # the llguidance tokenizer is built once, on first use (about a
-                    # second for a large vocabulary): here, not on the event loop
-                    engine.dispatcher.grammars.ll_tokenizer()
-                return [engine.prepare(p) for p, _ in self._requests]
+            def prepare() -> tuple[list[Prompt], list[GrammarMatcher | None]]:
+                prompts = [engine.prepare(p) for p, _ in self._requests]
+                # constraints compiled here, not on the event loop (the llguidance
+                # tokenizer on first use, about a second for a large vocabulary; then
+                # each schema or grammar, bounded by dispatch/grammar.py's GrammarLimits)
+                return prompts, engine.dispatcher.grammars.matchers(
+                    [params.constraint for _, params in self._requests])
 
-            prompts = await anyio.to_thread.run_sync(prepare)
+            prompts, grammars = await anyio.to_thread.run_sync(prepare)
             waker = LoopWaker()
             inbox = self._inbox  # the sink must not keep the stream alive (see __del__)
             for i, (prompt, (_, params)) in enumerate(zip(prompts, self._requests)):
                 def sink(out: Output, i: int = i) -> None:
                     waker.call_soon(inbox.put, i, out)
                 self._results[i] = RequestResult(engine, prompt, params)
-                self._ids[i] = engine.submit(prompt.ids, params, sink)
+                self._ids[i] = engine.submit(prompt.ids, params, sink, grammars[i])
         except BaseException:
             self.close()
             raise
@@ -356,7 +363,7 @@ class MultiStream:
         assert result is not None
         try:
             return index, result.add(out)
-        except GenerationError:
+        except EagerLMError:  # the others end with it
             self.close()
             raise
 
@@ -507,9 +514,10 @@ class Engine:
         return Prompt(tuple(self.turns.encode(text)), chat_text=text)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
-               sink: Callable[[Output], None]) -> int:
+               sink: Callable[[Output], None], grammar: GrammarMatcher | None = None) -> int:
         """Submit to the dispatcher with metrics; `sink` runs on the service thread and
-        must not block. Raises what `Dispatcher.submit` raises for a bad request."""
+        must not block; `grammar` the constraint compiled beforehand (`Dispatcher.submit`).
+        Raises what `Dispatcher.submit` raises for a bad request."""
         timer = self.metrics.start(len(prompt_ids))
 
         def observed(out: Output) -> None:
@@ -520,7 +528,7 @@ class Engine:
                 log.exception("output sink failed")
 
         try:
-            return self.dispatcher.submit(prompt_ids, params, observed)
+            return self.dispatcher.submit(prompt_ids, params, observed, grammar)
         except BaseException:
             self.metrics.not_submitted(len(prompt_ids))
             raise

@@ -42,9 +42,12 @@ Structured output (constrained decoding, dispatch/grammar.py): `response_format`
 `{"type": "json_schema", "json_schema": {"name", "schema"?, "strict"?, "description"?}}`;
 llama.cpp's `json_schema` (a schema object) and `grammar` (GBNF text) are accepted on both
 routes. At most one constraint per request (a forced tool call counts as one). An invalid
-schema or grammar is a 400 naming the field, with llguidance's message, when the request
-is submitted. A reply cut by max_tokens ends with `length` and need not parse; a grammar
-that completes ends the reply with `stop`.
+schema or grammar, or one beyond the grammar limits (dispatch/grammar.py's `GrammarLimits`:
+size, shape, compile time), is a 400 naming the field, with llguidance's message, when the
+request is submitted; one whose token step outgrows the limits while generating ends the
+request with a 400 naming the field too (streamed: an error event, then [DONE]). A reply
+cut by max_tokens ends with `length` and need not parse; a grammar that completes ends the
+reply with `stop`.
 
 `logit_bias` (both routes) is OpenAI's: a JSON object whose keys are token ids as decimal
 strings and whose values are numbers in [-100, 100], e.g. `{"50256": -100}`; `{}` or null

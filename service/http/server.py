@@ -33,7 +33,8 @@ What a client can count on:
   model whose template cannot show them are a 400;
 - structured output: `response_format` json_object / json_schema (chat), llama.cpp's
   `json_schema` and `grammar` (GBNF) on both routes, by constrained decoding
-  (dispatch/grammar.py); an invalid schema or grammar is a 400 naming the field;
+  (dispatch/grammar.py); an invalid schema or grammar, or one beyond its limits (at
+  submission or while generating), is a 400 naming the field;
 - a client that goes away, mid-stream or while queued, cancels its requests, so their KV
   pages go back to the pool;
 - at most `max_concurrency` requests generate at once, `max_queue` more wait
@@ -74,7 +75,7 @@ from eagerlm.dispatch.reasoning import (
 )
 from eagerlm.errors import EagerLMError, EngineClosed, EngineFailure
 from eagerlm.kernels.sampling import SamplingParams
-from eagerlm.service.api.engine import Engine, GenerationError, MultiStream
+from eagerlm.service.api.engine import Engine, MultiStream
 from eagerlm.service.api.metrics import PrometheusText
 from eagerlm.service.api.tool_calls import Reply, ToolCallParser
 from eagerlm.service.api.vllm_metrics import VllmGauges, write_vllm_metrics
@@ -699,8 +700,8 @@ async def _chat_events(streams: MultiStream, ids: ResponseIds, n: int,
             yield _event(chat_chunk_body(ids, index, {},
                                          chat_finish_reason(rest, chunk.finish_reason),
                                          include_usage))
-    except GenerationError as e:
-        yield _error_event(OpenAIError(500, f"Generation failed: {e}"))
+    except EagerLMError as e:  # the engine's failure (a 500), or the request's own (a 400)
+        yield _error_event(_as_openai_error(e))
         yield _DONE
         return
     if include_usage:
@@ -722,8 +723,8 @@ async def _completion_events(streams: MultiStream, ids: ResponseIds, n_prompts: 
                     offsets[index] += text_length(chunk.logprobs)
                 yield _event(completion_chunk_body(ids, index, chunk.text, reason,
                                                    include_usage, logprobs))
-    except GenerationError as e:
-        yield _error_event(OpenAIError(500, f"Generation failed: {e}"))
+    except EagerLMError as e:  # the engine's failure (a 500), or the request's own (a 400)
+        yield _error_event(_as_openai_error(e))
         yield _DONE
         return
     if include_usage:

@@ -176,10 +176,18 @@ class _VocabularyView:
             tokenizer.end_ids, default=0)
         self.bos_token_id = tokenizer.bos_id
         n = min(vocab, tokenizer.vocab_size)
-        self.special_token_ids = [i for i in range(n) if tokenizer.is_special(i)]
-        special = set(self.special_token_ids)
-        self.tokens = [_SPECIAL_MARK + tokenizer.piece(i) if i in special
-                       else tokenizer.piece(i) for i in range(n)]
+        # As llama.cpp's binding: a token is its text as rendered without special tokens;
+        # only one that renders as nothing that way (control, unknown) is marked special.
+        # User-defined tokens are text (Gemma 3's "\n" and "\n\n" are user-defined: marked
+        # special, a grammar that forces a newline allowed them and then refused them).
+        self.special_token_ids: list[int] = []
+        self.tokens: list[bytes] = []
+        for i in range(n):
+            text = tokenizer.piece(i, special=False)
+            if not text and (shown := tokenizer.piece(i)):
+                self.special_token_ids.append(i)
+                text = _SPECIAL_MARK + shown
+            self.tokens.append(text)
         self.tokens += [b""] * (vocab - n)
 
     def __call__(self, text: str | bytes) -> list[int]:

@@ -70,3 +70,28 @@ def test_fifty_random_schemas_validate_greedy_and_sampled():
         except (AssertionError, ValueError, jsonschema.ValidationError) as e:
             failures.append(f"schema {key[0]} at temperature {key[1]}: {text!r}: {e}")
     assert not failures, "\n".join(failures)
+
+
+def test_a_grammar_that_forces_newlines_generates_them():
+    """Gemma 3's "\\n" and "\\n\\n" are user-defined tokens: text, as llama.cpp gives them to
+    llguidance. Marked special, the mask allowed them where a newline was forced and the
+    matcher then refused them, so a forced newline (a regex, or the hermes tool-call
+    markers "<tool_call>\\n") ended the request with an error."""
+    from eagerlm.kernels.cpu_backend import cpu_transformer
+    from eagerlm.loader.model_file import ModelFile
+
+    model = ModelFile.open(demo_model_path())
+    tok = model.tokenizer
+    assert tok.encode("\n\n", add_special=False) == [108]  # one user-defined token
+    col = Collector()
+    with Dispatcher(open_device("cpu"), cpu_transformer(model), tok, DispatcherConfig(
+            kv_budget_bytes=64 << 20)) as d:
+        for key, pattern in enumerate([r"ab\ncd", r"x\n\n(y|z)"]):
+            d.submit(tok.encode("Write it:"), SamplingParams(
+                temperature=0.0, max_tokens=8, constraint=Constraint.regex(pattern)),
+                col.sink_for(key))
+        col.wait(2, timeout=120)
+    (ids0, text0, finish0), (_, text1, finish1) = col.result(0), col.result(1)
+    assert (text0, finish0) == ("ab\ncd", FinishReason.STOP)
+    assert 107 in ids0  # the newline token itself, not bytes spelled another way
+    assert text1 in ("x\n\ny", "x\n\nz") and finish1 == FinishReason.STOP

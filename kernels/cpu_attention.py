@@ -31,12 +31,10 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from eagerlm.kernels import numba_settings  # noqa: F401  (before the first @njit)
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_threads import numba_threads
+from eagerlm.kernels.numba_settings import JIT as _JIT
 from eagerlm.vmm.kv_layout import TokenMajorKV
-
-_JIT = {"cache": True, "nogil": True, "fastmath": True}
 
 
 @intrinsic

@@ -38,9 +38,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from eagerlm.kernels import numba_settings  # noqa: F401  (before the first @njit)
-
-_JIT = {"cache": True, "nogil": True, "fastmath": True}
+from eagerlm.kernels.numba_settings import JIT as _JIT
 
 
 def _int32_op(name: str):

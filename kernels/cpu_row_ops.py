@@ -19,10 +19,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from eagerlm.kernels import numba_settings  # noqa: F401  (before the first @njit)
+from eagerlm.kernels.numba_settings import JIT
 
 # `fastmath` without the no-NaN / no-inf promises, so an overflow stays visible
-_JIT = {"cache": True, "nogil": True, "fastmath": {"reassoc", "contract", "nsz", "arcp"}}
+_JIT = {**JIT, "fastmath": {"reassoc", "contract", "nsz", "arcp"}}
 _ONE = np.float32(1.0)
 
 

@@ -1,8 +1,9 @@
-"""numba's process-wide settings for eagerlm's compiled cpu kernels.
+"""numba's settings for eagerlm's compiled cpu kernels: the process-wide ones, and the
+options every kernel is compiled with (`JIT`).
 
-Imported by every kernel module before its first `@njit`: numba picks a function's cache
-directory when the decorator runs, and reads the OpenMP wait policy when it first starts
-its thread pool.
+Every kernel module takes `JIT` from here, so this runs before its first `@njit`: numba
+picks a function's cache directory when the decorator runs, and reads the OpenMP wait
+policy when it first starts its thread pool.
 """
 
 from __future__ import annotations
@@ -24,3 +25,8 @@ if "NUMBA_CACHE_DIR" not in os.environ and not os.access(os.path.dirname(__file_
 # instead. A user's own setting (or GOMP_SPINCOUNT) wins.
 if "GOMP_SPINCOUNT" not in os.environ:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Cached on disk, the GIL released while a kernel runs, and `fastmath` so float32 sums may
+# be reassociated, i.e. vectorized (a different summation order than numpy's or BLAS's,
+# within float32 rounding of it).
+JIT = {"cache": True, "nogil": True, "fastmath": True}

@@ -81,13 +81,14 @@ def _float_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x @ w^T, its output features split over the cores (BLAS itself runs on one thread:
     kernels/cpu_threads.py says why)."""
     (n, in_features), out_features = x.shape, w.shape[0]
-    if n * out_features * in_features < SERIAL_MAX_VALUES:
-        return x @ w.T  # one thread: not worth a hand-off
+    n_values = n * out_features * in_features
+    if n_values < SERIAL_MAX_VALUES:
+        return x @ w.T  # one thread, without the output buffer the shares write into
     y = np.empty((n, out_features), np.result_type(x, w))
 
     def part(a: int, b: int) -> None:
         np.matmul(x, w[a:b].T, out=y[:, a:b])
-    by_output_features(n * out_features * in_features, out_features, part)
+    by_output_features(n_values, out_features, part)
     return y
 
 

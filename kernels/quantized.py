@@ -19,7 +19,6 @@ matrix: the file's bytes, `[rows, row_bytes]`, so it takes what the file takes. 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -149,14 +148,13 @@ def _tiles(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: threading.lo
         y[:, s:s + rows] = x @ part.T
 
 
-def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> float:
-    """Compile (or load from numba's disk cache) the kernels of `qtypes`, on tiny inputs;
-    returns the seconds it took. The first forward would otherwise pay it."""
-    t0 = time.perf_counter()
+def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> None:
+    """Compile (or load from numba's disk cache) the kernels of `qtypes`, on tiny inputs
+    (cpu_backend.compile_kernels times it with the others). The first forward would
+    otherwise pay it."""
     for qtype in sorted(set(qtypes) & FUSED.keys()):
         block, type_size = GGML_QUANT_SIZES[qtype]
         w = QuantizedMatrix(qtype, (1, block), np.zeros((1, type_size), np.uint8))
         for rows in (1, 2):  # the one-row GEMV, `gemv_rows`
             quantized_linear(np.zeros((rows, block), np.float32), w)
         w.dequantize()  # `dequant`, the tiles
-    return time.perf_counter() - t0

@@ -17,8 +17,9 @@ kv_dim floats. The table keeps the arrays it points into alive, and ForwardBatch
 already checked that every position a row touches is inside its session's capacity.
 
 The arithmetic is `_attend`'s: scores of q * scale against the visible keys (causal, and
-the sliding window where the layer has one), softmax after subtracting the row's maximum,
-then the weighted sum of the values; float32 sums in a different order than BLAS's
+the sliding window where the layer has one), softmax after subtracting the row's maximum
+(with the head's sink logit in it where the model has attention sinks), then the weighted
+sum of the values; float32 sums in a different order than BLAS's
 (`fastmath`), so results agree with the numpy path within float32 rounding.
 """
 
@@ -64,12 +65,13 @@ def _append(k: np.ndarray, v: np.ndarray, rows: np.ndarray, bases: np.ndarray,
 @njit(parallel=True, **_JIT)
 def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.ndarray,
                  positions: np.ndarray, layer_offset: int, token_stride: int, n_kv: int,
-                 scale: float, window: int) -> None:
+                 scale: float, window: int, sinks: np.ndarray, use_sinks: bool) -> None:
     """out[rows[i]] = attention of q[rows[i]] `[n_heads, head_dim]` (position
     positions[i]) over session i's cached keys, one (session, KV head) per work item: each
     key and value row is read once for the query heads that share it (GQA), and the dots
     run over contiguous rows (twice as fast as head-outer loops at head_dim 16, six times
-    at 64)."""
+    at 64). With `use_sinks`, head h's softmax also counts a logit sinks[h] with no value
+    (attention sinks), as ggml's soft_max does."""
     n_heads, hd = q.shape[1], q.shape[2]
     group = n_heads // n_kv
     kv_dim = n_kv * hd
@@ -95,8 +97,13 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
                     s += qs[j, d] * key[d]
                 scores[j, t] = s
         for j in range(group):
-            weights = np.exp(scores[j] - scores[j].max())
+            top = scores[j].max()
+            if use_sinks:
+                top = max(top, sinks[h * group + j])
+            weights = np.exp(scores[j] - top)
             total = weights.sum()
+            if use_sinks:
+                total += np.exp(sinks[h * group + j] - top)
             acc = np.zeros(hd, np.float32)
             for t in range(n_keys):
                 at = (lo + t) * token_stride + v_at
@@ -154,8 +161,9 @@ class DecodeRows:
                 self.positions, layer * 2 * self.kv_dim, self.token_stride)
 
     def attend(self, layer: int, q: np.ndarray, out: np.ndarray, scale: float,
-               window: int) -> None:
-        """out[row] = the row's attention over its cache, for every row of the table."""
+               window: int, sinks: np.ndarray | None = None) -> None:
+        """out[row] = the row's attention over its cache, for every row of the table
+        (with `sinks`, one logit per query head in every softmax)."""
         n_heads, hd = q.shape[1:]
         n_kv = self.kv_dim // hd
         keys = int(np.sum(np.minimum(self.positions + 1, window) if window
@@ -163,7 +171,11 @@ class DecodeRows:
         with numba_threads(keys * n_heads * hd * 2):
             _attend_rows(np.ascontiguousarray(q, np.float32), out, self.rows, self.bases,
                          self.positions, layer * 2 * self.kv_dim, self.token_stride, n_kv,
-                         scale, window)
+                         scale, window, _NO_SINKS if sinks is None else
+                         np.ascontiguousarray(sinks, np.float32), sinks is not None)
+
+
+_NO_SINKS = np.zeros(1, np.float32)
 
 
 def _addressable(kv: object) -> bool:

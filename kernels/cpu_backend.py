@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType
 from eagerlm.errors import InvalidParameters
 from eagerlm.kernels import cpu_attention
 from eagerlm.kernels import cpu_row_ops as row_ops
+from eagerlm.kernels.cpu_moe import ExpertMatrices
 from eagerlm.kernels.cpu_threads import hold_blas_to_one_thread
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.numpy_ops import NumpyOps
@@ -25,21 +26,38 @@ from eagerlm.loader.weights import build_weights, dequantize
 WeightsMode = Literal["quantized", "float"]
 WEIGHTS_MODES: tuple[WeightsMode, ...] = ("quantized", "float")
 
-CpuWeight = np.ndarray | QuantizedMatrix
+CpuWeight = np.ndarray | QuantizedMatrix | ExpertMatrices
 
 
 def keeps_blocks(info: TensorInfo, weights: WeightsMode) -> bool:
     """Whether the cpu backend holds this tensor as its blocks: every matrix not already
-    float32, in "quantized" mode; vectors (norms, biases) are float32 always."""
-    return (weights == "quantized" and len(info.shape) == 2
-            and info.qtype != GGMLQuantizationType.F32)
+    float32 (and every 3-D expert tensor), in "quantized" mode; vectors (norms, biases)
+    are float32 always."""
+    return (weights == "quantized" and len(info.shape) in (2, 3)
+            and info.qtype != GGMLQuantizationType.F32 and not info.name.endswith(".bias"))
+
+
+def maps_in_place(info: TensorInfo, weights: WeightsMode) -> bool:
+    """Whether the cpu backend reads this tensor in place from the file's map rather than
+    copying it: the experts of a mixture of experts kept as blocks. A token reads only the
+    experts its router picks, so most of a big MoE model's bytes are read rarely: mapped,
+    they cost the page cache what is read, and a file near the machine's memory loads."""
+    return len(info.shape) == 3 and keeps_blocks(info, weights)
 
 
 def held_bytes(model: ModelFile, weights: WeightsMode) -> int:
-    """Bytes the cpu backend holds for the file's weights: the blocks where it keeps them,
-    4 bytes per value where it dequantizes."""
-    return sum(info.n_bytes if keeps_blocks(info, weights) else 4 * info.n_elements
+    """Bytes the cpu backend holds for the file's weights as its own memory: the blocks
+    where it keeps a copy of them, 4 bytes per value where it dequantizes; the mapped
+    experts (`maps_in_place`) are the page cache's, not counted."""
+    return sum(0 if maps_in_place(info, weights) else
+               info.n_bytes if keeps_blocks(info, weights) else 4 * info.n_elements
                for info in model.gguf.tensors.values())
+
+
+def mapped_bytes(model: ModelFile, weights: WeightsMode) -> int:
+    """Bytes of the file the cpu backend reads in place (`maps_in_place`)."""
+    return sum(info.n_bytes for info in model.gguf.tensors.values()
+               if maps_in_place(info, weights))
 
 
 def compile_kernels(qtypes: set[GGMLQuantizationType]) -> float:
@@ -56,7 +74,7 @@ def compile_kernels(qtypes: set[GGMLQuantizationType]) -> float:
 def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | None = None,
                     *, weights: WeightsMode = "quantized",
                     on_compile: Callable[[float | None], None] | None = None,
-                    ) -> Transformer[np.ndarray]:
+                    context: int | None = None) -> Transformer[np.ndarray]:
     """The file's weights paired with numpy ops: with `weights="quantized"`, each matrix
     kept as the file's blocks (kernels/quantized.py's `QuantizedMatrix`), with "float" every
     weight dequantized to float32 (the reference path, four bytes per value).
@@ -78,11 +96,14 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
     def fetch(info: TensorInfo) -> CpuWeight:
         nonlocal done
         handle: CpuWeight
-        if keeps_blocks(info, weights):
-            handle = QuantizedMatrix.of(info.qtype, info.shape, f.tensor_bytes(info.name))
+        if maps_in_place(info, weights):
+            handle = ExpertMatrices.of(info.qtype, info.shape, f.mapped_bytes(info))
+        elif keeps_blocks(info, weights):
+            handle = QuantizedMatrix.of(info.qtype, info.shape, f.tensor_bytes(info))
         else:
             handle = dequantize(f, info)
-        f.drop_pages(info.name)  # a copy: the mapped pages would count twice in the RSS
+        if not maps_in_place(info, weights):
+            f.drop_pages(info)  # a copy: the mapped pages would count twice in the RSS
         done += info.n_bytes
         if on_bytes is not None:
             on_bytes(done, total)
@@ -93,7 +114,7 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
     held = build_weights(f, model.config, fetch)
     if on_bytes is not None:
         on_bytes(total, total)  # tensors the architecture does not use count as done
-    types = {w.qtype for w in held.handles() if isinstance(w, QuantizedMatrix)}
+    types = {w.qtype for w in held.handles() if isinstance(w, QuantizedMatrix | ExpertMatrices)}
     if on_compile is not None:
         on_compile(None)
     seconds = compile_kernels(types)
@@ -102,4 +123,4 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
     # the products split themselves over the cores; after the compiles, as numba may load
     # SciPy's BLAS too
     hold_blas_to_one_thread()
-    return Transformer(model.config, held, NumpyOps())
+    return Transformer(model.config, held, NumpyOps(), context=context)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eagerlm.errors import UnsupportedModel
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cuda_attention import CudaAttention
 from eagerlm.kernels.cuda_kernels import KernelLibrary
@@ -49,13 +50,14 @@ from eagerlm.kernels.device_tensor import (
     from_bf16_bits,
     to_bf16_bits,
 )
-from eagerlm.loader.config import Activation, RopeParams, RopeStyle
+from eagerlm.loader.config import Activation, MoEConfig, RopeParams, RopeStyle
 from eagerlm.vmm.cuda_driver import cu, driver
 from eagerlm.vmm.kv_layout import KVLayout
 
 if TYPE_CHECKING:
     from eagerlm.kernels.cuda_graphs import DecodeGraphs
     from eagerlm.kernels.model import Transformer
+    from eagerlm.loader.weights import MoEWeights
     from eagerlm.vmm.device import DeviceBuffer, Stream
     from eagerlm.vmm.kv_region import KVRegion
 
@@ -281,6 +283,10 @@ class CudaOps(CudaSampling):
                                   out.size)
         return out
 
+    def moe_ffn(self, x: DeviceTensor, w: MoEWeights[Any], moe: MoEConfig,
+                act: Activation) -> DeviceTensor:
+        raise UnsupportedModel("mixture-of-experts models are not yet supported on cuda")
+
     def softcap(self, x: DeviceTensor, cap: float) -> DeviceTensor:
         out = self.empty(x.shape, x.dtype)
         self.kernels[f"softcap_{x.dtype}"].launch(self._s, self._grid(x.size), 256, out.ptr,
@@ -333,8 +339,10 @@ class CudaOps(CudaSampling):
                                          meta.token_bytes)
 
     def attention(self, batch: ForwardBatch, layer: int, q: DeviceTensor, *, scale: float,
-                  window: int) -> DeviceTensor:
+                  window: int, sinks: DeviceTensor | None = None) -> DeviceTensor:
         check_tensor(q, "bf16", "queries")
+        if sinks is not None:  # gpt-oss: the kernels' sinks come with the cuda MoE work
+            raise UnsupportedModel("attention sinks are not yet supported on cuda")
         return self.attn.attend(batch, layer, q, scale=scale, window=window)
 
     # -- a round's KV and inputs (its sampling: CudaSampling) -----------------------------

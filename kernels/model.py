@@ -1,12 +1,15 @@
 """The transformer forward, written once for every architecture and every backend.
 
 Architectures differ only through `ModelConfig` fields and the optional weights they
-imply (biases, QK-norm, post-norms); backends differ only through the ops object. The
-code reads in data-flow order:
+imply (biases, QK-norm, post-norms, attention sinks, a mixture of experts in place of the
+dense FFN); backends differ only through the ops object. The code reads in data-flow order:
 
     x = embed(tokens) * embedding_scale
     per layer:  h = x + post_attn_norm(attn(norm(x)));  x = h + post_ffn_norm(ffn(norm(h)))
     logits = softcap(lm_head(norm(x)))
+
+where ffn is the gated FFN or, in a mixture-of-experts model, the router's top-k experts'
+gated FFNs weighted and summed (`Ops.moe_ffn`).
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from eagerlm.kernels.batch import ForwardBatch
-from eagerlm.loader.config import Activation, ModelConfig, RopeParams
-from eagerlm.loader.weights import LayerWeights, ModelWeights
+from eagerlm.loader.config import Activation, ModelConfig, MoEConfig, RopeParams
+from eagerlm.loader.weights import LayerWeights, ModelWeights, MoEWeights
 
 if TYPE_CHECKING:
     from eagerlm.kernels.backend import Backend
@@ -33,13 +36,14 @@ class Ops(Protocol[A]):
     def add_rms_norm(self, residual: A, x: A, w: A, eps: float) -> tuple[A, A]: ...
     def linear(self, x: A, w: A, bias: A | None = None) -> A: ...
     def gated_ffn_act(self, gate: A, up: A, act: Activation) -> A: ...
+    def moe_ffn(self, x: A, w: MoEWeights[A], moe: MoEConfig, act: Activation) -> A: ...
     def softcap(self, x: A, cap: float) -> A: ...
     def rows(self, x: A, rows: Any) -> A: ...
     def rope(self, x: A, positions: Any, rope: RopeParams,
              freq_factors: A | None = None) -> A: ...
     def kv_append(self, batch: ForwardBatch, layer: int, k: A, v: A) -> None: ...
     def attention(self, batch: ForwardBatch, layer: int, q: A, *, scale: float,
-                  window: int) -> A: ...
+                  window: int, sinks: A | None = None) -> A: ...
 
 
 class Transformer(Generic[A]):
@@ -47,11 +51,19 @@ class Transformer(Generic[A]):
     `Ops`; whoever runs the transformer (the dispatcher, perplexity) uses the rest of its
     `Backend`."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights[A], ops: Backend[A]) -> None:
+    def __init__(self, config: ModelConfig, weights: ModelWeights[A], ops: Backend[A], *,
+                 context: int | None = None) -> None:
+        """`context`: the longest session the model will run (None: the config's default),
+        which picks LongRoPE's short or long factors where the model has them."""
         self.config = config
         self.weights = weights
         self.ops = ops
         self._rope = [config.layer_rope(i) for i in range(config.n_layers)]  # per model
+        self._rope_factors = weights.rope_freq_factors
+        if config.long_rope_factors:
+            long = config.rope_long_for(config.context_for(context))
+            self._rope_factors = weights.rope_factors_long if long else \
+                weights.rope_factors_short
 
     def forward(self, batch: ForwardBatch) -> A:
         """Run the batch through the model, append its K/V to the sessions' caches, and
@@ -90,15 +102,18 @@ class Transformer(Generic[A]):
         if cfg.qk_norm:
             q = ops.rms_norm(q, lw.q_norm, cfg.norm_eps)
             k = ops.rms_norm(k, lw.k_norm, cfg.norm_eps)
-        rope, factors = self._rope[i], self.weights.rope_freq_factors
+        rope, factors = self._rope[i], self._rope_factors
         q = ops.rope(q, batch.positions, rope, factors)
         k = ops.rope(k, batch.positions, rope, factors)
         ops.kv_append(batch, i, k, v)
-        o = ops.attention(batch, i, q, scale=cfg.attention_scale, window=cfg.sliding_window[i])
-        return ops.linear(o, lw.wo)
+        o = ops.attention(batch, i, q, scale=cfg.attention_scale, window=cfg.sliding_window[i],
+                          sinks=lw.sinks)
+        return ops.linear(o, lw.wo, lw.bo)
 
     def _ffn(self, lw: LayerWeights[A], h: A) -> A:
         ops = self.ops
+        if lw.moe is not None:
+            return ops.moe_ffn(h, lw.moe, self.config.moe, self.config.activation)
         gate = ops.linear(h, lw.w_gate)
         up = ops.linear(h, lw.w_up)
         return ops.linear(ops.gated_ffn_act(gate, up, self.config.activation), lw.w_down)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from eagerlm.kernels import cpu_moe
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cpu_attention import DecodeRows
@@ -27,11 +28,19 @@ from eagerlm.kernels.sampling import (
     sample,
     token_logprob,
 )
-from eagerlm.loader.config import Activation, RopeParams, RopeStyle
+from eagerlm.loader.config import (
+    SWIGLU_OAI_ALPHA,
+    SWIGLU_OAI_LIMIT,
+    Activation,
+    MoEConfig,
+    RopeParams,
+    RopeStyle,
+)
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout, TokenMajorKV
 
 if TYPE_CHECKING:
     from eagerlm.kernels.model import Transformer
+    from eagerlm.loader.weights import MoEWeights
     from eagerlm.vmm.device import DeviceBuffer, HostBuffer, Stream
     from eagerlm.vmm.kv_region import KVRegion
 
@@ -39,18 +48,28 @@ _GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 
 
 def _gated(gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
-    """act(gate) * up: SiLU (SwiGLU) or GELU with the tanh approximation (GeGLU)."""
+    """act(gate) * up: SiLU (SwiGLU), GELU with the tanh approximation (GeGLU), or gpt-oss's
+    clamped SwiGLU (gate clamped above, up on both sides, gate * sigmoid(alpha gate) *
+    (up + 1), as ggml's swiglu_oai)."""
     if act is Activation.SWIGLU:
         with np.errstate(over="ignore"):  # exp(-gate) = inf gives the right limit, 0
             return gate / (np.float32(1.0) + np.exp(-gate)) * up
+    if act is Activation.SWIGLU_OAI:
+        limit = np.float32(SWIGLU_OAI_LIMIT)
+        g = np.minimum(gate, limit)
+        u = np.clip(up, -limit, limit)
+        with np.errstate(over="ignore"):
+            return g / (np.float32(1.0) + np.exp(np.float32(-SWIGLU_OAI_ALPHA) * g)) * (
+                u + np.float32(1.0))
     g3 = gate * gate * gate
     return np.float32(0.5) * gate * (
         np.float32(1.0) + np.tanh(_GELU_C * (gate + np.float32(0.044715) * g3))) * up
 
 
 def _attend(s: SeqSlice, layer: int, q: np.ndarray, out: np.ndarray, scale: np.float32,
-            window: int, a: int, b: int) -> None:
-    """Query rows a .. b of session s (positions n_past + a ..) over the keys they see."""
+            window: int, sinks: np.ndarray | None, a: int, b: int) -> None:
+    """Query rows a .. b of session s (positions n_past + a ..) over the keys they see;
+    `sinks` (one logit per query head) join each head's softmax without a value."""
     n_heads, hd = q.shape[1:]
     first, last = s.n_past + a, s.n_past + b  # query positions first .. last - 1
     lo = max(0, first - window + 1) if window else 0
@@ -69,9 +88,15 @@ def _attend(s: SeqSlice, layer: int, q: np.ndarray, out: np.ndarray, scale: np.f
         visible &= (qpos - kpos) < window
     scores = scores.reshape(n_kv, g, n, -1)
     scores = np.where(visible[None, None], scores, np.float32(-np.inf))
-    scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.reshape(n_kv, g, 1, 1).astype(np.float32)
+        top = np.maximum(top, sink)
+    p = np.exp(scores - top)
+    total = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total += np.exp(sink - top)
+    p /= total
     o = p.reshape(n_kv, g * n, -1) @ vals.transpose(1, 0, 2)  # [kv, g*n, hd]
     out[s.start + a:s.start + b] = o.reshape(n_kv, g, n, hd).transpose(2, 0, 1, 3).reshape(
         n, n_heads, hd)
@@ -244,6 +269,13 @@ class NumpyOps:
         by_rows(len(gate), part)
         return out
 
+    def moe_ffn(self, x: np.ndarray, w: MoEWeights, moe: MoEConfig,
+                act: Activation) -> np.ndarray:
+        """The mixture-of-experts FFN of rows x: router, top-k, the chosen experts'
+        products grouped by expert (kernels/cpu_moe.py)."""
+        return cpu_moe.moe_ffn(self.linear, partial(self.gated_ffn_act, act=act),
+                               np.ascontiguousarray(x, np.float32), w, moe)
+
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
         return np.tanh(x / np.float32(cap)) * np.float32(cap)
 
@@ -313,19 +345,21 @@ class NumpyOps:
                 s.kv.v(layer)[s.n_past:s.n_total] = v[s.start:s.end]
 
     def attention(self, batch: ForwardBatch, layer: int, q: np.ndarray, *, scale: float,
-                  window: int) -> np.ndarray:
+                  window: int, sinks: np.ndarray | None = None) -> np.ndarray:
         """Causal GQA attention of q `[T, heads, head_dim]` over each session's cache.
 
         A key at position j is visible from position p when j <= p and, with a sliding
-        window, p - j < window. Returns `[T, heads * head_dim]`.
+        window, p - j < window. With `sinks` (float32 [heads], gpt-oss's attention sinks)
+        each head's softmax also counts that logit, which has no value: the weights of the
+        keys sum to less than one. Returns `[T, heads * head_dim]`.
         """
         n_tok, n_heads, hd = q.shape
         out = np.empty((n_tok, n_heads, hd), dtype=np.float32)
         decode = DecodeRows.of(batch)
         if decode is not None:  # every one-row session, in one compiled call
-            decode.attend(layer, q, out, scale, window)
+            decode.attend(layer, q, out, scale, window, sinks)
         for s in batch.seqs:  # a prompt's query rows split over the cores (by_rows)
             if decode is None or s.start not in decode.starts:
                 by_rows(s.n_new, partial(_attend, s, layer, q, out, np.float32(scale),
-                                         window), causal=True)
+                                         window, sinks), causal=True)
         return out.reshape(n_tok, n_heads * hd)

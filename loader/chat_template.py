@@ -222,13 +222,42 @@ _LLAMA2 = """\
 {%- endfor -%}
 """
 
+# Phi-3 / Phi-4-mini (llama.cpp's built-in "phi3"): each turn `<|role|>\n...<|end|>\n`.
+_PHI3 = """\
+{%- for message in messages -%}
+    {{- '<|' ~ message.role ~ '|>\n' ~ message.content ~ '<|end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|assistant|>\n' -}}
+{%- endif -%}
+"""
+
+# gpt-oss without its own template (llama.cpp's built-in "gpt-oss", the bare harmony
+# format): `<|start|>role<|message|>...<|end|>`, an assistant turn ended by <|return|>.
+# Real files carry OpenAI's template (channels, tools, reasoning effort), which wins.
+_HARMONY = """\
+{%- for message in messages -%}
+    {{- '<|start|>' ~ message.role ~ '<|message|>' ~ message.content -}}
+    {{- '<|return|>' if message.role == 'assistant' else '<|end|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|start|>assistant' -}}
+{%- endif -%}
+"""
+
 _BUILTINS: dict[str, str] = {
     "gemma3": _GEMMA3,
     "qwen2": _CHATML,
     "qwen3": _QWEN3,
+    "qwen3moe": _QWEN3,
     "llama3": _LLAMA3,
     "llama2": _LLAMA2,
+    "phi3": _PHI3,
+    "gpt-oss": _HARMONY,
 }
+
+
+_BUILTIN_ARCHITECTURES = {"llama", *(n for n in _BUILTINS if not n.startswith("llama"))}
 
 
 def _validate_messages(messages: Any) -> list[dict[str, Any]]:
@@ -318,8 +347,8 @@ class ChatTemplate:
         if name not in _BUILTINS:
             raise ChatTemplateError(
                 f"the model file has no {CHAT_TEMPLATE_KEY} and there is no built-in chat "
-                f"template for architecture {architecture!r} (built-ins: gemma3, qwen2, "
-                f"qwen3, llama)", field=CHAT_TEMPLATE_KEY)
+                f"template for architecture {architecture!r} (built-ins: "
+                f"{', '.join(sorted(_BUILTIN_ARCHITECTURES))})", field=CHAT_TEMPLATE_KEY)
         return cls(_BUILTINS[name], origin=f"builtin:{name}")
 
     @classmethod

@@ -1,9 +1,10 @@
-"""Model hyper-parameters per architecture, read from GGUF metadata.
+"""Model hyper-parameters: what the forward needs to know about a model.
 
 One frozen dataclass holds everything the forward needs, so the forward never looks at
 metadata keys or architecture names: a difference between families (rope style, QK-norm,
-post-norms, embedding scale, sliding-window layers...) is a field here. The defaults and
-derivations follow llama.cpp's `llama-model.cpp` hparams loading for each family.
+post-norms, embedding scale, sliding-window layers, a mixture of experts...) is a field
+here. loader/architectures.py reads them from GGUF metadata, one registry entry per
+family, following llama.cpp's hparams loading.
 """
 
 from __future__ import annotations
@@ -12,16 +13,8 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
 
 from eagerlm.errors import ContextTooLong, InvalidParameters, UnsupportedModel
-from eagerlm.loader.errors import ModelFileError, UnknownArchitecture, quoted
-from eagerlm.loader.gguf_file import GGUFFile
-from eagerlm.loader.metadata_schema import check_metadata
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 class RopeStyle(enum.Enum):
@@ -62,6 +55,56 @@ class Activation(enum.Enum):
 
     SWIGLU = "swiglu"  # silu
     GEGLU = "geglu"  # gelu, tanh approximation
+    # gpt-oss's clamped SwiGLU, as ggml's `swiglu_oai` computes it: g = min(gate, 7),
+    # u = clamp(up, -7, 7), out = g * sigmoid(1.702 g) * (u + 1)
+    SWIGLU_OAI = "swiglu_oai"
+
+
+# gpt-oss's clamped SwiGLU constants (llama.cpp's build_moe_ffn: alpha 1.702, limit 7)
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+
+
+class ExpertGating(enum.Enum):
+    """How a mixture-of-experts router turns its logits into the chosen experts' weights
+    (llama.cpp's `llama_expert_gating_func_type`, as build_moe_ffn applies it).
+
+    SOFTMAX: softmax over every expert, the top k of those probabilities, their
+    probabilities the weights (Mixtral, Qwen MoE). SOFTMAX_WEIGHT: the top k of the raw
+    logits, a softmax over those k the weights (gpt-oss). SIGMOID: sigmoid of each logit,
+    the top k of those."""
+
+    SOFTMAX = "softmax"
+    SOFTMAX_WEIGHT = "softmax_weight"
+    SIGMOID = "sigmoid"
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward: `n_experts` expert FFNs of width `d_ff`, of
+    which the router picks `n_used` per token.
+
+    The chosen experts' weights come from `gating`, are divided by their sum when
+    `normalize` (llama.cpp's norm_w: Mixtral, Qwen3 MoE; the sum clamped below at
+    6.103515625e-5 as llama.cpp does), then multiplied by `scale`. With `d_ff_shared`, a
+    shared expert of that width runs on every token and adds to the routed ones, gated
+    by sigmoid(ffn_gate_inp_shexp . x) when `shared_gate`. `biases`: the router and each
+    expert's three matrices have biases (gpt-oss)."""
+
+    n_experts: int
+    n_used: int
+    d_ff: int
+    gating: ExpertGating = ExpertGating.SOFTMAX
+    normalize: bool = True
+    scale: float = 1.0
+    d_ff_shared: int = 0
+    shared_gate: bool = False
+    biases: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.n_used <= self.n_experts:
+            raise UnsupportedModel(f"{self.n_used} experts used per token of "
+                                   f"{self.n_experts}")
 
 
 @dataclass(frozen=True)
@@ -196,6 +239,17 @@ class ModelConfig:
     tied_embeddings: bool = False  # lm head is token_embd^T
     final_logit_softcap: float = 0.0  # 0 = off
     rope_freq_factors: bool = False  # llama3-style per-frequency divisors (rope_freqs.weight)
+    # LongRoPE (Phi-3 128k): per-frequency divisors for contexts up to the original one
+    # (rope_factors_short.weight) and beyond it (rope_factors_long.weight), chosen by the
+    # context a model is run with (`rope_long_for`), as llama.cpp's get_rope_factors does
+    long_rope_factors: bool = False
+    attn_output_bias: bool = False  # attn_output.bias (gpt-oss)
+    # a learned logit per query head that joins every softmax of attention (gpt-oss's
+    # attention sinks, attn_sinks.weight): the weights of the real keys sum to less than 1
+    attn_sinks: bool = False
+    fused_qkv: bool = False  # Q, K and V rows in one attn_qkv.weight (phi3)
+    fused_gate_up: bool = False  # gate then up rows in one ffn_up.weight (phi3)
+    moe: MoEConfig | None = None  # every layer's FFN is a mixture of experts
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -222,6 +276,11 @@ class ModelConfig:
 
     def is_swa(self, layer: int) -> bool:
         return self.sliding_window[layer] > 0
+
+    def rope_long_for(self, context: int) -> bool:
+        """Whether LongRoPE's long factors apply to a model run with `context` tokens per
+        session: beyond the original context (llama.cpp: n_ctx_seq > n_ctx_orig_yarn)."""
+        return self.long_rope_factors and context > self.rope_scaling.original_context
 
     @property
     def max_context(self) -> int:
@@ -352,156 +411,3 @@ class RopeOverride:
         scaling = RopeScaling(kind, factor, original, file.attn_factor, file.beta_fast,
                               file.beta_slow, context=max(1, context))
         return dataclasses.replace(config, rope_scaling=scaling)
-
-
-def swa_pattern(n_layers: int, period: int) -> tuple[bool, ...]:
-    """llama.cpp's `set_swa_pattern(period)`: every `period`-th layer (the last of each group)
-    is global, the others use the sliding window."""
-    if period <= 0:
-        return (False,) * n_layers
-    return tuple(il % period < period - 1 for il in range(n_layers))
-
-
-def config_from_gguf(f: GGUFFile) -> ModelConfig:
-    """Build the config of the model in `f`, raising a typed error for what is unsupported.
-
-    Every value read here has been checked for its type and range (metadata_schema), so
-    what is left to check is how the values fit together."""
-    check_metadata(f)
-    arch = f.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnknownArchitecture(
-            f"unknown architecture {quoted(arch)}; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}", path=f.path, field="general.architecture")
-
-    def key(name: str) -> Any:
-        return f.require(f"{arch}.{name}")
-
-    def opt(name: str, default: Any) -> Any:
-        return f.get(f"{arch}.{name}", default)
-
-    n_layers = int(key("block_count"))
-    d_model = int(key("embedding_length"))
-    n_heads = _per_layer_constant(f, arch, "attention.head_count", key("attention.head_count"))
-    n_kv_heads = _per_layer_constant(f, arch, "attention.head_count_kv",
-                                     opt("attention.head_count_kv", n_heads))
-    if n_heads % n_kv_heads:
-        raise UnsupportedModel(f"{n_heads} query heads are not a multiple of {n_kv_heads} "
-                               "KV heads", path=f.path, field=f"{arch}.attention.head_count_kv")
-    if f"{arch}.attention.key_length" not in f.metadata and d_model % n_heads:
-        raise ModelFileError(f"embedding length {d_model} is not a multiple of {n_heads} "
-                             "heads, and no key_length gives the head dimension", path=f.path,
-                             field=f"{arch}.embedding_length")
-    if int(opt("expert_count", 0)):
-        raise UnsupportedModel("mixture-of-experts models are not supported", path=f.path,
-                               field=f"{arch}.expert_count")
-    head_dim = int(opt("attention.key_length", d_model // n_heads))
-    if int(opt("attention.value_length", head_dim)) != head_dim:
-        raise UnsupportedModel("key and value head dimensions differ", path=f.path,
-                               field=f"{arch}.attention.value_length")
-    d_ff = _per_layer_constant(f, arch, "feed_forward_length", key("feed_forward_length"))
-    embd = f.tensor_info("token_embd.weight")
-    vocab_size = embd.shape[0]
-    if embd.shape[1] != d_model:
-        raise ModelFileError(f"token_embd.weight has shape {embd.shape}, expected "
-                             f"(vocab, {d_model})", path=f.path, field="token_embd.weight")
-
-    context_length = int(key("context_length"))
-    rope_scaling = _rope_scaling_from_gguf(f, arch, context_length)
-
-    common: dict[str, Any] = dict(
-        architecture=arch,
-        n_layers=n_layers,
-        d_model=d_model,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        d_ff=d_ff,
-        vocab_size=vocab_size,
-        context_length=context_length,
-        norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_dim=int(opt("rope.dimension_count", head_dim)),
-        rope_base=float(opt("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        tied_embeddings="output.weight" not in f.tensors,
-        final_logit_softcap=float(opt("final_logit_softcapping", 0.0)),
-    )
-    if float(opt("attn_logit_softcapping", 0.0)):
-        raise UnsupportedModel("attention logit soft-capping is not supported", path=f.path)
-
-    if arch == "llama":
-        return ModelConfig(
-            **common, rope_style=RopeStyle.NORM, activation=Activation.SWIGLU,
-            attention_scale=1.0 / math.sqrt(head_dim), sliding_window=(0,) * n_layers,
-            rope_freq_factors="rope_freqs.weight" in f.tensors)
-    if arch in ("qwen2", "qwen3"):
-        return ModelConfig(
-            **common, rope_style=RopeStyle.NEOX, activation=Activation.SWIGLU,
-            attention_scale=1.0 / math.sqrt(head_dim), sliding_window=(0,) * n_layers,
-            qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2")
-    # gemma3
-    window = int(key("attention.sliding_window"))
-    pattern = f.get(f"{arch}.attention.sliding_window_pattern", 6)
-    if isinstance(pattern, np.ndarray | list):
-        swa = tuple(bool(x) for x in pattern)
-        if len(swa) != n_layers:
-            raise ModelFileError("sliding_window_pattern has one entry per layer", path=f.path,
-                                 field=f"{arch}.attention.sliding_window_pattern")
-    else:
-        swa = swa_pattern(n_layers, int(pattern))
-    # llama.cpp: the 27B (62 layers) scales by d_model / n_heads, the others by the head dim
-    scale_dim = d_model // n_heads if n_layers == 62 else head_dim
-    return ModelConfig(
-        **common, rope_style=RopeStyle.NEOX, activation=Activation.GEGLU,
-        attention_scale=1.0 / math.sqrt(scale_dim),
-        sliding_window=tuple(window if s else 0 for s in swa),
-        rope_base_swa=float(opt("rope.freq_base_swa", 10000.0)), rope_scale_swa=1.0,
-        embedding_scale=math.sqrt(d_model), qk_norm=True, post_norms=True)
-
-
-def _rope_scaling_from_gguf(f: GGUFFile, arch: str, context_length: int) -> RopeScaling:
-    """llama.cpp's reading of `{arch}.rope.scaling.*` (llama-model.cpp): the type (absent:
-    "linear", which with no factor is no scaling), the factor (or the older
-    rope.scale_linear; 0 or absent = 1), original_context_length (default: the trained
-    context) and attn_factor (default 1). llama.cpp reads the rope.scaling.yarn_* keys
-    (ext_factor, attn_factor, beta_fast/slow, log_multiplier) only for other
-    architectures (grok, deepseek2), so for these they keep llama.cpp's defaults here too.
-
-    A YaRN file supports original context x factor tokens where that is more than its
-    trained context (Qwen's model cards add YaRN to a config whose max_position_embeddings,
-    a converted GGUF's context_length, stays the original 32768)."""
-    field = f"{arch}.rope.scaling.type"
-    name = str(f.get(field, "linear"))
-    factor = float(f.get(f"{arch}.rope.scaling.factor",
-                         f.get(f"{arch}.rope.scale_linear", 0.0)) or 0.0) or 1.0
-    original = int(f.get(f"{arch}.rope.scaling.original_context_length", context_length))
-    attn_factor = float(f.get(f"{arch}.rope.scaling.attn_factor", 1.0))
-    try:
-        kind = RopeScalingType(name)
-    except ValueError:
-        if factor != 1.0:
-            raise UnsupportedModel(f"rope scaling {quoted(name)} is not supported (supported: "
-                                   f"{', '.join(t.value for t in RopeScalingType)})",
-                                   path=f.path, field=field) from None
-        kind = RopeScalingType.NONE  # a type with factor 1 scales nothing
-    if factor <= 0 or not math.isfinite(factor):
-        raise UnsupportedModel(f"rope scaling factor {factor} is not positive", path=f.path,
-                               field=f"{arch}.rope.scaling.factor")
-    if original <= 0:
-        raise UnsupportedModel(f"rope scaling original context {original} is not positive",
-                               path=f.path, field=f"{arch}.rope.scaling.original_context_length")
-    context = 0
-    if kind is RopeScalingType.YARN:
-        context = max(context_length, round(original * factor))
-    return RopeScaling(kind, factor, original, attn_factor, context=context)
-
-
-def _per_layer_constant(f: GGUFFile, arch: str, name: str, value: Any) -> int:
-    """Some converters store per-layer arrays; this engine needs them uniform."""
-    if isinstance(value, np.ndarray | list):
-        values = {int(v) for v in value}
-        if len(values) != 1:
-            raise UnsupportedModel(f"per-layer varying {name} is not supported", path=f.path,
-                                   field=f"{arch}.{name}")
-        return values.pop()
-    return int(value)

@@ -80,6 +80,18 @@ class TensorInfo:
     def n_elements(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
+    def rows(self, start: int, stop: int) -> TensorInfo:
+        """Rows start .. stop - 1 of the outermost axis, as a tensor of their own (the
+        parts of a fused tensor: each row is whole blocks, so the part is a contiguous
+        range of the file)."""
+        n = self.shape[0]
+        if not 0 <= start < stop <= n:
+            raise ValueError(f"rows {start}:{stop} of a tensor of {n}")
+        row_bytes = self.n_bytes // n
+        return TensorInfo(f"{self.name}[{start}:{stop}]", self.qtype,
+                          (stop - start, *self.shape[1:]), self.offset + start * row_bytes,
+                          (stop - start) * row_bytes)
+
 
 class _Cursor:
     """Reads little-endian values from a buffer, naming the offset when it runs out."""
@@ -208,6 +220,7 @@ class GGUFFile:
                 raise GGUFFormatError(f"file too small to be GGUF ({size} bytes)",
                                       path=self.path, offset=0)
             self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self._private: mmap.mmap | None = None  # `mapped_bytes`' map, made when first asked
         self.file_size = size
         try:
             self._parse(memoryview(self._mmap))
@@ -354,12 +367,26 @@ class GGUFFile:
                              field=name)
         return self.tensors[name]
 
-    def tensor_bytes(self, name: str) -> np.ndarray:
-        """The raw bytes of a tensor (quantized blocks as stored), a read-only uint8 view."""
-        info = self.tensor_info(name)
+    def tensor_bytes(self, tensor: str | TensorInfo) -> np.ndarray:
+        """The raw bytes of a tensor (quantized blocks as stored), a read-only uint8 view of
+        the map: by name, or by its `TensorInfo` (which may be a part, `TensorInfo.rows`)."""
+        info = self.tensor_info(tensor) if isinstance(tensor, str) else tensor
         return np.frombuffer(self._mmap, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
 
-    def drop_pages(self, name: str) -> None:
+    def mapped_bytes(self, tensor: str | TensorInfo) -> np.ndarray:
+        """A tensor's raw bytes read in place, for a backend that keeps them there (the
+        cpu backend's experts): a writable uint8 view of a private, copy-on-write map of
+        the file, so the kernels take it as they take their own arrays, while its pages
+        stay the page cache's (never written, they are read from the file as touched,
+        and the kernel may drop them under pressure). Not to be kept after `close()`."""
+        info = self.tensor_info(tensor) if isinstance(tensor, str) else tensor
+        if self._private is None:
+            with open(self.path, "rb") as fh:
+                self._private = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        return np.frombuffer(self._private, dtype=np.uint8, count=info.n_bytes,
+                             offset=info.offset)
+
+    def drop_pages(self, tensor: str | TensorInfo) -> None:
         """Unmap a tensor's pages from this process once a copy of it is made (the cpu
         backend copies every tensor): file pages read through the map stay in its resident
         set until unmapped, so a loaded model would otherwise count twice there (an 8B Q4_K
@@ -369,7 +396,7 @@ class GGUFFile:
         advise = getattr(mmap, "MADV_DONTNEED", None)
         if self._mmap is None or advise is None:
             return
-        info = self.tensor_info(name)
+        info = self.tensor_info(tensor) if isinstance(tensor, str) else tensor
         start = info.offset - info.offset % mmap.PAGESIZE
         end = min(info.offset + info.n_bytes, len(self._mmap))
         if end > start:
@@ -377,12 +404,13 @@ class GGUFFile:
                 self._mmap.madvise(advise, start, end - start)
 
     def close(self) -> None:
-        mm = getattr(self, "_mmap", None)
-        if mm is not None:
-            # A view still alive keeps the map; it is released when the last view goes.
-            with contextlib.suppress(BufferError):
-                mm.close()
-            self._mmap = None
+        for attr in ("_mmap", "_private"):
+            mm = getattr(self, attr, None)
+            if mm is not None:
+                # A view still alive keeps the map; it is released when the last view goes.
+                with contextlib.suppress(BufferError):
+                    mm.close()
+                setattr(self, attr, None)
 
     def __enter__(self) -> GGUFFile:
         return self

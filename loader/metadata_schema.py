@@ -183,7 +183,7 @@ ARCH_KEYS: Mapping[str, KeySpec] = {
     "attention.key_length": _count(1, MAX_HEAD_DIM),
     "attention.value_length": _count(1, MAX_HEAD_DIM),
     "attention.layer_norm_rms_epsilon": _float(0.0, 1.0),
-    "attention.sliding_window": _count(1, MAX_CONTEXT),
+    "attention.sliding_window": _count(0, MAX_CONTEXT),  # phi-4 files write 0: none
     # gemma3: the period of global layers, or a per-layer bool array (true: sliding window)
     "attention.sliding_window_pattern": KeySpec(Kind.INT, 0, MAX_LAYERS, per_layer=Kind.BOOL),
     "rope.dimension_count": _count(1, MAX_HEAD_DIM),
@@ -198,7 +198,11 @@ ARCH_KEYS: Mapping[str, KeySpec] = {
     "final_logit_softcapping": _float(0.0, MAX_FACTOR),
     "attn_logit_softcapping": _float(0.0, MAX_FACTOR),
     "expert_count": _count(0, MAX_EXPERTS),
-    "expert_used_count": _count(0, MAX_EXPERTS),
+    "expert_used_count": _per_layer(0, MAX_EXPERTS),
+    "expert_feed_forward_length": _per_layer(1, MAX_WIDTH),
+    "expert_shared_feed_forward_length": _count(0, MAX_WIDTH),
+    "expert_weights_scale": _float(0.0, MAX_FACTOR),
+    "attention.scale": _float(0.0, MAX_FACTOR),
 }
 
 

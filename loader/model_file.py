@@ -7,8 +7,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from eagerlm.loader.architectures import config_from_gguf
 from eagerlm.loader.chat_template import ChatTemplate
-from eagerlm.loader.config import ModelConfig, RopeOverride, config_from_gguf
+from eagerlm.loader.config import ModelConfig, RopeOverride
 from eagerlm.loader.errors import GGUFFormatError
 from eagerlm.loader.gguf_file import GGUFFile
 from eagerlm.loader.tokenizer import Tokenizer

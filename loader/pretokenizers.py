@@ -50,6 +50,20 @@ _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (gpt-4o, gpt-oss) and Mistral's tekken, as llama.cpp runs them: through std::regex
+# on the "collapsed" text (see below), where \p{Lu} and \p{Ll} cannot be told apart, so
+# llama.cpp writes tiktoken's [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}] as "a letter that is not
+# a-z" and [\p{Ll}\p{Lm}\p{Lo}\p{M}] as "a letter that is not A-Z": every non-ASCII letter
+# counts as both, and a combining mark as neither. The `regex` package runs these same
+# expressions on the real text with the same meaning.
+_UPPERISH = r"(?=[\p{L}])[^a-z]"
+_LOWERISH = r"(?=[\p{L}])[^A-Z]"
+_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?(?:{_UPPERISH})*(?:{_LOWERISH})+(?:{_CONTRACTIONS})?"
+          rf"|[^\r\n\p{{L}}\p{{N}}]?(?:{_UPPERISH})+(?:{_LOWERISH})*(?:{_CONTRACTIONS})?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?(?:{_UPPERISH})*(?:{_LOWERISH})+"
+           rf"|[^\r\n\p{{L}}\p{{N}}]?(?:{_UPPERISH})+(?:{_LOWERISH})*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # llama.cpp's default list runs through std::regex on a "collapsed" text in which every
 # non-ASCII code point stands for its category; these are the same sets, uncollapsed.
 _DEFAULT = (r"[\p{P}$+<=>^~|]+", _GPT2, r"\p{N}+", r"[0-9]{3}")
@@ -119,4 +133,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_family(PreTokenizer(_DIGIT_THEN_GPT2), "starcoder", "refact", "codeshell", "exaone",
               "minerva-7b", "mellum2"),
     **_family(PreTokenizer(_DIGIT_THEN_GPT2, clean_spaces=False), "command-r", "smollm"),
+    **_family(PreTokenizer((_GPT4O,), clean_spaces=False), "gpt-4o", "llama4", "kanana2", "talkie",
+              "minimax-m2"),
+    **_family(PreTokenizer((_TEKKEN,), clean_spaces=False, ignore_merges=True, add_bos=True),
+              "tekken"),
 }

@@ -205,7 +205,7 @@ class SlabLoader(Generic[T]):
     def fetch(self, info: TensorInfo) -> T:
         n = info.n_bytes
         staging = self.staging.take(n)
-        staging.array[:n] = self.gguf.tensor_bytes(info.name)
+        staging.array[:n] = self.gguf.tensor_bytes(info)
         s = self.stream
         raw: DeviceBuffer | None = None
         if self.builder.is_final(info):

@@ -13,9 +13,7 @@ minute on a GPU machine's cores; in K-quant and IQ types they draw only the bloc
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -23,8 +21,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 
-from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
+from eagerlm.loader.architectures import ARCHITECTURES, Keys, config_from_keys
+from eagerlm.loader.config import ModelConfig
 from eagerlm.loader.tiny_vocab import TinyVocab, bpe_vocab, spm_vocab
+from eagerlm.loader.weights import tensor_plan
 
 Q = GGMLQuantizationType
 
@@ -58,7 +58,15 @@ _MIN_OFFSETS: dict[GGMLQuantizationType, tuple[int, float]] = {
 }
 IQ_TYPES = (Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S,
             Q.IQ1_M)
-RANDOM_BYTE_TYPES = frozenset({*_SCALE_OFFSETS, Q.IQ1_M})
+RANDOM_BYTE_TYPES = frozenset({*_SCALE_OFFSETS, Q.IQ1_M, Q.MXFP4})
+
+
+def _set_mxfp4_scales(raw: np.ndarray, scales: np.ndarray) -> None:
+    """MXFP4's scale is its first byte, a power of two (e8m0: byte e means 2^(e - 128) per
+    doubled e2m1 step, gguf-py's `e8m0_to_fp32_half`): the power nearest each wanted
+    scale."""
+    exponent = np.rint(np.log2(np.maximum(scales, 1e-30))) + 128
+    raw[:, 0] = np.clip(exponent, 1, 254).astype(np.uint8)
 
 
 def _set_iq1_m_scales(raw: np.ndarray, scales: np.ndarray) -> None:
@@ -83,6 +91,8 @@ def random_blocks(qtype: GGMLQuantizationType, scales: np.ndarray,
     raw = rng.integers(0, 256, size=(len(scales), size), dtype=np.uint8)
     if qtype == Q.IQ1_M:
         _set_iq1_m_scales(raw, scales)
+    elif qtype == Q.MXFP4:
+        _set_mxfp4_scales(raw, scales)
     else:
         half = scales.astype(np.float16).view(np.uint8).reshape(len(scales), 2)
         for off in _SCALE_OFFSETS[qtype]:
@@ -146,21 +156,73 @@ class SyntheticSpec:
     # {arch}.pooling_type, llama.cpp's enum (1 mean, 2 CLS, 3 last): an embedding model;
     # None writes no key
     pooling_type: int | None = None
+    # a mixture of experts (qwen3moe and gpt-oss always; llama when set: Mixtral): experts,
+    # of which each token uses n_experts_used, each d_ff_expert wide (llama's: d_ff)
+    n_experts: int = 0
+    n_experts_used: int = 0
+    d_ff_expert: int = 0
+    expert_type: GGMLQuantizationType | None = None  # of the expert tensors; default weight_type
+    # the byte-level BPE pre-tokenizer in place of the architecture's ("tekken" makes a
+    # llama model a Mistral file)
+    pre: str | None = None
+    rope_dim: int = 0  # rotated dims of each head; 0: all (phi3 rotates a part)
+    fused_qkv: bool = True  # phi3: Q, K and V in one attn_qkv tensor, as Phi-3's files
+    # LongRoPE (Phi-3 128k): rope_factors_short / _long tensors and the original context
+    # (rope_original_context, default context_length / 32) that chooses between them
+    long_rope: bool = False
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in ARCHITECTURES:
             raise ValueError(f"unknown architecture {self.architecture!r}")
+        if ARCHITECTURES[self.architecture].experts_only and not self.n_experts:
+            raise ValueError(f"a {self.architecture} model needs n_experts")
+        if self.n_experts and not 0 < self.n_experts_used <= self.n_experts:
+            raise ValueError(f"{self.n_experts_used} experts used of {self.n_experts}")
 
     def vocab(self) -> TinyVocab:
-        if self.architecture in ("gemma3",):
+        arch, extra = self.architecture, self.extra_specials
+        if arch == "gemma3":
             return spm_vocab(self.vocab_size, specials=("<start_of_turn>", "<end_of_turn>",
-                                                        *self.extra_specials))
-        if self.architecture == "llama":
-            return bpe_vocab(self.vocab_size, pre="llama-bpe", specials=(
+                                                        *extra))
+        if arch == "phi3":
+            return spm_vocab(self.vocab_size, specials=(
+                "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", *extra))
+        if arch == "gpt-oss":  # o200k_harmony's specials
+            return bpe_vocab(self.vocab_size, pre=self.pre or "gpt-4o", specials=(
+                "<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>",
+                "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>", *extra))
+        if self.pre == "tekken":  # Mistral's tekken vocabularies
+            return bpe_vocab(self.vocab_size, pre="tekken", specials=(
+                "<unk>", "<s>", "</s>", "[INST]", "[/INST]", *extra))
+        if arch == "llama":
+            return bpe_vocab(self.vocab_size, pre=self.pre or "llama-bpe", specials=(
                 "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
-                "<|end_header_id|>", "<|eot_id|>", *self.extra_specials))
-        return bpe_vocab(self.vocab_size, pre="qwen2", specials=(
-            "<|endoftext|>", "<|im_start|>", "<|im_end|>", *self.extra_specials))
+                "<|end_header_id|>", "<|eot_id|>", *extra))
+        return bpe_vocab(self.vocab_size, pre=self.pre or "qwen2", specials=(
+            "<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra))
+
+    def config(self) -> ModelConfig:
+        """The config a reader derives from the file this spec writes
+        (loader/architectures.py, from the same metadata and tensor names), whose
+        `tensor_plan` is the file's tensors."""
+        w = GGUFWriter(os.devnull, self.architecture)
+        _add_model_metadata(w, self)
+        metadata = {key: v.value for key, v in w.kv_data[0].items()}
+        return config_from_keys(Keys(metadata, self._tensor_names(), self.architecture),
+                                self.vocab_size)
+
+    def _tensor_names(self) -> frozenset[str]:
+        """The tensors whose presence the reader looks at (loader/architectures.py)."""
+        names = set()
+        if not self.tied_embeddings:
+            names.add("output.weight")
+        if self.llama3_rope_factor:
+            names.add("rope_freqs.weight")
+        if self.long_rope:
+            names.add("rope_factors_long.weight")
+        if self.architecture == "phi3" and self.fused_qkv:
+            names.add("blk.0.attn_qkv.weight")
+        return frozenset(names)
 
 
 # Real shapes, for benchmarks and GPU runs (vocabularies as the real models have them).
@@ -187,43 +249,19 @@ SHAPES: dict[str, SyntheticSpec] = {
 }
 
 
+# What a tiny model of each architecture has beyond `SyntheticSpec`'s defaults.
+_TINY: dict[str, dict[str, object]] = {
+    "qwen3moe": dict(n_experts=8, n_experts_used=2, d_ff_expert=32),
+    # YaRN as the real files have it (factor 32 over 4096), scaled down
+    "gpt-oss": dict(n_experts=4, n_experts_used=2, d_ff_expert=64, sliding_window=8,
+                    rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_context=64),
+    "phi3": dict(rope_dim=12),
+}
+
+
 def tiny_spec(architecture: str, **overrides: object) -> SyntheticSpec:
     """A few-layer model of the architecture, small enough for unit tests."""
-    return dataclasses.replace(SyntheticSpec(architecture), **overrides)
-
-
-def _tensors(spec: SyntheticSpec) -> Iterator[tuple[str, tuple[int, ...], bool]]:
-    """(name, numpy shape, is a matrix) of every tensor, in file order."""
-    d, qd, kvd = spec.d_model, spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
-    arch = spec.architecture
-    yield "token_embd.weight", (spec.vocab_size, d), True
-    for i in range(spec.n_layers):
-        p = f"blk.{i}."
-        yield p + "attn_norm.weight", (d,), False
-        yield p + "attn_q.weight", (qd, d), True
-        yield p + "attn_k.weight", (kvd, d), True
-        yield p + "attn_v.weight", (kvd, d), True
-        if arch == "qwen2":
-            yield p + "attn_q.bias", (qd,), False
-            yield p + "attn_k.bias", (kvd,), False
-            yield p + "attn_v.bias", (kvd,), False
-        if arch in ("qwen3", "gemma3"):
-            yield p + "attn_q_norm.weight", (spec.head_dim,), False
-            yield p + "attn_k_norm.weight", (spec.head_dim,), False
-        yield p + "attn_output.weight", (d, qd), True
-        if arch == "gemma3":
-            yield p + "post_attention_norm.weight", (d,), False
-        yield p + "ffn_norm.weight", (d,), False
-        yield p + "ffn_gate.weight", (spec.d_ff, d), True
-        yield p + "ffn_up.weight", (spec.d_ff, d), True
-        yield p + "ffn_down.weight", (d, spec.d_ff), True
-        if arch == "gemma3":
-            yield p + "post_ffw_norm.weight", (d,), False
-    yield "output_norm.weight", (d,), False
-    if not spec.tied_embeddings:
-        yield "output.weight", (spec.vocab_size, d), True
-    if spec.llama3_rope_factor:  # last, so the random draws of the others do not move
-        yield "rope_freqs.weight", (spec.head_dim // 2,), False
+    return SyntheticSpec(architecture, **{**_TINY.get(architecture, {}), **overrides})
 
 
 def _values(name: str, shape: tuple[int, ...], rng: np.random.Generator,
@@ -232,6 +270,8 @@ def _values(name: str, shape: tuple[int, ...], rng: np.random.Generator,
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith(".bias"):
         return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith("attn_sinks.weight"):  # logits of the same size as attention scores
+        return rng.standard_normal(shape).astype(np.float32)
     std = 1.0 if name == "token_embd.weight" else 1.0 / np.sqrt(shape[-1])
     if uniform:  # uniform on [-a, a] has variance a^2 / 3
         out = rng.random(shape, dtype=np.float32)
@@ -259,6 +299,19 @@ def llama3_rope_factors(spec: SyntheticSpec, low_freq_factor: float = 1.0,
     out = np.where(wavelength < original_context / high_freq_factor, 1.0,
                    np.where(wavelength > original_context / low_freq_factor, factor, blended))
     return out.astype(np.float32)
+
+
+def longrope_factors(spec: SyntheticSpec) -> tuple[np.ndarray, np.ndarray]:
+    """LongRoPE's (short, long) per-pair divisors: near 1 for short contexts, growing
+    towards the low frequencies (the last pairs) for long ones, as Phi-3's are."""
+    ramp = np.linspace(0.0, 1.0, _rope_dim(spec) // 2)
+    short = 1.0 + 0.2 * ramp
+    long = 1.0 + 20.0 * ramp * ramp
+    return short.astype(np.float32), long.astype(np.float32)
+
+
+def _rope_dim(spec: SyntheticSpec) -> int:
+    return spec.rope_dim or spec.head_dim
 
 
 def bf16_bits(values: np.ndarray, chunk: int = 1 << 18) -> np.ndarray:
@@ -305,14 +358,9 @@ def _random_block_matrix(name: str, shape: tuple[int, ...], qtype: GGMLQuantizat
     return random_blocks(qtype, scale, rng).reshape(*shape[:-1], -1)
 
 
-def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> Path:
-    """Write the model described by `spec` to `path` and return the path."""
-    path = Path(path)
+def _add_model_metadata(w: GGUFWriter, spec: SyntheticSpec) -> None:
+    """The `{arch}.*` keys of the model (what the config is read from)."""
     arch = spec.architecture
-    vocab = spec.vocab()
-    if len(vocab.tokens) != spec.vocab_size:
-        raise ValueError(f"vocabulary has {len(vocab.tokens)} tokens, spec {spec.vocab_size}")
-    w = GGUFWriter(path, arch)
     w.add_name(f"synthetic {arch}")
     w.add_context_length(spec.context_length)
     w.add_embedding_length(spec.d_model)
@@ -324,19 +372,39 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> 
     w.add_value_length(spec.head_dim)
     w.add_layer_norm_rms_eps(spec.norm_eps)
     w.add_rope_freq_base(spec.rope_base)
-    w.add_rope_dimension_count(spec.head_dim)
+    w.add_rope_dimension_count(_rope_dim(spec))
     if spec.rope_scaling is not None:
         w.add_rope_scaling_type(RopeScalingType(spec.rope_scaling))
     if spec.rope_scaling_factor is not None:
         w.add_rope_scaling_factor(spec.rope_scaling_factor)
-    if spec.rope_original_context is not None:
-        w.add_rope_scaling_orig_ctx_len(spec.rope_original_context)
+    original = spec.rope_original_context
+    if original is None and spec.long_rope:
+        original = spec.context_length // 32
+    if original is not None:
+        w.add_rope_scaling_orig_ctx_len(original)
     if spec.rope_attn_factor is not None:
         w.add_rope_scaling_attn_factors(spec.rope_attn_factor)
-    if arch == "gemma3":
+    if arch in ("gemma3", "gpt-oss"):
         w.add_sliding_window(spec.sliding_window)
     if spec.final_logit_softcap:
         w.add_final_logit_softcapping(spec.final_logit_softcap)
+    if spec.n_experts:
+        w.add_expert_count(spec.n_experts)
+        w.add_expert_used_count(spec.n_experts_used)
+        if arch != "llama":  # llama's experts are feed_forward_length wide
+            w.add_expert_feed_forward_length(spec.d_ff_expert or spec.d_ff)
+
+
+def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> Path:
+    """Write the model described by `spec` to `path` and return the path."""
+    path = Path(path)
+    arch = spec.architecture
+    vocab = spec.vocab()
+    if len(vocab.tokens) != spec.vocab_size:
+        raise ValueError(f"vocabulary has {len(vocab.tokens)} tokens, spec {spec.vocab_size}")
+    config = spec.config()
+    w = GGUFWriter(path, arch)
+    _add_model_metadata(w, spec)
     for key, value in vocab.metadata().items():
         add_metadata(w, key, value)
     if spec.chat_template is not None:
@@ -346,8 +414,11 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> 
 
     rng = np.random.default_rng(spec.seed)
     plan = []
-    for name, shape, is_matrix in _tensors(spec):
-        qtype = spec.weight_type if is_matrix else Q.F32
+    for tensor in tensor_plan(config):
+        name, shape = tensor.name, tensor.shape
+        qtype = spec.weight_type if tensor.matrix else Q.F32
+        if len(shape) == 3 and spec.expert_type is not None:
+            qtype = spec.expert_type
         if name == "token_embd.weight" and spec.embedding_type is not None:
             qtype = spec.embedding_type
         if name == "output.weight" and spec.output_type is not None:
@@ -365,12 +436,14 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> 
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
+    short, long = longrope_factors(spec)
+    fixed = {"rope_freqs.weight": lambda: llama3_rope_factors(spec),
+             "rope_factors_short.weight": lambda: short, "rope_factors_long.weight": lambda: long}
     for name, shape, qtype in plan:
-        if spec.uniform_init and len(shape) == 2 and qtype in RANDOM_BYTE_TYPES:
+        if spec.uniform_init and len(shape) >= 2 and qtype in RANDOM_BYTE_TYPES:
             w.write_tensor_data(_random_block_matrix(name, shape, qtype, rng))
             continue
-        values = (llama3_rope_factors(spec) if name == "rope_freqs.weight"
-                  else _values(name, shape, rng, spec.uniform_init))
+        values = fixed[name]() if name in fixed else _values(name, shape, rng, spec.uniform_init)
         w.write_tensor_data(_encode(values, qtype, rng))
     w.close()
     return path

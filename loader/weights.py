@@ -15,6 +15,7 @@ from typing import Generic, TypeVar
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from eagerlm.loader.architectures import architecture
 from eagerlm.loader.config import ModelConfig
 from eagerlm.loader.errors import GGUFFormatError, UnsupportedTensorType, quoted
 from eagerlm.loader.gguf_file import GGUFFile, TensorInfo
@@ -27,7 +28,31 @@ SUPPORTED_TYPES = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
     Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M,
+    Q.MXFP4,  # gpt-oss's experts; on cpu through gguf-py's dequantizer (no compiled kernel yet)
 })
+
+
+@dataclass
+class MoEWeights(Generic[T]):
+    """A layer's mixture of experts: the router `[n_experts, d_model]`, and each expert
+    matrix as one 3-D tensor of the file, `[n_experts, out, in]` (ffn_*_exps; the backend's
+    handle keeps it in its blocks and hands out one expert's matrix as a view). Biases
+    (gpt-oss) are `[n_experts]` for the router and `[n_experts, out]` for the experts; a
+    shared expert (dense, on every token) has its three matrices and optionally a gate
+    vector `[1, d_model]` (ffn_gate_inp_shexp)."""
+
+    router: T
+    gate: T
+    up: T
+    down: T
+    router_bias: T | None = None
+    gate_bias: T | None = None
+    up_bias: T | None = None
+    down_bias: T | None = None
+    shared_gate: T | None = None
+    shared_up: T | None = None
+    shared_down: T | None = None
+    shared_router: T | None = None
 
 
 @dataclass
@@ -38,16 +63,19 @@ class LayerWeights(Generic[T]):
     wv: T
     wo: T
     ffn_norm: T
-    w_gate: T
-    w_up: T
-    w_down: T
+    w_gate: T | None = None  # the dense FFN (None where the layer is a mixture of experts)
+    w_up: T | None = None
+    w_down: T | None = None
     bq: T | None = None
     bk: T | None = None
     bv: T | None = None
+    bo: T | None = None
     q_norm: T | None = None
     k_norm: T | None = None
     post_attn_norm: T | None = None
     post_ffn_norm: T | None = None
+    sinks: T | None = None  # attention sinks: one logit per query head
+    moe: MoEWeights[T] | None = None
 
 
 @dataclass
@@ -57,15 +85,128 @@ class ModelWeights(Generic[T]):
     output: T  # the lm head; the same object as token_embd when tied
     layers: list[LayerWeights[T]]
     rope_freq_factors: T | None = None
+    # LongRoPE's divisors for contexts up to the original one and beyond it
+    rope_factors_short: T | None = None
+    rope_factors_long: T | None = None
 
     def handles(self) -> Iterator[T]:
         """Every distinct weight handle once (for freeing device memory, counting bytes)."""
         seen: set[int] = set()
-        tops = [self.token_embd, self.output_norm, self.output, self.rope_freq_factors]
-        for w in tops + [getattr(lw, fl.name) for lw in self.layers for fl in fields(lw)]:
+        tops = [self.token_embd, self.output_norm, self.output, self.rope_freq_factors,
+                self.rope_factors_short, self.rope_factors_long]
+        for w in tops + [w for lw in self.layers for w in _layer_handles(lw)]:
             if w is not None and id(w) not in seen:
                 seen.add(id(w))
                 yield w
+
+
+def _layer_handles(lw: LayerWeights[T]) -> Iterator[T | None]:
+    for fl in fields(lw):
+        if fl.name != "moe":
+            yield getattr(lw, fl.name)
+    if lw.moe is not None:
+        yield from (getattr(lw.moe, fl.name) for fl in fields(lw.moe))
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor a model's file holds: its name, numpy shape, whether it is a weight
+    matrix (written in the file's weight type; otherwise float32), and the weight fields
+    it fills: `(field, rows)` pairs, `rows` None for the whole tensor or the row range of a
+    fused tensor (phi3's attn_qkv holds Q, K and V rows). A field is a `LayerWeights` or
+    `ModelWeights` attribute, or `moe.<attribute>` of the layer's `MoEWeights`."""
+
+    name: str
+    shape: tuple[int, ...]
+    matrix: bool
+    parts: tuple[tuple[str, tuple[int, int] | None], ...]
+    layer: int | None = None
+
+
+def tensor_plan(cfg: ModelConfig) -> list[PlannedTensor]:
+    """Every tensor the config implies, in the order the synthetic writer writes them
+    (loader/synthetic.py mirrors this reader through it): the one list of a model's
+    tensors, their names (the architecture's, loader/architectures.py) and shapes."""
+    arch = architecture(cfg.architecture)
+    d, qd, kvd, hd = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.head_dim
+    plan: list[PlannedTensor] = []
+
+    def add(name: str, shape: tuple[int, ...], target: str | None = None, *,
+            matrix: bool = False, layer: int | None = None,
+            parts: tuple[tuple[str, tuple[int, int] | None], ...] | None = None) -> None:
+        plan.append(PlannedTensor(name, shape, matrix, parts or ((target or "", None),),
+                                  layer))
+
+    add("token_embd.weight", (cfg.vocab_size, d), "token_embd", matrix=True)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+
+        def tensor(role: str, shape: tuple[int, ...], target: str, matrix: bool = False,
+                   suffix: str = "weight", p: str = p, i: int = i) -> None:
+            add(f"{p}{arch.tensor(role)}.{suffix}", shape, target, matrix=matrix, layer=i)
+
+        tensor("attn_norm", (d,), "attn_norm")
+        if cfg.fused_qkv:
+            add(f"{p}attn_qkv.weight", (qd + 2 * kvd, d), matrix=True, layer=i,
+                parts=(("wq", (0, qd)), ("wk", (qd, qd + kvd)),
+                       ("wv", (qd + kvd, qd + 2 * kvd))))
+        else:
+            tensor("attn_q", (qd, d), "wq", True)
+            tensor("attn_k", (kvd, d), "wk", True)
+            tensor("attn_v", (kvd, d), "wv", True)
+        if cfg.qkv_bias:
+            tensor("attn_q", (qd,), "bq", suffix="bias")
+            tensor("attn_k", (kvd,), "bk", suffix="bias")
+            tensor("attn_v", (kvd,), "bv", suffix="bias")
+        if cfg.qk_norm:
+            tensor("attn_q_norm", (hd,), "q_norm")
+            tensor("attn_k_norm", (hd,), "k_norm")
+        tensor("attn_output", (d, qd), "wo", True)
+        if cfg.attn_output_bias:
+            tensor("attn_output", (d,), "bo", suffix="bias")
+        if cfg.attn_sinks:
+            tensor("attn_sinks", (cfg.n_heads,), "sinks")
+        if cfg.post_norms:
+            tensor("post_attention_norm", (d,), "post_attn_norm")
+        tensor("ffn_norm", (d,), "ffn_norm")
+        if cfg.moe is not None:
+            m = cfg.moe
+            e, ff = m.n_experts, m.d_ff
+            tensor("ffn_gate_inp", (e, d), "moe.router")
+            if m.biases:
+                tensor("ffn_gate_inp", (e,), "moe.router_bias", suffix="bias")
+            tensor("ffn_gate_exps", (e, ff, d), "moe.gate", True)
+            tensor("ffn_up_exps", (e, ff, d), "moe.up", True)
+            tensor("ffn_down_exps", (e, d, ff), "moe.down", True)
+            if m.biases:
+                tensor("ffn_gate_exps", (e, ff), "moe.gate_bias", suffix="bias")
+                tensor("ffn_up_exps", (e, ff), "moe.up_bias", suffix="bias")
+                tensor("ffn_down_exps", (e, d), "moe.down_bias", suffix="bias")
+            if m.d_ff_shared:
+                if m.shared_gate:
+                    tensor("ffn_gate_inp_shexp", (1, d), "moe.shared_router")
+                tensor("ffn_gate_shexp", (m.d_ff_shared, d), "moe.shared_gate", True)
+                tensor("ffn_up_shexp", (m.d_ff_shared, d), "moe.shared_up", True)
+                tensor("ffn_down_shexp", (d, m.d_ff_shared), "moe.shared_down", True)
+        elif cfg.fused_gate_up:
+            add(f"{p}ffn_up.weight", (2 * cfg.d_ff, d), matrix=True, layer=i,
+                parts=(("w_gate", (0, cfg.d_ff)), ("w_up", (cfg.d_ff, 2 * cfg.d_ff))))
+            tensor("ffn_down", (d, cfg.d_ff), "w_down", True)
+        else:
+            tensor("ffn_gate", (cfg.d_ff, d), "w_gate", True)
+            tensor("ffn_up", (cfg.d_ff, d), "w_up", True)
+            tensor("ffn_down", (d, cfg.d_ff), "w_down", True)
+        if cfg.post_norms:
+            tensor("post_ffw_norm", (d,), "post_ffn_norm")
+    add("output_norm.weight", (d,), "output_norm")
+    if not cfg.tied_embeddings:
+        add("output.weight", (cfg.vocab_size, d), "output", matrix=True)
+    if cfg.rope_freq_factors:  # last, so the synthetic writer's other draws do not move
+        add("rope_freqs.weight", (cfg.rope_dim // 2,), "rope_freq_factors")
+    if cfg.long_rope_factors:
+        add("rope_factors_long.weight", (cfg.rope_dim // 2,), "rope_factors_long")
+        add("rope_factors_short.weight", (cfg.rope_dim // 2,), "rope_factors_short")
+    return plan
 
 
 Fetch = Callable[[TensorInfo], T]
@@ -75,78 +216,57 @@ def build_weights(f: GGUFFile, cfg: ModelConfig, fetch: Fetch[T]) -> ModelWeight
     """Check every tensor the config implies against the file and fetch it.
 
     `fetch` turns one tensor of the file into the backend's handle (dequantized array,
-    uploaded buffer...). Every shape and type is checked before anything is fetched, so a
-    wrong file fails fast with the tensor's name; so is a tensor the model does not use,
-    which llama.cpp refuses too ("wrong number of tensors"): a renamed output.weight would
-    otherwise silently tie the lm head to the embedding.
+    uploaded buffer...); a part of a fused tensor is handed over as a tensor of its own
+    (`TensorInfo.rows`), so no backend knows about fusion. Every shape and type is checked
+    before anything is fetched, so a wrong file fails fast with the tensor's name; so is a
+    tensor the model does not use, which llama.cpp refuses too ("wrong number of
+    tensors"): a renamed output.weight would otherwise silently tie the lm head to the
+    embedding.
     """
-    used: set[str] = set()
-    _assemble(f, cfg, lambda info: used.add(info.name))
+    plan = tensor_plan(cfg)
+    infos = [_checked(f, t) for t in plan]
+    used = {t.name for t in plan}
     unused = [name for name in f.tensors if name not in used]
     if unused:
         raise GGUFFormatError(f"tensor {quoted(unused[0])} is not part of a "
                               f"{cfg.architecture} model ({len(unused)} unused tensors)",
                               path=f.path, field=unused[0])
-    return _assemble(f, cfg, fetch)
+    top: dict[str, T] = {}
+    layer: list[dict[str, T]] = [{} for _ in range(cfg.n_layers)]
+    experts: list[dict[str, T]] = [{} for _ in range(cfg.n_layers)]
+    for t, info in zip(plan, infos, strict=True):
+        for target, rows in t.parts:
+            handle = fetch(info if rows is None else info.rows(*rows))
+            if t.layer is None:
+                top[target] = handle
+            elif target.startswith("moe."):
+                experts[t.layer][target[4:]] = handle
+            else:
+                layer[t.layer][target] = handle
+    layers = [LayerWeights(**fields_, moe=MoEWeights(**moe) if moe else None)
+              for fields_, moe in zip(layer, experts, strict=True)]
+    if cfg.tied_embeddings:
+        top["output"] = top["token_embd"]
+    return ModelWeights(layers=layers, **top)
 
 
-def _assemble(f: GGUFFile, cfg: ModelConfig, fetch: Fetch[T]) -> ModelWeights[T]:
-    """The weights the config implies, each shape and type checked, then fetched."""
-    d, qd, kvd = cfg.d_model, cfg.q_dim, cfg.kv_dim
-
-    def get(name: str, shape: tuple[int, ...]) -> T:
-        info = f.tensor_info(name)
-        if info.shape != shape:
-            raise GGUFFormatError(f"tensor {name!r} has shape {info.shape}, expected {shape}",
-                                  path=f.path, field=name)
-        if info.qtype not in SUPPORTED_TYPES:
-            raise UnsupportedTensorType(
-                f"tensor {name!r} uses ggml type {info.qtype.name}, which is not supported "
-                f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})",
-                path=f.path, field=name)
-        return fetch(info)
-
-    def maybe(name: str, shape: tuple[int, ...], present: bool) -> T | None:
-        if not present:
-            return None
-        return get(name, shape)
-
-    layers = []
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        layers.append(LayerWeights(
-            attn_norm=get(p + "attn_norm.weight", (d,)),
-            wq=get(p + "attn_q.weight", (qd, d)),
-            wk=get(p + "attn_k.weight", (kvd, d)),
-            wv=get(p + "attn_v.weight", (kvd, d)),
-            wo=get(p + "attn_output.weight", (d, qd)),
-            ffn_norm=get(p + "ffn_norm.weight", (d,)),
-            w_gate=get(p + "ffn_gate.weight", (cfg.d_ff, d)),
-            w_up=get(p + "ffn_up.weight", (cfg.d_ff, d)),
-            w_down=get(p + "ffn_down.weight", (d, cfg.d_ff)),
-            bq=maybe(p + "attn_q.bias", (qd,), cfg.qkv_bias),
-            bk=maybe(p + "attn_k.bias", (kvd,), cfg.qkv_bias),
-            bv=maybe(p + "attn_v.bias", (kvd,), cfg.qkv_bias),
-            q_norm=maybe(p + "attn_q_norm.weight", (cfg.head_dim,), cfg.qk_norm),
-            k_norm=maybe(p + "attn_k_norm.weight", (cfg.head_dim,), cfg.qk_norm),
-            post_attn_norm=maybe(p + "post_attention_norm.weight", (d,), cfg.post_norms),
-            post_ffn_norm=maybe(p + "post_ffw_norm.weight", (d,), cfg.post_norms),
-        ))
-    token_embd = get("token_embd.weight", (cfg.vocab_size, d))
-    output = token_embd if cfg.tied_embeddings else get("output.weight", (cfg.vocab_size, d))
-    return ModelWeights(
-        token_embd=token_embd,
-        output_norm=get("output_norm.weight", (d,)),
-        output=output,
-        layers=layers,
-        rope_freq_factors=maybe("rope_freqs.weight", (cfg.rope_dim // 2,),
-                                cfg.rope_freq_factors),
-    )
+def _checked(f: GGUFFile, t: PlannedTensor) -> TensorInfo:
+    """The file's entry for a planned tensor, its shape and type checked."""
+    info = f.tensor_info(t.name)
+    if info.shape != t.shape:
+        raise GGUFFormatError(f"tensor {t.name!r} has shape {info.shape}, expected {t.shape}",
+                              path=f.path, field=t.name)
+    if info.qtype not in SUPPORTED_TYPES:
+        raise UnsupportedTensorType(
+            f"tensor {t.name!r} uses ggml type {info.qtype.name}, which is not supported "
+            f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})",
+            path=f.path, field=t.name)
+    return info
 
 
 def dequantize(f: GGUFFile, info: TensorInfo) -> np.ndarray:
-    """A tensor of the file as a float32 array of its numpy shape."""
-    raw = f.tensor_bytes(info.name)
+    """A tensor of the file (or a part of one) as a float32 array of its numpy shape."""
+    raw = f.tensor_bytes(info)
     if info.qtype == Q.F32:
         out = raw.view(np.float32).copy()
     elif info.qtype == Q.F16:

@@ -23,8 +23,9 @@ import pytest
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_backend import cpu_transformer
 from eagerlm.loader.model_file import ModelFile
-from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.loader.synthetic import write_synthetic_model
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
+from tests.fixtures.make_arch_reference import case_spec
 
 FIXTURE = np.load(Path(__file__).parent / "fixtures" / "arch_llama_logits.npz")
 CASES = {case["name"]: case for case in json.loads(str(FIXTURE["cases"]))}
@@ -34,7 +35,7 @@ DEFAULT_BOUND = 5e-6
 
 
 def test_the_fixture_covers_every_architecture() -> None:
-    from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
+    from eagerlm.loader.architectures import SUPPORTED_ARCHITECTURES
 
     assert {c["spec"]["architecture"] for c in CASES.values()} == set(SUPPORTED_ARCHITECTURES)
 
@@ -42,9 +43,7 @@ def test_the_fixture_covers_every_architecture() -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_logits_equal_llama_cpps_to_float32_rounding(tmp_path, name) -> None:
     case = CASES[name]
-    args = dict(case["spec"])
-    path = write_synthetic_model(tmp_path / f"{name}.gguf",
-                                 tiny_spec(args.pop("architecture"), **args))
+    path = write_synthetic_model(tmp_path / f"{name}.gguf", case_spec(case["spec"]))
     assert hashlib.sha256(path.read_bytes()).hexdigest() == case["sha256"], (
         "the synthetic writer no longer writes the file llama.cpp was run on: regenerate "
         "the fixture with tests/fixtures/make_arch_reference.py (needs llama-cpp-python)")

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cpu_backend import cpu_transformer
-from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
+from eagerlm.loader.architectures import SUPPORTED_ARCHITECTURES
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import IQ_TYPES, tiny_spec, write_synthetic_model
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
@@ -25,6 +25,11 @@ SPECS = {
     "qwen2": tiny_spec("qwen2", tied_embeddings=True),
     "qwen3": tiny_spec("qwen3", n_kv_heads=1),
     "gemma3": tiny_spec("gemma3", n_layers=6, sliding_window=4, tied_embeddings=True),
+    "qwen3moe": tiny_spec("qwen3moe"),
+    # the reference has no YaRN: gpt-oss's rope here is plain
+    "gpt-oss": tiny_spec("gpt-oss", n_layers=3, sliding_window=4, rope_scaling=None,
+                         rope_scaling_factor=None, rope_original_context=None),
+    "phi3": tiny_spec("phi3"),
 }
 PROMPT = [1, 17, 300, 42, 42, 7, 99, 256, 3, 511, 128, 64]
 
@@ -47,6 +52,17 @@ def _all_rows(n: int) -> np.ndarray:
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
 def test_prefill_logits_match_float64_reference(tmp_path, arch):
     path, model, tf = _open(tmp_path, SPECS[arch])
+    ours = tf.forward(ForwardBatch.single(PROMPT, 0, _kv(model), _all_rows(len(PROMPT))))
+    ref = reference_logits(str(path), PROMPT)
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_mixtral_style_llama_matches_float64_reference(tmp_path):
+    """llama with expert tensors (Mixtral): softmax routing, the chosen weights normalized,
+    experts as wide as feed_forward_length."""
+    spec = tiny_spec("llama", n_experts=4, n_experts_used=2, d_ff=64)
+    path, model, tf = _open(tmp_path, spec)
+    assert model.config.moe is not None and model.config.moe.d_ff == 64
     ours = tf.forward(ForwardBatch.single(PROMPT, 0, _kv(model), _all_rows(len(PROMPT))))
     ref = reference_logits(str(path), PROMPT)
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from eagerlm.loader.config import config_from_gguf
+from eagerlm.loader.architectures import config_from_gguf
 from eagerlm.loader.errors import (
     GGUFFormatError,
     MissingKey,

@@ -81,7 +81,7 @@ class MeasuredModel(LoadedModel):
 
 
 def synthetic_names() -> list[str]:
-    from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
+    from eagerlm.loader.architectures import SUPPORTED_ARCHITECTURES
     from eagerlm.loader.synthetic import SHAPES
 
     return ["tiny", *(f"tiny-{a}" for a in SUPPORTED_ARCHITECTURES), *SHAPES]

@@ -1,0 +1,155 @@
+"""The mixture-of-experts feed-forward on the cpu: how its expert tensors are held, the
+router, and the expert products grouped by expert.
+
+A layer's experts are three 3-D tensors of the file (`ffn_{gate,up,down}_exps`,
+`[n_experts, out, in]`). `ExpertMatrices` holds one as the file's blocks, read in place
+from a copy-on-write map of the file (never copied: a 30B-A3B model's experts are 17 of
+its 18 GB, and a token reads only the few the router picks); one expert's matrix is a
+`QuantizedMatrix` over a slice of those blocks, a view, so the compiled quantized kernels
+(kernels/quantized.py) multiply by it as by any other matrix.
+
+`moe_ffn` is `NumpyOps.moe_ffn`: the router's logits, the top k experts of each row and
+their weights as llama.cpp's `build_moe_ffn` computes them (`route`), then the rows grouped
+by expert, one product per expert and matrix for all the rows that chose it (a decode row
+alone: its k experts one after another), each row's outputs summed with its weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from eagerlm.kernels.quantized import QuantizedMatrix
+from eagerlm.loader.config import ExpertGating, MoEConfig
+from eagerlm.loader.weights import MoEWeights
+
+# llama.cpp clamps the sum of the chosen weights below at the smallest float16 normal
+# before dividing by it (build_moe_ffn's ffn_moe_weights_sum_clamped)
+WEIGHTS_SUM_MIN = np.float32(6.103515625e-5)
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertMatrices:
+    """A 3-D expert tensor held as the file's blocks: `shape` (n_experts, out, in),
+    `blocks` uint8 `[n_experts, out, row bytes]`, C-contiguous, a view of the file's map
+    (`mapped`: the cpu backend maps experts, it does not copy them)."""
+
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int, int]
+    blocks: np.ndarray
+    mapped: bool = True
+
+    @classmethod
+    def of(cls, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+           raw: np.ndarray, *, mapped: bool = True) -> ExpertMatrices:
+        """The tensor over `raw`, its bytes as the file stores them (not copied)."""
+        n, rows, cols = shape
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if cols % block:
+            raise ValueError(f"rows of {cols} values are not whole {qtype.name} blocks")
+        return cls(qtype, (n, rows, cols), raw.reshape(n, rows, cols // block * type_size),
+                   mapped)
+
+    def expert(self, e: int) -> QuantizedMatrix:
+        """Expert `e`'s matrix `(out, in)`: a view of its blocks."""
+        return QuantizedMatrix(self.qtype, self.shape[1:], self.blocks[e])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.nbytes)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+
+CpuExperts = ExpertMatrices | np.ndarray  # float32 [n_experts, out, in] with --weights float
+
+
+def expert(w: CpuExperts, e: int) -> QuantizedMatrix | np.ndarray:
+    """Expert `e`'s matrix of a 3-D expert tensor, however it is held."""
+    return w.expert(e) if isinstance(w, ExpertMatrices) else w[e]
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def route(logits: np.ndarray, moe: MoEConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The experts each row uses and their weights, from the router's logits
+    `[rows, n_experts]` (float32): int32 `[rows, n_used]` in descending order of the
+    score the top k is taken over, and float32 weights `[rows, n_used]`.
+
+    As build_moe_ffn: SOFTMAX scores by the softmax over all experts and weighs by those
+    probabilities, SIGMOID by each logit's sigmoid, SOFTMAX_WEIGHT scores by the logits
+    and weighs by a softmax over the k chosen; then, with `normalize`, the weights are
+    divided by their sum (clamped below at `WEIGHTS_SUM_MIN`), and multiplied by `scale`.
+    """
+    logits = np.asarray(logits, np.float32)
+    if moe.gating is ExpertGating.SOFTMAX:
+        scores = _softmax(logits)
+    elif moe.gating is ExpertGating.SIGMOID:
+        scores = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))
+    else:
+        scores = logits
+    k = moe.n_used
+    if k < scores.shape[1]:
+        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    else:
+        top = np.broadcast_to(np.arange(k), scores.shape).copy()
+    top_scores = np.take_along_axis(scores, top, axis=1)
+    order = np.argsort(-top_scores, axis=1, kind="stable")
+    ids = np.take_along_axis(top, order, axis=1).astype(np.int32)
+    weights = np.take_along_axis(top_scores, order, axis=1)
+    if moe.gating is ExpertGating.SOFTMAX_WEIGHT:
+        weights = _softmax(weights)
+    if moe.normalize:
+        weights = weights / np.maximum(weights.sum(axis=1, keepdims=True), WEIGHTS_SUM_MIN)
+    if moe.scale != 1.0:
+        weights = weights * np.float32(moe.scale)
+    return ids, weights.astype(np.float32)
+
+
+Linear = Callable[..., np.ndarray]
+Gated = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def moe_ffn(linear: Linear, gated: Gated, x: np.ndarray, w: MoEWeights,
+            moe: MoEConfig) -> np.ndarray:
+    """The mixture-of-experts FFN of rows x `[rows, d_model]`: `linear(x, matrix, bias)` and
+    `gated(gate, up)` are the ops' own (NumpyOps.linear, its gated activation)."""
+    n, d = x.shape
+    ids, weights = route(linear(x, w.router, w.router_bias), moe)
+    out = np.zeros((n, d), np.float32)
+
+    def experts_of(rows: np.ndarray | slice, e: int) -> np.ndarray:
+        xe = x[rows]
+        gate = linear(xe, expert(w.gate, e), None if w.gate_bias is None else w.gate_bias[e])
+        up = linear(xe, expert(w.up, e), None if w.up_bias is None else w.up_bias[e])
+        return linear(gated(gate, up), expert(w.down, e),
+                      None if w.down_bias is None else w.down_bias[e])
+
+    if n == 1:  # decode: the row's k experts in turn
+        for slot in range(moe.n_used):
+            out += weights[0, slot] * experts_of(slice(0, 1), int(ids[0, slot]))
+    else:  # one product per expert, over every row that chose it
+        flat = ids.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        chosen, starts = np.unique(flat[order], return_index=True)
+        ends = [*starts[1:], len(order)]
+        flat_weights = weights.reshape(-1)
+        for e, a, b in zip(chosen, starts, ends, strict=True):
+            pairs = order[a:b]  # (row, slot) pairs of this expert, row = pair // n_used
+            rows = pairs // moe.n_used
+            out[rows] += flat_weights[pairs][:, None] * experts_of(rows, int(e))
+    if moe.d_ff_shared:
+        shared = linear(gated(linear(x, w.shared_gate), linear(x, w.shared_up)), w.shared_down)
+        if w.shared_router is not None:
+            logit = linear(x, w.shared_router)  # [rows, 1]
+            shared = shared * (np.float32(1.0) / (np.float32(1.0) + np.exp(-logit)))
+        out += shared
+    return out

@@ -135,8 +135,11 @@ def settle_special_tokens(tokens: Sequence[str], token_to_id: Mapping[str, int],
     texts = {tokens[t]: t for t in eog}
     has_call = "<|call|>" in texts or "<|calls|>" in texts
     if "<|end|>" in texts and has_call and ("<|return|>" in texts or "<|flush|>" in texts):
-        eog.discard(texts["<|end|>"])
-        attrs[texts["<|end|>"]] = int(TokenAttr.USER_DEFINED)
+        end = texts["<|end|>"]
+        eog.discard(end)
+        attrs[end] = int(TokenAttr.USER_DEFINED)
+        if ids.get("eot") == end:  # an end of turn that no longer ends: the next that does
+            ids["eot"] = next((t for t in found(_EOT_TEXTS) if t in eog), None)
     # gemma4 and plamo have an ordinary "</s>".
     if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
         eog.discard(texts["</s>"])

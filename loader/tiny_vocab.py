@@ -95,8 +95,8 @@ _BPE_WORDS = regex.compile(r" ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+")
 # Words with their leading ▁, letters, digits and symbols apart (as SentencePiece splits
 # by script); a run of ▁ leaves its last one to the word that follows.
 _SPM_WORDS = regex.compile(r"▁?\p{L}+|▁?\p{N}+|▁?[^\s\p{L}\p{N}▁]+|▁+(?=▁[^\s▁])|▁+")
-_BOS_NAMES = ("<|begin_of_text|>", "<|endoftext|>", "<s>", "<bos>")
-_EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+_BOS_NAMES = ("<|begin_of_text|>", "<|startoftext|>", "<|endoftext|>", "<s>", "<bos>")
+_EOS_NAMES = ("<|end_of_text|>", "<|return|>", "<|endoftext|>", "</s>", "<eos>")
 
 
 @dataclass(frozen=True, eq=False)

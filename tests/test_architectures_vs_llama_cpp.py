@@ -7,8 +7,10 @@ Each model is rewritten here from its recorded spec and must hash as it did then
 
 With float32 weights llama.cpp multiplies in float32 without quantizing activations, so
 its logits differ from ours by float32 rounding only (measured when the fixture was made:
-at most 7e-7 of the largest logit for llama, qwen2 and qwen3); gemma3 reads GELU from an
-fp16 table (at most 1.2e-4). The bounds below sit a few times above those.
+at most 7e-7 of the largest logit for llama, qwen2, qwen3, qwen3moe, Mixtral-style llama,
+gpt-oss and phi3 with and without LongRoPE); gemma3 reads GELU from an fp16 table (at most
+1.2e-4); gpt-oss with MXFP4 experts multiplies them by activations llama.cpp quantizes to
+8 bits (1.8e-2, every argmax equal). The bounds below sit a few times above those.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from tests.fixtures.make_arch_reference import case_spec
 FIXTURE = np.load(Path(__file__).parent / "fixtures" / "arch_llama_logits.npz")
 CASES = {case["name"]: case for case in json.loads(str(FIXTURE["cases"]))}
 # largest |ours - llama.cpp| allowed, as a fraction of the largest |logit|
-BOUND = {"gemma3": 5e-4}
+BOUND = {"gemma3": 5e-4, "gpt-oss-mxfp4": 5e-2}
 DEFAULT_BOUND = 5e-6
 
 

@@ -6,7 +6,8 @@ tests/fixtures/make_tokenizer_reference.py, for
 - gemma3: the demo model's vocabulary (262,144-token SentencePiece, needs the demo package);
 - llama-bpe, qwen2, llama-spm: llama.cpp's vocab-only test files in tests/fixtures/vocab/;
 - tiny-*: loader/tiny_vocab.py vocabularies, rebuilt here from the recorded arguments
-  (their fingerprint must match, so a change to tiny_vocab.py shows up as such).
+  (their fingerprint must match, so a change to tiny_vocab.py shows up as such), among
+  them the gpt-4o (o200k: gpt-oss) and tekken (Mistral) pre-tokenizers.
 Round trips and the incremental detokenizer are checked against our own `decode`, which
 is itself checked against llama_detokenize through the fixtures.
 """
@@ -34,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 REFERENCE_NAMES = [pytest.param("gemma3", marks=pytest.mark.demo), "llama-bpe", "qwen2",
                    "llama-spm", "tiny-spm", "tiny-bpe-llama", "tiny-bpe-qwen2",
-                   "tiny-spm-phi3", "tiny-bpe-jina", "tiny-bpe-default"]
+                   "tiny-spm-phi3", "tiny-bpe-jina", "tiny-bpe-default", "tiny-bpe-gpt-4o",
+                   "tiny-bpe-tekken"]
 FLAGS = {"11": (True, True), "10": (True, False), "01": (False, True), "00": (False, False)}
 LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                    "<|end_header_id|>", "<|eot_id|>")

@@ -7,11 +7,14 @@ strings are about the answer too.
 
 The format is llama-server's `--reasoning-format`: `deepseek` splits `<think>` blocks,
 `none` leaves the text whole, `auto` (the default) is `deepseek` for a chat template that
-writes `<think>` (Qwen3's, the R1 distills') and `none` otherwise. A reply is in reasoning
-when it opens with `<think>` (after whitespace) or when the prompt already opened the block
-(the R1 distills' templates end the generation prompt with `<think>\\n`); the reasoning runs
-to `</think>`, and a reply cut before it is all reasoning, as llama.cpp treats it. The
-whitespace between `</think>` and the answer is dropped (Qwen3 writes two newlines there).
+writes `<think>` (Qwen3's, the R1 distills') and `none` otherwise. A harmony template
+(gpt-oss: it writes `<|channel|>`) makes any format but `none` `harmony`, whose replies
+dispatch/harmony.py splits, as llama.cpp's gpt-oss parser does whatever the format. A
+reply is in reasoning when it opens with `<think>` (after whitespace) or when the prompt
+already opened the block (the R1 distills' templates end the generation prompt with
+`<think>\\n`); the reasoning runs to `</think>`, and a reply cut before it is all
+reasoning, as llama.cpp treats it. The whitespace between `</think>` and the answer is
+dropped (Qwen3 writes two newlines there).
 
 `ReasoningStream` splits a streamed reply chunk by chunk, holding back only text that may
 be the start of a tag; `split_reasoning` is the same machine run over a whole text, so a
@@ -34,13 +37,22 @@ from eagerlm.loader.chat_template import ChatTemplate
 OPEN, CLOSE = "<think>", "</think>"
 
 
+HARMONY_CHANNEL = "<|channel|>"  # what a harmony (gpt-oss) chat template writes
+
+
 class ReasoningFormat(enum.Enum):
     AUTO = "auto"
     NONE = "none"
     DEEPSEEK = "deepseek"
+    HARMONY = "harmony"  # not a --reasoning-format choice: what a harmony template makes
 
     def resolve(self, template: ChatTemplate) -> ReasoningFormat:
-        """AUTO made concrete for a model's chat template."""
+        """AUTO made concrete for a model's chat template; a harmony template's replies are
+        split as harmony unless splitting is off."""
+        if self is ReasoningFormat.NONE:
+            return self
+        if HARMONY_CHANNEL in template.source:
+            return ReasoningFormat.HARMONY
         if self is not ReasoningFormat.AUTO:
             return self
         return ReasoningFormat.DEEPSEEK if OPEN in template.source else ReasoningFormat.NONE
@@ -122,12 +134,13 @@ class ReasoningBlock:
     NONE = ""  # plain text: stop strings match everywhere
     MAY_OPEN = "may_open"  # the reply may open with `<think>`
     OPEN = "open"  # the prompt opened the block: the reply starts in it
+    HARMONY = "harmony"  # a harmony reply: the answer is its final channel (dispatch/harmony.py)
 
 
 class ReasoningGate:
     """Raw reply text in, (reasoning, answer) out, neither changed: the reasoning part ends
     with `</think>`. Only a possible `<think>` at the very start is held back, until it is
-    known to be one or not."""
+    known to be one or not. (A harmony reply's: dispatch/harmony.py's `HarmonyGate`.)"""
 
     def __init__(self, opened: bool) -> None:
         self._state = "reasoning" if opened else "start"

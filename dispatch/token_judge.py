@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from eagerlm.dispatch.grammar import GrammarMatcher
+from eagerlm.dispatch.harmony import HarmonyGate
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.dispatch.reasoning import ReasoningBlock, ReasoningGate
 from eagerlm.dispatch.stop_strings import StopMatcher
@@ -31,9 +32,12 @@ class TokenJudge:
         self.error_param: str | None = None  # the request field at fault, if it was
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.stops = StopMatcher(params.stop)
-        # stop strings match in the answer only, after a reasoning block (dispatch/reasoning.py)
-        self.gate = (ReasoningGate(params.reasoning_block == ReasoningBlock.OPEN)
-                     if params.reasoning_block and params.stop else None)
+        # stop strings match in the answer only, after a reasoning block (dispatch/reasoning.py,
+        # a harmony reply's analysis: dispatch/harmony.py)
+        self.gate: ReasoningGate | HarmonyGate | None = None
+        if params.reasoning_block and params.stop:
+            self.gate = HarmonyGate() if params.reasoning_block == ReasoningBlock.HARMONY \
+                else ReasoningGate(params.reasoning_block == ReasoningBlock.OPEN)
         self.end_ids = frozenset() if params.ignore_eos else tokenizer.end_ids
         # a grammar allows an end token where it may end; ignore_eos takes that away
         self._banned = sorted(tokenizer.end_ids) if params.ignore_eos else []

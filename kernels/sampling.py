@@ -164,7 +164,8 @@ class SamplingParams:
     # given as a mapping or pairs, kept as (token id, bias) pairs sorted by id
     logit_bias: tuple[tuple[int, float], ...] = ()
     # a reasoning model's `<think>` block, which stop strings skip (dispatch/reasoning.py):
-    # "" none, "may_open" the reply may open one, "open" the prompt opened it
+    # "" none, "may_open" the reply may open one, "open" the prompt opened it; "harmony" a
+    # gpt-oss reply, whose answer is its final channel (dispatch/harmony.py)
     reasoning_block: str = ""
     # the output must match it (None: free text); masked after the bias and penalties
     constraint: Constraint | None = None
@@ -210,8 +211,8 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
-        if self.reasoning_block not in ("", "may_open", "open"):
-            fail("reasoning_block", "'', 'may_open' or 'open'")
+        if self.reasoning_block not in ("", "may_open", "open", "harmony"):
+            fail("reasoning_block", "'', 'may_open', 'open' or 'harmony'")
         object.__setattr__(self, "logit_bias", _canonical_logit_bias(self.logit_bias))
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             fail("constraint", "None or a Constraint")

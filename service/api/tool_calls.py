@@ -13,12 +13,18 @@ schema (`forced_call`), so the same parser reads it. Two formats cover the suppo
 - llama3-json (Llama 3.1, 3.2): the whole reply is the call, `{"name": "f", "parameters":
   {...}}` ("arguments" accepted too), optionally after `<|python_tag|>`, several separated
   by `;`. All or nothing: the reply is calls only if every part of it is one.
+- harmony (gpt-oss): a message to a recipient, `to=functions.f`, whose body is the
+  arguments. The server's harmony split (dispatch/harmony.py) has already taken the
+  reasoning out and left each such message in the answer as one marked block,
+  `<|channel|>commentary to=functions.f<|message|>{...}<|call|>`, parsed here as hermes
+  blocks are.
 
 The format comes from the chat template (`format_of_template`), because the template is
 what taught the model: a template that never reads `tools` cannot show the model any
-(None); one that writes `<tool_call>` is hermes; else one that writes `<|python_tag|>` or
-the `"parameters"` key of Llama 3's convention is llama3-json; any other tool-aware
-template uses a format this module does not parse (UNKNOWN).
+(None); one that writes harmony's `<|channel|>` is harmony; one that writes `<tool_call>`
+is hermes; else one that writes `<|python_tag|>` or the `"parameters"` key of Llama 3's
+convention is llama3-json; any other tool-aware template uses a format this module does
+not parse (UNKNOWN).
 
 A call is taken only when its JSON parses to an object naming one of the request's tools,
 with an object (or no) arguments. Anything else stays in the content as the model wrote
@@ -47,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eagerlm.dispatch.grammar import JSON_OPTIONS
+from eagerlm.dispatch.reasoning import HARMONY_CHANNEL
 from eagerlm.dispatch.stop_strings import StopMatcher
 from eagerlm.kernels.sampling import Constraint
 from eagerlm.loader.chat_template import ChatTemplate
@@ -57,6 +64,10 @@ TOOL_CALL_END = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # llama3-json: Llama 3.1's marker before a call
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+# harmony: the blocks dispatch/harmony.py's `call_text` leaves in the answer
+HARMONY_CALL_START = "<|channel|>commentary to="
+_HARMONY_BLOCK = re.compile(r"<\|channel\|>commentary to=(?:functions\.)?([^\s<]+)"
+                            r"<\|message\|>(.*?)(?:<\|call\|>|\Z)", re.DOTALL)
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -69,6 +80,7 @@ def _skip_space(text: str, pos: int) -> int:
 class ToolCallFormat(enum.Enum):
     HERMES = "hermes"
     LLAMA3_JSON = "llama3-json"
+    HARMONY = "harmony"
     UNKNOWN = "unknown"  # the template shows tools but the model writes calls otherwise
 
 
@@ -79,6 +91,8 @@ def format_of_template(template: ChatTemplate) -> ToolCallFormat | None:
     if "tools" not in template.variables:
         return None
     source = template.source
+    if HARMONY_CHANNEL in source:
+        return ToolCallFormat.HARMONY
     if TOOL_CALL_START in source:
         return ToolCallFormat.HERMES
     if PYTHON_TAG in source or '"parameters"' in source:
@@ -128,20 +142,29 @@ class ToolCallParser:
     def parse(self, text: str) -> Reply:
         if self.format is ToolCallFormat.HERMES:
             return self._parse_blocks(text)
+        if self.format is ToolCallFormat.HARMONY:
+            return self._parse_blocks(text, harmony=True)
         return self._parse_leading_json(text)
 
     def stream(self) -> ToolCallStream:
         """A new splitter for one streamed choice."""
         if self.format is ToolCallFormat.HERMES:
-            return _BlockStream(self)
+            return _BlockStream(self, TOOL_CALL_START)
+        if self.format is ToolCallFormat.HARMONY:
+            return _BlockStream(self, HARMONY_CALL_START)
         return _LeadingCallStream(self)
 
-    def _parse_blocks(self, text: str) -> Reply:
+    def _parse_blocks(self, text: str, harmony: bool = False) -> Reply:
         calls: list[ToolCall] = []
         pieces: list[str] = []
         pos = 0
-        for block in _HERMES_BLOCK.finditer(text):
-            call = self._call(block.group(1), ("arguments",))
+        for block in (_HARMONY_BLOCK if harmony else _HERMES_BLOCK).finditer(text):
+            if harmony:  # the recipient names the function, the body is its arguments
+                call = self._call_of({"name": block.group(1),
+                                      "arguments": _json_or_none(block.group(2))},
+                                     ("arguments",))
+            else:
+                call = self._call(block.group(1), ("arguments",))
             if call is None:
                 continue  # stays in the content
             calls.append(call)
@@ -178,11 +201,8 @@ class ToolCallParser:
         return self._reply("", calls)
 
     def _call(self, body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
-        try:
-            value = bounded_json.loads(body)
-        except ValueError:
-            return None
-        return self._call_of(value, argument_keys)
+        value = _json_or_none(body)
+        return None if value is None else self._call_of(value, argument_keys)
 
     def _call_of(self, value: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:
         """A call if `value` is {"name": one of the tools, <argument key>: {...}}."""
@@ -201,13 +221,37 @@ class ToolCallParser:
         return Reply(content or None, tuple(kept))
 
 
+def _json_or_none(text: str) -> Any:
+    """The JSON value of `text`, or None when it is not JSON (within the nesting bound)."""
+    try:
+        return bounded_json.loads(text)
+    except ValueError:
+        return None
+
+
 def forced_call(fmt: ToolCallFormat, tools: Sequence[tuple[str, dict[str, Any] | None]],
                 is_special: Callable[[str], bool], field: str = "tool_choice") -> Constraint:
     """The constraint of a reply that is exactly one call of one of `tools` ((name,
     parameter schema or None: any object) pairs), in the model's format: hermes a
     `<tool_call>` block (the markers as the special tokens they are in the vocabulary, when
-    `is_special` says so), llama3-json the bare JSON call. Its arguments follow the tool's
+    `is_special` says so), llama3-json the bare JSON call, harmony one commentary message
+    to the function (`<|channel|>commentary to=functions.f <|constrain|>json<|message|>`
+    and the arguments, as gpt-oss writes a call). Its arguments follow the tool's
     parameters. One call: "required" asks for at least one, and one always parses."""
+
+    def marker(text: str) -> str:
+        return text if is_special(text) else json.dumps(text)
+
+    if fmt is ToolCallFormat.HARMONY:
+        rules = []
+        for i, (name, parameters) in enumerate(tools):
+            args = {**(parameters or {"type": "object"}), "x-guidance": JSON_OPTIONS}
+            rules.append(f'call{i}: {marker("<|channel|>")} '
+                         f'{json.dumps(f"commentary to=functions.{name} ")} '
+                         f'{marker("<|constrain|>")} "json" {marker("<|message|>")} '
+                         f'%json {json.dumps(args)}')
+        alternatives = " | ".join(f"call{i}" for i in range(len(tools)))
+        return Constraint.lark(f"start: {alternatives}\n" + "\n".join(rules), field)
     key = "arguments" if fmt is ToolCallFormat.HERMES else "parameters"
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
               "properties": {"name": {"const": name},
@@ -218,10 +262,6 @@ def forced_call(fmt: ToolCallFormat, tools: Sequence[tuple[str, dict[str, Any] |
         return Constraint.json_schema(schema, field)
     if fmt is not ToolCallFormat.HERMES:
         raise ValueError(f"no forced-call grammar for the {fmt.value} format")
-
-    def marker(text: str) -> str:
-        return text if is_special(text) else json.dumps(text)
-
     schema = {**schema, "x-guidance": JSON_OPTIONS}  # as a schema constraint's JSON
 
     return Constraint.lark(f'start: {marker(TOOL_CALL_START)} "\\n" '
@@ -245,11 +285,12 @@ class ToolCallStream(ABC):
 
 
 class _BlockStream(ToolCallStream):
-    """hermes: content until the first `<tool_call>`, everything after it buffered."""
+    """hermes and harmony: content until the first call's marker (`<tool_call>`, or the
+    harmony split's marked call), everything after it buffered."""
 
-    def __init__(self, parser: ToolCallParser) -> None:
+    def __init__(self, parser: ToolCallParser, marker: str) -> None:
         super().__init__(parser)
-        self._marker = StopMatcher([TOOL_CALL_START])
+        self._marker = StopMatcher([marker])
         self._space = ""  # whitespace the shown text ended with: a call may follow it
         self._tail: list[str] | None = None  # the text from the first marker on
 

@@ -151,6 +151,8 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # assistant messages only
     tool_call_id: str | None = None  # tool messages: the call this answers
+    # an earlier reply's reasoning, as this server returns it (assistant messages only)
+    reasoning_content: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -176,6 +178,12 @@ class ChatMessage(_Strict):
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            # as llama.cpp hands it over: Qwen3's templates read `reasoning_content`,
+            # gpt-oss's `thinking`, which with tool calls takes the place of the content
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
+            if self.tool_calls:
+                del message["content"]
         return message
 
 
@@ -499,6 +507,10 @@ def _check_tool_fields(message: ChatMessage, path: str) -> None:
     if message.role == "tool" and message.tool_call_id is None:
         raise bad_request(f"Missing required parameter: '{path}.tool_call_id'.",
                           param=f"{path}.tool_call_id")
+    if message.reasoning_content is not None and message.role != "assistant":
+        raise bad_request(f"Invalid value for '{path}.reasoning_content': only assistant "
+                          f"messages carry reasoning.", param=f"{path}.reasoning_content",
+                          code="invalid_value")
     if message.role != "tool" and message.tool_call_id is not None:
         raise bad_request(f"Invalid value for '{path}.tool_call_id': only tool messages "
                           f"answer a tool call.", param=f"{path}.tool_call_id",

@@ -64,6 +64,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from eagerlm.dispatch.harmony import HarmonyStream, split_harmony
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.dispatch.reasoning import (
     ReasoningBlock,
@@ -542,13 +543,16 @@ def _model_card(engine: Engine, created: int) -> dict[str, Any]:
 
 
 def _is_special_text(engine: Engine) -> Callable[[str], bool]:
-    """Whether a text is one special token of the model's vocabulary (a forced call's
-    markers are then written as that token, as the model learned them)."""
+    """Whether a text is one special token of the model's vocabulary as the grammar engine
+    sees them (dispatch/grammar.py: a token that renders as nothing without special tokens,
+    control or unknown): a forced call's markers are then written as that token, as the
+    model learned them. A special token that renders as its text (user-defined, as
+    harmony's `<|channel|>`) is matched as that text."""
     tok = engine.tokenizer
 
     def is_special(text: str) -> bool:
         tid = tok.token_id(text)
-        return tid is not None and tok.is_special(tid)
+        return tid is not None and tok.is_special(tid) and not tok.piece(tid, special=False)
     return is_special
 
 
@@ -637,23 +641,30 @@ async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]
 
 
 class _Thinking:
-    """One request's reasoning split (dispatch/reasoning.py), or none."""
+    """One request's reasoning split (dispatch/reasoning.py, or dispatch/harmony.py for a
+    harmony model), or none."""
 
     def __init__(self, fmt: ReasoningFormat, prompt_text: str | None) -> None:
-        self.on = fmt is ReasoningFormat.DEEPSEEK
+        self.harmony = fmt is ReasoningFormat.HARMONY
+        self.on = fmt is ReasoningFormat.DEEPSEEK or self.harmony
         self.opened = prompt_opens_reasoning(prompt_text)
 
     def params(self, params: SamplingParams) -> SamplingParams:
         """Stop strings skip the reasoning (dispatch/token_judge.py)."""
         if not self.on:
             return params
-        block = ReasoningBlock.OPEN if self.opened else ReasoningBlock.MAY_OPEN
+        block = ReasoningBlock.HARMONY if self.harmony else \
+            ReasoningBlock.OPEN if self.opened else ReasoningBlock.MAY_OPEN
         return dataclasses.replace(params, reasoning_block=block)
 
     def split(self, text: str) -> Split:
+        if self.harmony:
+            return split_harmony(text)
         return split_reasoning(text, self.opened) if self.on else Split(None, text)
 
-    def stream(self) -> ReasoningStream | None:
+    def stream(self) -> ReasoningStream | HarmonyStream | None:
+        if self.harmony:
+            return HarmonyStream()
         return ReasoningStream(self.opened) if self.on else None
 
 

@@ -26,6 +26,7 @@ from eagerlm.kernels.device_tensor import (
     ContiguousDeviceKV,
     DeviceSessionKV,
     DeviceTensor,
+    check_tensor,
 )
 from eagerlm.vmm.kv_layout import KVLayout
 
@@ -157,10 +158,10 @@ class CudaAttention:
         return meta
 
     def attend(self, batch: ForwardBatch, layer: int, q: DeviceTensor, *, scale: float,
-               window: int) -> DeviceTensor:
+               window: int, sinks: DeviceTensor | None = None) -> DeviceTensor:
         """CudaOps.attention: the decode kernel for decode batches it serves, the prefill
-        kernel for prefill batches it serves (where it agrees on this device), else the
-        general one."""
+        kernel for prefill batches it serves (where it agrees on this device, and without
+        attention sinks, which it does not take), else the general one."""
         ops = self.ops
         meta = self.batch_meta(batch)
         _, n_heads, hd = q.shape
@@ -170,17 +171,18 @@ class CudaAttention:
             n_splits, split_len = decode_attention_splits(keys, len(batch.seqs), n_kv, n_heads,
                                                           ops.sm_count)
             return self.decode(meta, layer, q, scale=scale, window=window,
-                               n_splits=n_splits, split_len=split_len, n_seqs=len(batch.seqs))
-        if (ops.tensor_core_prefill is not False and meta.max_new >= PF_MIN_NEW
-                and self._prefill_ok(meta, q, n_kv)
+                               n_splits=n_splits, split_len=split_len, n_seqs=len(batch.seqs),
+                               sinks=sinks)
+        if (sinks is None and ops.tensor_core_prefill is not False
+                and meta.max_new >= PF_MIN_NEW and self._prefill_ok(meta, q, n_kv)
                 and (ops.tensor_core_prefill or self.prefill_kernel_agrees(hd))):
             return self.prefill(meta, layer, q, scale=scale, window=window)
-        return self.general(meta, layer, q, scale=scale, window=window)
+        return self.general(meta, layer, q, scale=scale, window=window, sinks=sinks)
 
     def general(self, meta: BatchMeta, layer: int, q: DeviceTensor, *,
-                scale: float, window: int) -> DeviceTensor:
+                scale: float, window: int, sinks: DeviceTensor | None = None) -> DeviceTensor:
         """attention.cu: any batch, head dims up to 256, context split when the grid is
-        small."""
+        small; `sinks` (float32 [heads]) join each head's softmax."""
         ops = self.ops
         n_tok, n_heads, hd = q.shape
         n_kv = meta.first_kv.k_view(layer).shape[1]
@@ -207,8 +209,9 @@ class CudaAttention:
             out.ptr, 0 if part_o is None else part_o.ptr, 0 if part_ml is None else part_ml.ptr,
             q.ptr,
             meta.seqs.ptr, k_off, v_off, meta.token_bytes, n_heads, n_kv, hd,
-            float(scale) * _LOG2E, int(window), n_splits, split_len, n_tok, smem=smem)
-        self._merge_splits(out, part_o, part_ml)
+            float(scale) * _LOG2E, int(window), n_splits, split_len, n_tok, _ptr(sinks),
+            smem=smem)
+        self._merge_splits(out, part_o, part_ml, sinks)
         return out
 
     def _split_partials(self, n_splits: int, n_tok: int, n_heads: int,
@@ -222,14 +225,15 @@ class CudaAttention:
                 self.ops.empty((n_splits, n_tok, n_heads, 2), "f32"))
 
     def _merge_splits(self, out: DeviceTensor, part_o: DeviceTensor | None,
-                      part_ml: DeviceTensor | None) -> None:
-        """attention_merge: the splits' partials into `out` [rows, heads * hd] (bf16)."""
+                      part_ml: DeviceTensor | None, sinks: DeviceTensor | None) -> None:
+        """attention_merge: the splits' partials (and the heads' sinks) into `out`
+        [rows, heads * hd] (bf16)."""
         if part_o is None or part_ml is None:
             return
         n_splits, n_tok, n_heads, hd = part_o.shape
         self.ops.kernels["attention_merge"].launch(
             self._s, n_tok * n_heads, min(256, -(-hd // 32) * 32), out.ptr, part_o.ptr,
-            part_ml.ptr, n_tok, n_heads, hd, n_splits)
+            part_ml.ptr, n_tok, n_heads, hd, n_splits, _ptr(sinks))
 
     def _decode_ok(self, meta: BatchMeta, layer: int, n_heads: int, n_kv: int,
                    hd: int) -> bool:
@@ -314,7 +318,7 @@ class CudaAttention:
 
     def decode(self, meta: BatchMeta, layer: int, q: DeviceTensor, *,
                scale: float, window: int, n_splits: int, split_len: int,
-               n_seqs: int | None = None) -> DeviceTensor:
+               n_seqs: int | None = None, sinks: DeviceTensor | None = None) -> DeviceTensor:
         """Attention of a decode batch (every session of `meta` has at most one row; q is
         [rows, n_heads, hd]) with attention_decode.cu: one block per (split, KV head,
         session), splits merged by attention_merge. `n_splits` / `split_len` come from
@@ -333,6 +337,15 @@ class CudaAttention:
             self._s, (n_splits, n_kv * chunks, n_seqs), DECODE_THREADS,
             out.ptr, 0 if part_o is None else part_o.ptr, 0 if part_ml is None else part_ml.ptr,
             q.ptr, meta.seqs.ptr, k_off, v_off, meta.token_bytes, n_heads, n_kv,
-            float(scale) * _LOG2E, int(window), n_splits, split_len, n_tok, smem=smem)
-        self._merge_splits(out, part_o, part_ml)
+            float(scale) * _LOG2E, int(window), n_splits, split_len, n_tok, _ptr(sinks),
+            smem=smem)
+        self._merge_splits(out, part_o, part_ml, sinks)
         return out
+
+
+def _ptr(t: DeviceTensor | None) -> int:
+    """A kernel's optional float32 input: its address, or null."""
+    if t is None:
+        return 0
+    check_tensor(t, "f32", "attention sinks")
+    return t.ptr

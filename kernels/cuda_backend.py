@@ -21,6 +21,7 @@ from typing import Any, Literal
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from eagerlm.errors import InvalidParameters
+from eagerlm.kernels.cuda_moe import DeviceExperts, check_moe
 from eagerlm.kernels.cuda_ops import CudaOps
 from eagerlm.kernels.cuda_quantized import DeviceQuantizedMatrix, tile_bytes
 from eagerlm.kernels.device_tensor import DeviceTensor
@@ -39,26 +40,33 @@ DEQUANT_KERNEL = {
     Q.Q5_0: "q5_0", Q.Q5_1: "q5_1", Q.Q8_0: "q8_0", Q.Q2_K: "q2_k", Q.Q3_K: "q3_k",
     Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k", Q.IQ2_XXS: "iq2_xxs", Q.IQ2_XS: "iq2_xs",
     Q.IQ2_S: "iq2_s", Q.IQ3_XXS: "iq3_xxs", Q.IQ3_S: "iq3_s", Q.IQ1_S: "iq1_s",
-    Q.IQ1_M: "iq1_m", Q.IQ4_NL: "iq4_nl", Q.IQ4_XS: "iq4_xs",
+    Q.IQ1_M: "iq1_m", Q.IQ4_NL: "iq4_nl", Q.IQ4_XS: "iq4_xs", Q.MXFP4: "mxfp4",
 }
 
 
 CudaWeightsMode = Literal["quantized", "bf16"]
 CUDA_WEIGHTS_MODES: tuple[CudaWeightsMode, ...] = ("quantized", "bf16")
 
-CudaWeight = DeviceTensor | DeviceQuantizedMatrix
+CudaWeight = DeviceTensor | DeviceQuantizedMatrix | DeviceExperts
 
 
 def weight_dtype(info: TensorInfo) -> str:
-    return "f32" if len(info.shape) == 1 else "bf16"
+    """float32 for vectors, biases (the experts' are [n_experts, out]) and a mixture of
+    experts' router (moe_route reads it as float32: routing is a choice, kept exact);
+    bf16 for the other matrices."""
+    if (len(info.shape) == 1 or info.name.endswith(".bias")
+            or info.name.endswith("ffn_gate_inp.weight")):
+        return "f32"
+    return "bf16"
 
 
 def keeps_blocks(info: TensorInfo, weights: CudaWeightsMode) -> bool:
-    """Whether the cuda backend holds this tensor as its blocks: every matrix of a block
-    type, in "quantized" mode. F16 and F32 matrices become bf16 (the same bytes or fewer,
-    and cuBLASLt reads them directly); vectors are float32 always."""
-    return (weights == "quantized" and len(info.shape) == 2
-            and GGML_QUANT_SIZES[info.qtype][0] > 1)
+    """Whether the cuda backend holds this tensor as its blocks: every matrix (and 3-D
+    expert tensor) of a block type, in "quantized" mode. F16 and F32 matrices become bf16
+    (the same bytes or fewer, and cuBLASLt reads them directly); vectors are float32
+    always."""
+    return (weights == "quantized" and len(info.shape) in (2, 3)
+            and GGML_QUANT_SIZES[info.qtype][0] > 1 and weight_dtype(info) == "bf16")
 
 
 def check_weights_mode(weights: str) -> CudaWeightsMode:
@@ -85,9 +93,12 @@ class CudaWeights:
 
     def wrap(self, buffer: DeviceBuffer, info: TensorInfo) -> CudaWeight:
         if keeps_blocks(info, self.weights):
+            if len(info.shape) == 3:
+                n, rows, cols = info.shape
+                return DeviceExperts(buffer.ptr, info.qtype, (n, rows, cols), buffer)
             rows, cols = info.shape
             return DeviceQuantizedMatrix(buffer.ptr, info.qtype, (rows, cols), buffer)
-        return DeviceTensor(buffer.ptr, info.shape, weight_dtype(info), buffer)
+        return _tensor(buffer, info, weight_dtype(info))
 
     def expand(self, stream: Stream, raw: Memory, info: TensorInfo) -> DeviceTensor:
         kind = DEQUANT_KERNEL.get(info.qtype)
@@ -101,7 +112,15 @@ class CudaWeights:
         grid = max(1, min(-(-n // 256), self.ops.sm_count * 64))
         self.ops.kernels[f"dequant_{kind}_{dtype}"].launch(
             stream.handle, grid, 256, out.ptr, raw.ptr, n)  # type: ignore[attr-defined]
-        return DeviceTensor(out.ptr, info.shape, dtype, out)
+        return _tensor(out, info, dtype)
+
+
+def _tensor(memory: Any, info: TensorInfo, dtype: str) -> DeviceTensor | DeviceExperts:
+    """A tensor of values on the device: 3-D experts (as bf16) the MoE kernels' way."""
+    if len(info.shape) == 3 and dtype == "bf16":
+        n, rows, cols = info.shape
+        return DeviceExperts(memory.ptr, Q.BF16, (n, rows, cols), memory)
+    return DeviceTensor(memory.ptr, info.shape, dtype, memory)
 
 
 def device_weight_bytes(model: ModelFile, weights: CudaWeightsMode = "quantized") -> int:
@@ -112,7 +131,7 @@ def device_weight_bytes(model: ModelFile, weights: CudaWeightsMode = "quantized"
                else info.n_elements * (2 if weight_dtype(info) == "bf16" else 4)
                for info in tensors)
     return held + tile_bytes((info.shape[0], info.shape[1]) for info in tensors
-                             if keeps_blocks(info, weights))
+                             if keeps_blocks(info, weights) and len(info.shape) == 2)
 
 
 def load_cuda_weights(model: ModelFile, ops: CudaOps, *,
@@ -144,10 +163,14 @@ def load_cuda_weights(model: ModelFile, ops: CudaOps, *,
 def cuda_transformer(model: ModelFile, device: Any = None, *,
                      on_bytes: Callable[[int, int], None] | None = None,
                      ops: CudaOps | None = None,
-                     weights: CudaWeightsMode = "quantized") -> Transformer[CudaWeight]:
+                     weights: CudaWeightsMode = "quantized",
+                     context: int | None = None) -> Transformer[CudaWeight]:
     """The model on a CUDA device (the first one when `device` is None); `on_bytes` as for
     `load_cuda_weights`, and with it the loader's report on stderr; `weights` "quantized"
-    (the default: matrices kept as their blocks) or "bf16"."""
+    (the default: matrices kept as their blocks) or "bf16"; `context` as for
+    `Transformer` (LongRoPE's factors)."""
+    if model.config.moe is not None:
+        check_moe(model.config.moe)
     if ops is None:
         if device is None:
             from eagerlm.vmm.device import open_device
@@ -158,7 +181,7 @@ def cuda_transformer(model: ModelFile, device: Any = None, *,
     if on_bytes is not None:
         print(stats.report(), file=sys.stderr)
     ops.lm_head = held.output
-    return Transformer(model.config, held, ops)  # type: ignore[arg-type]
+    return Transformer(model.config, held, ops, context=context)  # type: ignore[arg-type]
 
 
 def free_weights(weights: ModelWeights[CudaWeight]) -> None:

@@ -27,15 +27,17 @@ _KIND_FORMAT = {"p": "Q", "i": "i4x", "q": "q", "f": "f4x", "d": "d"}
 
 _DEQUANT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k",
                   "q4_k", "q5_k", "q6_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s",
-                  "iq1_s", "iq1_m", "iq4_nl", "iq4_xs")
+                  "iq1_s", "iq1_m", "iq4_nl", "iq4_xs", "mxfp4")
 # quant_matrix.cu: the fused GEMV over blocks kept on the device (the types the decode path
 # reads directly) and the embedding lookup over a block table (every block type)
 GEMV_TYPES = ("q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k")
 EMBED_BLOCK_TYPES = tuple(t for t in _DEQUANT_TYPES if t not in ("f32", "f16", "bf16"))
-_ATTENTION = {f"attention_hd{d}": "pppppqqqiiifiiii" for d in (32, 64, 128, 256)}
+_ATTENTION = {f"attention_hd{d}": "pppppqqqiiifiiiip" for d in (32, 64, 128, 256)}
 # attention_decode.cu: one kernel per (head dim, query heads per block)
-_ATTENTION_DECODE = {f"attention_decode_hd{d}_g{g}": "pppppqqqiifiiii"
+_ATTENTION_DECODE = {f"attention_decode_hd{d}_g{g}": "pppppqqqiifiiiip"
                      for d in (32, 64, 128, 256) for g in (1, 2, 4, 8)}
+# moe.cu: the grouped expert product over any block type (bf16 experts included)
+MOE_GEMV_TYPES = tuple(t for t in _DEQUANT_TYPES)
 
 # Dynamic shared memory a launch gets without opting in (cuFuncSetAttribute); up to the
 # device's maximum (227 KiB on sm_90) with it.
@@ -50,6 +52,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "rope_norm": ("rope", "ppppiiidddddd"),
     "rope_neox": ("rope", "ppppiiidddddd"),
     "swiglu": ("elementwise", "pppq"),
+    "swiglu_oai": ("elementwise", "pppq"),
     "geglu": ("elementwise", "pppq"),
     "softcap_f32": ("elementwise", "ppqf"),
     "softcap_bf16": ("elementwise", "ppqf"),
@@ -58,7 +61,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "gather_rows": ("elementwise", "pppiq"),
     "kv_append": ("kv_append", "ppppiiqqq"),
     **{name: ("attention", sig) for name, sig in _ATTENTION.items()},
-    "attention_merge": ("attention", "pppiiii"),
+    "attention_merge": ("attention", "pppiiiip"),
     "attention_prefill_hd64": ("attention_prefill", "pppqqqiifi"),
     "attention_prefill_hd128": ("attention_prefill", "pppqqqiifi"),
     "mma_selftest": ("attention_prefill", "pppi"),  # tests only: mma.cuh fragment layouts
@@ -73,6 +76,10 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     **{f"gemv8_{t}": ("quant_matrix", "pppppiiiii") for t in GEMV_TYPES},
     "quantize_q8": ("quant_matrix", "pppq"),
     **{f"embed_{t}": ("quant_matrix", "pppipiiif") for t in EMBED_BLOCK_TYPES},
+    "moe_route": ("moe", "pppppiiiiiif"),
+    "moe_sort": ("moe", "pppppiii"),
+    **{f"moe_gemv_{t}": ("moe", "ppppqppp" + "ii") for t in MOE_GEMV_TYPES},
+    "moe_combine": ("moe", "ppppppiii"),
 }
 
 

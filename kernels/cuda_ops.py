@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from eagerlm.errors import UnsupportedModel
+from eagerlm.kernels import cuda_moe
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cuda_attention import CudaAttention
 from eagerlm.kernels.cuda_kernels import KernelLibrary
@@ -278,14 +278,17 @@ class CudaOps(CudaSampling):
         check_tensor(gate, "bf16", "gate")
         check_tensor(up, "bf16", "up")
         out = self.empty(gate.shape, "bf16")
-        name = "swiglu" if act is Activation.SWIGLU else "geglu"
+        name = {Activation.SWIGLU: "swiglu", Activation.GEGLU: "geglu",
+                Activation.SWIGLU_OAI: "swiglu_oai"}[act]
         self.kernels[name].launch(self._s, self._grid(out.size), 256, out.ptr, gate.ptr, up.ptr,
                                   out.size)
         return out
 
     def moe_ffn(self, x: DeviceTensor, w: MoEWeights[Any], moe: MoEConfig,
                 act: Activation) -> DeviceTensor:
-        raise UnsupportedModel("mixture-of-experts models are not yet supported on cuda")
+        """The mixture-of-experts FFN, routed and grouped on the device
+        (kernels/cuda_moe.py)."""
+        return cuda_moe.moe_ffn(self, x, w, moe, act)
 
     def softcap(self, x: DeviceTensor, cap: float) -> DeviceTensor:
         out = self.empty(x.shape, x.dtype)
@@ -341,9 +344,7 @@ class CudaOps(CudaSampling):
     def attention(self, batch: ForwardBatch, layer: int, q: DeviceTensor, *, scale: float,
                   window: int, sinks: DeviceTensor | None = None) -> DeviceTensor:
         check_tensor(q, "bf16", "queries")
-        if sinks is not None:  # gpt-oss: the kernels' sinks come with the cuda MoE work
-            raise UnsupportedModel("attention sinks are not yet supported on cuda")
-        return self.attn.attend(batch, layer, q, scale=scale, window=window)
+        return self.attn.attend(batch, layer, q, scale=scale, window=window, sinks=sinks)
 
     # -- a round's KV and inputs (its sampling: CudaSampling) -----------------------------
 

@@ -7,7 +7,9 @@
 // head dimension for P.V) with the online softmax in the log2 domain (exp2f).
 //
 // A key at position j is visible from position p when j <= p and, with a sliding window,
-// p - j < window (kernels/numpy_ops.py: attention).
+// p - j < window (kernels/numpy_ops.py: attention). With `sinks` (gpt-oss: one logit per
+// query head, natural log units, or null) each head's softmax also counts that logit,
+// which has no value: it joins the normalisation (here, or in attention_merge).
 //
 // Long contexts with few query vectors (decode) are split over the context: blockIdx.y
 // also numbers the split; each split writes its unnormalised output and (max, sum) to a
@@ -43,7 +45,7 @@ __device__ __forceinline__ void attention_impl(
     bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
     const bf16* __restrict__ q, const SeqDesc* __restrict__ seqs, i64 k_off, i64 v_off,
     i64 token_bytes, int n_heads, int n_kv_heads, int hd, float scale_log2, int window,
-    int n_splits, int split_len, int n_rows) {
+    int n_splits, int split_len, int n_rows, const float* __restrict__ sinks) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int ld = hd + 2;  // odd number of 32-bit words per row: lanes hit distinct banks
   bf16* q_s = reinterpret_cast<bf16*>(smem);  // [ATT_QB][hd]
@@ -152,7 +154,9 @@ __device__ __forceinline__ void attention_impl(
     const int h = kvh * g + qv % g;
     const i64 row = s.start + qv / g;
     if (n_splits == 1) {
-      const float inv = l[k] > 0.0f ? 1.0f / l[k] : 0.0f;
+      float total = l[k];
+      if (sinks != nullptr && m[k] != -EAGERLM_INF) total += exp2f(sinks[h] * LOG2E - m[k]);
+      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
 #pragma unroll
       for (int i = 0; i < HPL; ++i) {
         const int d = lane + 32 * i;
@@ -178,9 +182,10 @@ __device__ __forceinline__ void attention_impl(
       bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,     \
       const bf16* __restrict__ q, const SeqDesc* __restrict__ seqs, i64 k_off, i64 v_off,  \
       i64 token_bytes, int n_heads, int n_kv_heads, int hd, float scale_log2, int window,  \
-      int n_splits, int split_len, int n_rows) {                                           \
+      int n_splits, int split_len, int n_rows, const float* __restrict__ sinks) {          \
     attention_impl<HPL>(out, part_o, part_ml, q, seqs, k_off, v_off, token_bytes, n_heads, \
-                        n_kv_heads, hd, scale_log2, window, n_splits, split_len, n_rows);  \
+                        n_kv_heads, hd, scale_log2, window, n_splits, split_len, n_rows,   \
+                        sinks);                                                            \
   }
 
 ATTENTION_KERNEL(attention_hd32, 1)
@@ -190,15 +195,18 @@ ATTENTION_KERNEL(attention_hd256, 8)
 
 // Combine the splits of one (row, head): out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M).
 // A split that saw no visible key has m = -inf and weighs nothing; at least one split holds
-// the row's own position, so M is finite.
+// the row's own position, so M is finite. A head's sink (when `sinks` is given) adds
+// 2^(sink - M) to the denominator, M taken over it too.
 extern "C" __global__ void attention_merge(bf16* __restrict__ out, const float* __restrict__ part_o,
                                            const float* __restrict__ part_ml, int n_rows,
-                                           int n_heads, int hd, int n_splits) {
+                                           int n_heads, int hd, int n_splits,
+                                           const float* __restrict__ sinks) {
   const i64 at = blockIdx.x;  // row * n_heads + head
   const i64 stride = (i64)n_rows * n_heads;
-  float mx = -EAGERLM_INF;
+  const float sink = sinks != nullptr ? sinks[at % n_heads] * LOG2E : -EAGERLM_INF;
+  float mx = sink;
   for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, part_ml[(s * stride + at) * 2]);
-  float total = 0.0f;
+  float total = sink != -EAGERLM_INF ? exp2f(sink - mx) : 0.0f;
   for (int s = 0; s < n_splits; ++s) {
     const float ms = part_ml[(s * stride + at) * 2];
     if (ms != -EAGERLM_INF) total += part_ml[(s * stride + at) * 2 + 1] * exp2f(ms - mx);

@@ -69,7 +69,7 @@ __device__ __forceinline__ void attention_decode_impl(
     bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
     const bf16* __restrict__ q, const SeqDesc* __restrict__ seqs, i64 k_off, i64 v_off,
     i64 token_bytes, int n_heads, int n_kv_heads, float scale_log2, int window, int n_splits,
-    int split_len, int n_rows) {
+    int split_len, int n_rows, const float* __restrict__ sinks) {
   static_assert(HD % 8 == 0 && DEC_THREADS % (HD / 8) == 0 && HD / 8 <= 32, "head_dim");
   constexpr int TPK = HD / 8;                // threads per key (8 dims each)
   constexpr int NG = DEC_THREADS / TPK;      // key groups per block
@@ -243,8 +243,9 @@ __device__ __forceinline__ void attention_decode_impl(
 #pragma unroll 4
     for (int j = 0; j < NG; ++j) o += sm_o[j * G * HD + e];
     const i64 head = kvh * g + h0 + h;
-    if (n_splits == 1) {
-      const float sum = sm_ml[h * 2 + 1];
+    if (n_splits == 1) {  // a sink joins the denominator (attention.cu says how)
+      float sum = sm_ml[h * 2 + 1];
+      if (sinks != nullptr) sum += exp2f(sinks[head] * LOG2E - sm_ml[h * 2]);
       out[(row * n_heads + head) * HD + d] = from_f32<bf16>(sum > 0.0f ? o / sum : 0.0f);
     } else {
       const i64 at = ((i64)split * n_rows + row) * n_heads + head;
@@ -262,10 +263,10 @@ __device__ __forceinline__ void attention_decode_impl(
       bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,      \
       const bf16* __restrict__ q, const SeqDesc* __restrict__ seqs, i64 k_off, i64 v_off,   \
       i64 token_bytes, int n_heads, int n_kv_heads, float scale_log2, int window,           \
-      int n_splits, int split_len, int n_rows) {                                            \
+      int n_splits, int split_len, int n_rows, const float* __restrict__ sinks) {           \
     attention_decode_impl<HD, G>(out, part_o, part_ml, q, seqs, k_off, v_off, token_bytes,  \
                                  n_heads, n_kv_heads, scale_log2, window, n_splits,         \
-                                 split_len, n_rows);                                        \
+                                 split_len, n_rows, sinks);                                 \
   }
 
 ATTENTION_DECODE_KERNEL(32, 1)

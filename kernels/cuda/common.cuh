@@ -17,6 +17,7 @@ typedef long long i64;
 #define EAGERLM_INF __int_as_float(0x7f800000)
 #define EAGERLM_NAN __int_as_float(0x7fc00000)
 #define FULL_MASK 0xffffffffu
+#define LOG2E 1.4426950408889634f  // log2(e): natural-log logits to the kernels' log2 domain
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }

@@ -26,6 +26,17 @@ extern "C" __global__ void geglu(bf16* __restrict__ out, const bf16* __restrict_
   }
 }
 
+// gpt-oss's clamped SwiGLU, as ggml's swiglu_oai (alpha 1.702, limit 7): the gate clamped
+// above, up on both sides, gate * sigmoid(alpha gate) * (up + 1).
+extern "C" __global__ void swiglu_oai(bf16* __restrict__ out, const bf16* __restrict__ gate,
+                                      const bf16* __restrict__ up, i64 n) {
+  GRID_STRIDE(i, n) {
+    const float g = fminf(__bfloat162float(gate[i]), 7.0f);
+    const float u = fminf(fmaxf(__bfloat162float(up[i]), -7.0f), 7.0f);
+    out[i] = from_f32<bf16>(g / (1.0f + expf(-1.702f * g)) * (u + 1.0f));
+  }
+}
+
 // tanh(x / cap) * cap; logits (float32) or activations (bf16).
 extern "C" __global__ void softcap_f32(float* __restrict__ out, const float* __restrict__ x,
                                        i64 n, float cap) {

@@ -277,3 +277,16 @@ struct IQ4_XS {
     return __fmul_rn(dl, (float)kvalues_iq4nl[nibble32(b + 8 + 16 * ib, j % 32)]);
   }
 };
+// MXFP4 (gpt-oss's experts): e (e8m0: 2^(e - 128) per doubled e2m1 step, gguf-py's
+// e8m0_to_fp32_half), qs[16]: 4-bit e2m1 codes laid out as Q4_0's, the doubled values
+// 0, 1, 2, 3, 4, 6, 8, 12 and their negatives.
+struct MXFP4 {
+  static constexpr int QK = 32, BYTES = 17;
+  __device__ static float at(const unsigned char* b, int j) {
+    const unsigned e = b[0];
+    const float d = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+    const int code = nibble32(b + 1, j);
+    const int mag[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+    return __fmul_rn(d, (float)(code < 8 ? mag[code] : -mag[code - 8]));
+  }
+};

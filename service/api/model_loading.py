@@ -133,14 +133,16 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
         if device == "cpu":
             transformer = cpu_transformer(
                 model, on_bytes, weights="quantized" if weights is None else weights,
-                on_compile=lambda seconds: report("compile", seconds=seconds))
+                on_compile=lambda seconds: report("compile", seconds=seconds),
+                context=max_context)
             dev = open_device(device, page_size=page_size)
         else:
             from eagerlm.kernels.cuda_backend import cuda_transformer
 
             dev = open_device(device, page_size=page_size)
             transformer = cuda_transformer(model, dev, on_bytes=on_bytes,
-                                           weights="quantized" if weights is None else weights)
+                                           weights="quantized" if weights is None else weights,
+                                           context=max_context)
     except BaseException:
         if dev is not None:
             dev.close()

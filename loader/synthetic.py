@@ -241,6 +241,22 @@ SHAPES: dict[str, SyntheticSpec] = {
                                   context_length=131072, rope_base=500000.0,
                                   llama3_rope_factor=8.0, weight_type=Q.BF16,
                                   uniform_init=True),
+    # Qwen3-30B-A3B (and Qwen3-Coder-30B-A3B) as a Q4_K_M file holds it, about 18 GB: every
+    # matrix Q4_K (Q4_K_M also puts some down projections and V in Q6_K), the lm head Q6_K
+    "qwen3-30b-a3b": SyntheticSpec("qwen3moe", n_layers=48, d_model=2048, n_heads=32,
+                                   n_kv_heads=4, head_dim=128, d_ff=6144, n_experts=128,
+                                   n_experts_used=8, d_ff_expert=768, vocab_size=151936,
+                                   context_length=40960, rope_base=1e6, weight_type=Q.Q4_K,
+                                   output_type=Q.Q6_K, uniform_init=True),
+    # gpt-oss-20b: MXFP4 experts as OpenAI ships them, the other matrices Q8_0 (rows of
+    # 2880 values are not whole 256-value K-quant blocks), YaRN x32 over 4096
+    "gpt-oss-20b": SyntheticSpec("gpt-oss", n_layers=24, d_model=2880, n_heads=64,
+                                 n_kv_heads=8, head_dim=64, d_ff=2880, n_experts=32,
+                                 n_experts_used=4, d_ff_expert=2880, vocab_size=201088,
+                                 context_length=131072, rope_base=150000.0,
+                                 rope_scaling="yarn", rope_scaling_factor=32.0,
+                                 rope_original_context=4096, sliding_window=128,
+                                 weight_type=Q.Q8_0, expert_type=Q.MXFP4, uniform_init=True),
     "gemma3-270m": SyntheticSpec("gemma3", n_layers=18, d_model=640, n_heads=4, n_kv_heads=1,
                                  head_dim=256, d_ff=2048, vocab_size=262144,
                                  context_length=32768, rope_base=1e6, sliding_window=512,

@@ -201,13 +201,15 @@ class SyntheticSpec:
         return bpe_vocab(self.vocab_size, pre=self.pre or "qwen2", specials=(
             "<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra))
 
-    def config(self) -> ModelConfig:
-        """The config a reader derives from the file this spec writes
-        (loader/architectures.py, from the same metadata and tensor names), whose
-        `tensor_plan` is the file's tensors."""
+    def tensor_config(self) -> ModelConfig:
+        """The config a reader derives from the file this spec writes (loader/architectures.py,
+        from the same metadata and tensor names), whose `tensor_plan` is the file's
+        tensors. Without the rope scaling keys, which decide no tensor: a spec may write
+        values the reader refuses, to test that it does."""
         w = GGUFWriter(os.devnull, self.architecture)
         _add_model_metadata(w, self)
-        metadata = {key: v.value for key, v in w.kv_data[0].items()}
+        metadata = {key: v.value for key, v in w.kv_data[0].items()
+                    if ".rope.scaling." not in key}
         return config_from_keys(Keys(metadata, self._tensor_names(), self.architecture),
                                 self.vocab_size)
 
@@ -418,7 +420,7 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> 
     vocab = spec.vocab()
     if len(vocab.tokens) != spec.vocab_size:
         raise ValueError(f"vocabulary has {len(vocab.tokens)} tokens, spec {spec.vocab_size}")
-    config = spec.config()
+    config = spec.tensor_config()
     w = GGUFWriter(path, arch)
     _add_model_metadata(w, spec)
     for key, value in vocab.metadata().items():

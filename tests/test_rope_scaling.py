@@ -31,7 +31,6 @@ from eagerlm.loader.config import (
     RopeParams,
     RopeScalingType,
     RopeStyle,
-    UnsupportedModel,
 )
 from eagerlm.loader.errors import InvalidMetadata
 from eagerlm.loader.model_file import ModelFile
@@ -237,13 +236,20 @@ def test_gemma3_sliding_window_layers_keep_their_own_rope_under_yarn(tmp_path):
 
 
 @pytest.mark.parametrize("scaling, factor, error, message", [
-    ("longrope", 4.0, UnsupportedModel, "rope scaling 'longrope' is not supported"),
     ("yarn", -2.0, InvalidMetadata, "-2 is out of range.*rope.scaling.factor"),
 ])
 def test_unsupported_or_bad_scaling_in_the_file_is_refused(tmp_path, scaling, factor,
                                                            error, message):
     with pytest.raises(error, match=message):
         _config(tmp_path, rope_scaling=scaling, rope_scaling_factor=factor)
+
+
+def test_longrope_scales_positions_as_llama_cpp_does(tmp_path):
+    """llama.cpp's LONGROPE type: any type but none takes freq_scale = 1 / factor, and only
+    YaRN has an ext_factor; its per-frequency factors are tensors of their own
+    (rope_factors_long / _short, tests/test_architectures_vs_llama_cpp.py's phi3 cases)."""
+    rope = _config(tmp_path, rope_scaling="longrope", rope_scaling_factor=4.0).layer_rope(0)
+    assert (rope.freq_scale, rope.ext_factor) == (0.25, 0.0)
 
 
 # -- the user's override ----------------------------------------------------------------

@@ -206,12 +206,16 @@ class SyntheticSpec:
         from the same metadata and tensor names), whose `tensor_plan` is the file's
         tensors. Without the rope scaling keys, which decide no tensor: a spec may write
         values the reader refuses, to test that it does."""
-        w = GGUFWriter(os.devnull, self.architecture)
-        _add_model_metadata(w, self)
-        metadata = {key: v.value for key, v in w.kv_data[0].items()
+        metadata = {key: v for key, v in self.model_metadata().items()
                     if ".rope.scaling." not in key}
         return config_from_keys(Keys(metadata, self._tensor_names(), self.architecture),
                                 self.vocab_size)
+
+    def model_metadata(self) -> dict[str, object]:
+        """The `{arch}.*` keys this spec writes, as values (the tokenizer's aside)."""
+        w = GGUFWriter(os.devnull, self.architecture)
+        _add_model_metadata(w, self)
+        return {key: v.value for key, v in w.kv_data[0].items()}
 
     def _tensor_names(self) -> frozenset[str]:
         """The tensors whose presence the reader looks at (loader/architectures.py)."""

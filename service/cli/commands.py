@@ -154,7 +154,7 @@ def _constraint(args: argparse.Namespace) -> Constraint | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from eagerlm.service.api.engine import GenerationError
+    from eagerlm.service.api.streams import GenerationError
 
     params = _sampling(args, constraint=_constraint(args))
     with _open_engine(args) as engine:

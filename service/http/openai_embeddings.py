@@ -25,12 +25,7 @@ from pydantic import Field
 
 from eagerlm.service.http.openai_errors import bad_request
 from eagerlm.service.http.openai_parsing import RequestBody, parse_body
-from eagerlm.service.http.request_lifecycle import (
-    CLIENT_CLOSED_REQUEST,
-    ClientGone,
-    prepare,
-    unless_disconnected,
-)
+from eagerlm.service.http.request_lifecycle import prepare, unless_disconnected
 from eagerlm.service.http.server_context import ServerContext
 
 MAX_INPUTS = 256
@@ -102,8 +97,6 @@ def add_openai_embeddings_routes(app: FastAPI, ctx: ServerContext) -> None:
             await unless_disconnected(request, ticket.wait)
             vectors = await unless_disconnected(
                 request, lambda: anyio.to_thread.run_sync(engine.embed, ids))
-        except ClientGone:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
             ticket.release()
         return JSONResponse(embedding_body(engine.name, vectors, sum(map(len, ids)),

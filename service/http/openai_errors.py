@@ -11,6 +11,12 @@ raise it.
 `OpenAIError`s as they are, eagerlm's own errors through `as_openai_error` (the one
 mapping of `EagerLMError` to HTTP), Starlette's 404s and 405s, FastAPI's validation
 errors (400), and anything else, a bug, as a logged 500.
+
+A client that goes away before it is answered (`ClientGone`: while its body is read,
+while it waits for a slot, while it generates) is no error of the server's: it is
+answered 499, "client closed request", as nginx and vLLM log it (nobody reads that
+answer, but the response counter counts it as that, not as a 5xx), with one line at info
+level and no traceback; nothing is generated for it, or what was is cancelled.
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagerlm.errors import EagerLMError, EngineClosed, EngineFailure
 
 log = logging.getLogger("eagerlm.server")
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's and vLLM's status for a client that went away
 
 
 class OpenAIError(Exception):
@@ -47,6 +55,11 @@ class OpenAIError(Exception):
 
 
 _ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request was answered; the message
+    says when ("before its body was read", ...)."""
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -108,6 +121,12 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return ErrorResponse(bad_request(str(exc)))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        log.info("%s %s: %d, the client closed the connection %s", request.method,
+                 request.url.path, CLIENT_CLOSED_REQUEST, exc)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

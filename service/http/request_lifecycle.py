@@ -1,7 +1,8 @@
 """A generation request's way through the server, whatever its API: a concurrency slot,
 the prompt prepared off the event loop, the requests submitted, then a whole body or a
 stream; a client that goes away, while queued or running, cancels its requests (so their
-KV pages go back to the pool) and gets a 499; the server's shutdown grace period ending
+KV pages go back to the pool) and gets a 499 (`ClientGone`, answered by
+service/http/openai_errors.py's handler); the server's shutdown grace period ending
 first gives a 503.
 
 `generation_response` is that way for one route: the route (one per API dialect) gives
@@ -23,16 +24,11 @@ from eagerlm.service.api.streams import MultiStream
 from eagerlm.service.http.admission import Ticket
 from eagerlm.service.http.config import ServerConfig
 from eagerlm.service.http.event_stream import EventStream
-from eagerlm.service.http.openai_errors import OpenAIError, as_openai_error
+from eagerlm.service.http.openai_errors import ClientGone, OpenAIError, as_openai_error
 from eagerlm.service.http.server_context import ServerContext
 from eagerlm.service.http.shutdown import Drain, shutting_down
 
 T = TypeVar("T")
-CLIENT_CLOSED_REQUEST = 499  # nginx's and vLLM's status for a client that went away
-
-
-class ClientGone(Exception):
-    """The client disconnected while its request waited or ran."""
 
 
 class Submitted(Protocol):
@@ -72,8 +68,6 @@ async def generation_response(
                                ctx.config.sse_keepalive_s)
         completions = await unless_disconnected(request, submitted.streams.collect)
         return JSONResponse(whole_body(submitted, completions))
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         if not handed_over:
             if submitted is not None:
@@ -120,7 +114,8 @@ async def after_admission(ticket: Ticket, streams: MultiStream, events: AsyncIte
 
 
 async def unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
-    """Run `work`, cancelling it if the client disconnects first (raises ClientGone) or
+    """Run `work`, cancelling it if the client disconnects first (raises ClientGone: a
+    499) or
     the server's shutdown grace period ends first (a 503).
 
     Once the body has been read, the next ASGI message can only be the disconnect.
@@ -146,10 +141,9 @@ async def unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]
     if expiry.cancelled_caught:
         raise shutting_down()
     if not results:
-        raise ClientGone()
+        raise ClientGone("while its request waited or ran")
     return results[0]
 
 
-__all__ = ["CLIENT_CLOSED_REQUEST", "ClientGone", "Submitted", "admitted_and_started",
-           "after_admission", "generation_response", "prepare", "streams_while_queued",
-           "unless_disconnected"]
+__all__ = ["Submitted", "admitted_and_started", "after_admission", "generation_response",
+           "prepare", "streams_while_queued", "unless_disconnected"]

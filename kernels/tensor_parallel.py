@@ -143,3 +143,41 @@ def cpu_group(model: Any, size: int, *, weights: str = "quantized",
     threads = DeviceThreads([lambda cores=cores: device_cores(cores)
                              for cores in core_shares(size)], group.abort)
     return TensorParallelModel(model.config, shards, transformers, threads)
+
+
+def cuda_group(model: Any, size: int, *, ordinals: Sequence[int] | None = None,
+               weights: str = "quantized", split_lm_head: bool = True,
+               poison_outputs: bool = False) -> TensorParallelModel[Any]:
+    """`model` over `size` GPUs (CUDA ordinals `ordinals`, default 0 .. size - 1): each
+    device's share uploaded to it, its ops on its own compute stream, the collectives
+    NCCL's (kernels/nccl_collective.py), one communicator per device."""
+    from eagerlm.kernels.cuda_backend import cuda_transformer
+    from eagerlm.kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.nccl_collective import NcclCollective, init_communicators
+    from eagerlm.vmm.device import open_device
+
+    ordinals = list(range(size)) if ordinals is None else list(ordinals)
+    shards = plan_shards(model.config, model.gguf.tensors, size, split_lm_head=split_lm_head)
+    devices = [open_device(f"cuda:{o}") for o in ordinals]
+    comms = init_communicators(ordinals) if size > 1 else [None]
+    collectives = [NcclCollective(c, r, size) if c is not None else None
+                   for r, c in enumerate(comms)]
+    transformers = [
+        cuda_transformer(model, ops=CudaOps(dev, poison_outputs=poison_outputs,
+                                            collective=col),
+                         weights=weights, shard=s if size > 1 else None)  # type: ignore[arg-type]
+        for dev, col, s in zip(devices, collectives, shards, strict=True)]
+
+    @contextlib.contextmanager
+    def bound(dev: Any) -> Any:
+        dev.ctx.bind()  # the device's context, current on its thread
+        yield
+
+    def abort() -> None:
+        for col in collectives:
+            if col is not None and col.comm is not None:
+                col.nccl.comm_abort(col.comm)
+                col.comm = None
+
+    threads = DeviceThreads([lambda dev=dev: bound(dev) for dev in devices], abort)
+    return TensorParallelModel(model.config, shards, transformers, threads)

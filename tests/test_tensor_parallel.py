@@ -22,8 +22,12 @@ from eagerlm.kernels.tensor_parallel import TensorParallelModel, cpu_group
 from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.sharding import Split, UnevenShard, plan_shards, shard_bytes, shard_info
-from eagerlm.loader.synthetic import RANDOM_BYTE_TYPES, random_blocks, tiny_spec, \
-    write_synthetic_model
+from eagerlm.loader.synthetic import (
+    RANDOM_BYTE_TYPES,
+    random_blocks,
+    tiny_spec,
+    write_synthetic_model,
+)
 from eagerlm.loader.weights import SUPPORTED_TYPES
 from eagerlm.vmm.kv_layout import ContiguousKV
 
@@ -96,7 +100,7 @@ def test_each_device_holds_its_share_of_the_heads_the_ffn_and_the_vocabulary(tmp
 def _blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
     """Random raw bytes of a `rows x cols` matrix of `qtype`, as a file stores them."""
     rng = np.random.default_rng(int(qtype))
-    block, size = GGML_QUANT_SIZES[qtype]
+    block = GGML_QUANT_SIZES[qtype][0]
     if qtype in RANDOM_BYTE_TYPES:
         return random_blocks(qtype, np.full(rows * cols // block, 0.01, np.float32), rng
                              ).reshape(-1)
@@ -108,7 +112,7 @@ def _blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
 def test_every_weight_type_is_split_on_block_boundaries_without_dequantizing(qtype):
     from eagerlm.loader.gguf_file import TensorInfo
 
-    block, size = GGML_QUANT_SIZES[qtype]
+    block = GGML_QUANT_SIZES[qtype][0]
     rows, cols = 6, 4 * max(block, 32)
     raw = _blocks(qtype, rows, cols)
     info = TensorInfo("blk.0.ffn_down.weight", qtype, (rows, cols), 0, raw.size)

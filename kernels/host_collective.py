@@ -16,8 +16,22 @@ A device that fails aborts the group's barrier (`HostGroup.abort`): the others r
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass
 
 import numpy as np
+
+
+@dataclass
+class CollectiveStats:
+    """What one device's collectives cost (benchmarks/bench_tensor_parallel.py): calls,
+    seconds waiting at the first barrier for the other devices (their imbalance: the
+    bubble this device sits in), and seconds in the rest (its share of the sums or
+    copies, and the second barrier)."""
+
+    calls: int = 0
+    wait_s: float = 0.0
+    work_s: float = 0.0
 
 
 class HostGroup:
@@ -53,6 +67,18 @@ class HostCollective:
         self.group = group
         self.rank = rank
         self.size = group.size
+        self.stats = CollectiveStats()
+
+    def _meet_first(self) -> None:
+        t0 = time.perf_counter()
+        self.group._meet()
+        self._t = time.perf_counter()
+        self.stats.calls += 1
+        self.stats.wait_s += self._t - t0
+
+    def _meet_last(self) -> None:
+        self.group._meet()
+        self.stats.work_s += time.perf_counter() - self._t
 
     def _share(self, n: int) -> slice:
         return slice(self.rank * n // self.size, (self.rank + 1) * n // self.size)
@@ -65,7 +91,7 @@ class HostCollective:
         g._slots[self.rank] = x
         if self.rank == 0:
             g._out = np.empty_like(x)
-        g._meet()
+        self._meet_first()
         out, parts = g._out, g._slots
         assert out is not None and out.shape == x.shape
         flat = out.reshape(-1)
@@ -76,7 +102,7 @@ class HostCollective:
         for p in parts[1:]:  # rank order, on every element: the same bits everywhere
             assert p is not None
             flat[share] += p.reshape(-1)[share]
-        g._meet()
+        self._meet_last()
         return out
 
     def all_gather(self, x: np.ndarray) -> np.ndarray:
@@ -86,12 +112,12 @@ class HostCollective:
         x = np.asarray(x, np.float32)
         if self.rank == 0:
             g._out = np.empty((*x.shape[:-1], self.size * x.shape[-1]), np.float32)
-        g._meet()
+        self._meet_first()
         out = g._out
         assert out is not None
         n = x.shape[-1]
         out[..., self.rank * n:(self.rank + 1) * n] = x
-        g._meet()
+        self._meet_last()
         return out
 
     def broadcast(self, x: np.ndarray, root: int = 0) -> np.ndarray:
@@ -100,9 +126,9 @@ class HostCollective:
         g = self.group
         if self.rank == root:
             g._slots[root] = np.ascontiguousarray(x)
-        g._meet()
+        self._meet_first()
         src = g._slots[root]
         assert src is not None
         out = src.copy()
-        g._meet()
+        self._meet_last()
         return out

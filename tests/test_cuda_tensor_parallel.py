@@ -104,7 +104,7 @@ def _on_threads(fns):
         raise errors[0]
 
 
-def test_the_all_reduce_is_captured_into_a_graph_and_replayed_in_stream_order(monkeypatch):
+def test_the_all_reduce_is_captured_into_a_graph_and_replayed_on_emulated_gpus(monkeypatch):
     from eagerlm.kernels.cuda_ops import CudaOps
     from eagerlm.kernels.nccl_collective import NcclCollective, init_communicators
     from eagerlm.vmm.cuda_driver import cu, driver
@@ -140,7 +140,7 @@ def test_the_all_reduce_is_captured_into_a_graph_and_replayed_in_stream_order(mo
             np.testing.assert_array_equal(ops[r].to_numpy(xs[r]), np.full(8, 6.0))
 
 
-def test_the_fake_nccl_holds_the_engine_to_nccl4pys_signatures_and_rules():
+def test_the_emulated_gpus_nccl_holds_calls_to_nccl4pys_signatures_and_rules():
     from eagerlm.vmm.device import open_device
     from tests.emulated_gpu.fake_nccl import FakeNcclError
     from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test

@@ -29,6 +29,7 @@ from eagerlm.kernels.weight_memory import check_fits
 from eagerlm.loader.errors import UnsupportedTensorType
 from eagerlm.loader.gguf_file import TensorInfo
 from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.sharding import Shard, ShardedFile
 from eagerlm.loader.slab_loader import LoadStats, SlabLoader
 from eagerlm.loader.weights import ModelWeights, build_weights
 from eagerlm.vmm.device import DeviceBuffer, Memory, Stream
@@ -104,10 +105,15 @@ class CudaWeights:
         return DeviceTensor(out.ptr, info.shape, dtype, out)
 
 
-def device_weight_bytes(model: ModelFile, weights: CudaWeightsMode = "quantized") -> int:
-    """What the weights take on the device: the blocks where they are kept, bf16 for the
-    other matrices, float32 vectors, and the quantized tile path's scratch."""
-    tensors = model.gguf.tensors.values()
+def device_weight_bytes(model: ModelFile, weights: CudaWeightsMode = "quantized",
+                        shard: Shard | None = None) -> int:
+    """What the weights take on the device (one device's share with `shard`): the blocks
+    where they are kept, bf16 for the other matrices, float32 vectors, and the quantized
+    tile path's scratch."""
+    tensors = list(model.gguf.tensors.values())
+    if shard is not None:
+        view = ShardedFile(model.gguf, shard, model.config.head_dim)
+        tensors = [view.shard_info(info.name) for info in tensors]
     held = sum(info.n_bytes if keeps_blocks(info, weights)
                else info.n_elements * (2 if weight_dtype(info) == "bf16" else 4)
                for info in tensors)
@@ -117,48 +123,67 @@ def device_weight_bytes(model: ModelFile, weights: CudaWeightsMode = "quantized"
 
 def load_cuda_weights(model: ModelFile, ops: CudaOps, *,
                       on_bytes: Callable[[int, int], None] | None = None,
-                      weights: CudaWeightsMode = "quantized",
+                      weights: CudaWeightsMode = "quantized", shard: Shard | None = None,
                       **loader_options: Any) -> tuple[ModelWeights[CudaWeight], LoadStats]:
     """Every weight of the file on the device, through the slab loader (`weights`: see
     the module's docstring), and the tile scratch the blocks need; ModelTooLarge, before
     anything is uploaded, where they would not fit in the device's free memory.
-    `on_bytes(done, total)` reports the upload as `cpu_transformer` reports its load."""
+    `on_bytes(done, total)` reports the upload as `cpu_transformer` reports its load.
+    With `shard`, only that device's share is read and uploaded (loader/sharding.py)."""
     weights = check_weights_mode(weights)
     held_as = "bf16" if weights == "bf16" else "the file's blocks (bf16 for float matrices)"
     advice = ("choose a smaller model" if weights == "quantized" else
               "keep them quantized (--weights quantized) or choose a smaller model")
-    check_fits(model, device_weight_bytes(model, weights), ops.device.mem_info()[0],
+    check_fits(model, device_weight_bytes(model, weights, shard), ops.device.mem_info()[0],
                "the cuda backend", held_as, advice)
-    loader = SlabLoader(ops.device, model.gguf, CudaWeights(ops, model.path, weights),
+    f = model.gguf if shard is None else ShardedFile(model.gguf, shard, model.config.head_dim)
+    loader = SlabLoader(ops.device, f, CudaWeights(ops, model.path, weights),  # type: ignore[arg-type]
                         on_bytes=on_bytes, **loader_options)
     try:
-        held = build_weights(model.gguf, model.config, loader.fetch)
+        held = build_weights(f, model.config, loader.fetch if shard is None else
+                             f.fetching(loader.fetch))  # type: ignore[union-attr]
     finally:
         stats = loader.finish()
+    if shard is not None and shard.vocab_parallel and model.config.tied_embeddings:
+        held.output = head_rows(held.token_embd, *shard.vocab)
     ops.quantized.reserve(w for w in held.handles() if isinstance(w, DeviceQuantizedMatrix))
     if on_bytes is not None:
         on_bytes(loader.total_bytes, loader.total_bytes)  # unused tensors count as done
     return held, stats
 
 
+def head_rows(w: CudaWeight, start: int, stop: int) -> CudaWeight:
+    """Rows start .. stop - 1 of a matrix on the device, sharing its memory (a tied lm
+    head's share of the embedding table)."""
+    if isinstance(w, DeviceQuantizedMatrix):
+        row_bytes = w.row_bytes
+        return DeviceQuantizedMatrix(w.ptr + start * row_bytes, w.qtype,
+                                     (stop - start, w.shape[1]), None)
+    return w.view_at(start * w.shape[1] * w.itemsize, (stop - start, w.shape[1]), w.dtype)
+
+
 def cuda_transformer(model: ModelFile, device: Any = None, *,
                      on_bytes: Callable[[int, int], None] | None = None,
                      ops: CudaOps | None = None,
-                     weights: CudaWeightsMode = "quantized") -> Transformer[CudaWeight]:
+                     weights: CudaWeightsMode = "quantized",
+                     shard: Shard | None = None) -> Transformer[CudaWeight]:
     """The model on a CUDA device (the first one when `device` is None); `on_bytes` as for
     `load_cuda_weights`, and with it the loader's report on stderr; `weights` "quantized"
-    (the default: matrices kept as their blocks) or "bf16"."""
+    (the default: matrices kept as their blocks) or "bf16". With `shard`, the device's
+    share of a tensor-parallel group (its `ops` carry the group's NCCL communicator)."""
     if ops is None:
         if device is None:
             from eagerlm.vmm.device import open_device
 
             device = open_device("cuda")
         ops = CudaOps(device)
-    held, stats = load_cuda_weights(model, ops, on_bytes=on_bytes, weights=weights)
+    held, stats = load_cuda_weights(model, ops, on_bytes=on_bytes, weights=weights,
+                                    shard=shard)
     if on_bytes is not None:
         print(stats.report(), file=sys.stderr)
     ops.lm_head = held.output
-    return Transformer(model.config, held, ops)  # type: ignore[arg-type]
+    config = model.config if shard is None else shard.local_config(model.config)
+    return Transformer(config, held, ops)  # type: ignore[arg-type]
 
 
 def free_weights(weights: ModelWeights[CudaWeight]) -> None:

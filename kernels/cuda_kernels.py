@@ -56,6 +56,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "add_bias_bf16": ("elementwise", "ppqi"),
     "add_bias_f32": ("elementwise", "ppqi"),
     "gather_rows": ("elementwise", "pppiq"),
+    "interleave_shards": ("elementwise", "ppiiq"),
     "kv_append": ("kv_append", "ppppiiqqq"),
     **{name: ("attention", sig) for name, sig in _ATTENTION.items()},
     "attention_merge": ("attention", "pppiiii"),

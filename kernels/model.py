@@ -7,6 +7,11 @@ code reads in data-flow order:
     x = embed(tokens) * embedding_scale
     per layer:  h = x + post_attn_norm(attn(norm(x)));  x = h + post_ffn_norm(ffn(norm(h)))
     logits = softcap(lm_head(norm(x)))
+
+Tensor parallelism (loader/sharding.py) changes no line of it: each device holds its share
+of the heads and FFN features (its `config` is its part's, `Shard.local_config`), the
+attention's and the FFN's outputs are summed over the devices by `all_reduce` (the
+identity on one device), and a split lm head's logits are gathered by `all_gather`.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class Ops(Protocol[A]):
     def linear(self, x: A, w: A, bias: A | None = None) -> A: ...
     def gated_ffn_act(self, gate: A, up: A, act: Activation) -> A: ...
     def softcap(self, x: A, cap: float) -> A: ...
+    def all_reduce(self, x: A) -> A: ...
+    def all_gather(self, x: A) -> A: ...
     def rows(self, x: A, rows: Any) -> A: ...
     def rope(self, x: A, positions: Any, rope: RopeParams,
              freq_factors: A | None = None) -> A: ...
@@ -59,6 +66,8 @@ class Transformer(Generic[A]):
         cfg, w, ops = self.config, self.weights, self.ops
         h = self.hidden_states(batch)
         logits = ops.linear(ops.rows(h, batch.logit_rows), w.output)
+        if w.output.shape[0] < cfg.vocab_size:  # a share of the vocabulary per device
+            logits = ops.all_gather(logits)
         if cfg.final_logit_softcap:
             logits = ops.softcap(logits, cfg.final_logit_softcap)
         return logits
@@ -95,10 +104,11 @@ class Transformer(Generic[A]):
         k = ops.rope(k, batch.positions, rope, factors)
         ops.kv_append(batch, i, k, v)
         o = ops.attention(batch, i, q, scale=cfg.attention_scale, window=cfg.sliding_window[i])
-        return ops.linear(o, lw.wo)
+        return ops.all_reduce(ops.linear(o, lw.wo))
 
     def _ffn(self, lw: LayerWeights[A], h: A) -> A:
         ops = self.ops
         gate = ops.linear(h, lw.w_gate)
         up = ops.linear(h, lw.w_up)
-        return ops.linear(ops.gated_ffn_act(gate, up, self.config.activation), lw.w_down)
+        return ops.all_reduce(
+            ops.linear(ops.gated_ffn_act(gate, up, self.config.activation), lw.w_down))

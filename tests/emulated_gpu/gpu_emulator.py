@@ -151,8 +151,8 @@ class KernelFailed(RuntimeError):
 class EmulatedDriver(FakeDriver):
     """The fake driver, running the engine's kernels (see the module docstring)."""
 
-    def __init__(self, memory_bytes: int = 2 << 30) -> None:
-        super().__init__(memory_bytes)
+    def __init__(self, memory_bytes: int = 2 << 30, n_devices: int = 1) -> None:
+        super().__init__(memory_bytes, n_devices)
         self.modules: dict[int, ctypes.CDLL] = {}
         self.functions: dict[int, tuple[str, Any, str]] = {}  # id -> (name, entry, kinds)
         self.smem_allowed: dict[int, int] = {}  # function -> opted-in dynamic shared memory
@@ -160,6 +160,7 @@ class EmulatedDriver(FakeDriver):
         self.async_allocs: set[int] = set()
         self.launches = 0
         self.cublaslt: Any = None  # tests/fake_cublaslt.FakeCublasLt, set by emulated_gpu
+        self.nccl: Any = None  # tests/fake_nccl.FakeNccl, set by emulated_gpu
         self.capturing: dict[int, set[int]] = {}  # stream -> allocations of its capture
         self.capture_threads: dict[int, int] = {}  # stream -> the thread capturing it
         self.capture_invalid: set[int] = set()  # captures a refused call invalidated
@@ -432,13 +433,14 @@ class EmulatedDriver(FakeDriver):
 
 
 @contextlib.contextmanager
-def emulated_gpu_for_test(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
+def emulated_gpu_for_test(row_exact_gemm: bool = False,
+                          devices: int = 1) -> Iterator[EmulatedDriver]:
     """`emulated_gpu` for a test fixture: the test is skipped where the emulator cannot be
     built, and fails if an emulated kernel failed on any stream."""
     import pytest
 
     try:
-        with emulated_gpu(row_exact_gemm) as drv:
+        with emulated_gpu(row_exact_gemm, devices) as drv:
             yield drv
             assert drv.failures() == [], "an emulated kernel failed"
     except EmulatorUnavailable as exc:
@@ -446,13 +448,15 @@ def emulated_gpu_for_test(row_exact_gemm: bool = False) -> Iterator[EmulatedDriv
 
 
 @contextlib.contextmanager
-def emulated_gpu(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
-    """Within: `open_device("cuda")` gives a device on the emulated driver, kernels build
-    for the host, and cuBLASLt is fake_cublaslt.py (`row_exact_gemm`: see there)."""
+def emulated_gpu(row_exact_gemm: bool = False, devices: int = 1) -> Iterator[EmulatedDriver]:
+    """Within: `open_device("cuda")` (and "cuda:N" for N < `devices`) gives a device on
+    the emulated driver, kernels build for the host, cuBLASLt is fake_cublaslt.py
+    (`row_exact_gemm`: see there) and NCCL fake_nccl.py."""
     import pytest
 
     import eagerlm.kernels.cublaslt
     import eagerlm.kernels.cuda_kernels
+    import eagerlm.kernels.nccl_collective
     import eagerlm.vmm.cuda_driver
 
     _compiler()
@@ -467,13 +471,21 @@ def emulated_gpu(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
     except ImportError as exc:
         raise EmulatorUnavailable(f"nvmath-python, whose cuBLASLt bindings the fake "
                                   f"checks calls against, is not installed ({exc})") from exc
-    drv = EmulatedDriver()
+    drv = EmulatedDriver(n_devices=devices)
     drv.cublaslt = FakeCublasLt(drv, row_exact_gemm)
+    if devices > 1:
+        try:
+            from tests.emulated_gpu.fake_nccl import FakeNccl
+        except ImportError as exc:
+            raise EmulatorUnavailable(f"nccl4py, whose bindings the fake NCCL checks calls "
+                                      f"against, is not installed ({exc})") from exc
+        drv.nccl = FakeNccl(drv)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(eagerlm.vmm.cuda_driver, "_driver", drv)
         mp.setattr(eagerlm.kernels.cuda_kernels, "compile_kernel",
                    lambda source, arch: SimpleNamespace(image=b"EMU:" + source.encode()))
         mp.setattr(eagerlm.kernels.cublaslt, "_cublaslt", lambda: drv.cublaslt)
+        mp.setattr(eagerlm.kernels.nccl_collective, "_nccl", lambda: drv.nccl)
         try:
             yield drv
         finally:

@@ -21,6 +21,10 @@ runs on a thread of its own with a large stack (llguidance recurses once per lev
 `$ref` chain or a chain of rules: a 75 KB schema crashed the process on an 8 MiB stack)
 and a deadline. A compiled grammar whose mask or token step outgrows the parser limits
 while generating raises `ConstraintFailed`, which ends that request alone.
+
+A JSON schema's integers are bounded to 16 digits unless it bounds them itself
+(dispatch/schema_integers.py, as llama.cpp's converter does): an unbounded one let a small
+model write digits until max_tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import TypeVar
 import llguidance
 import numpy as np
 
+from eagerlm.dispatch.schema_integers import bound_integers
 from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.sampling import Constraint, mask_words
 from eagerlm.loader.tokenizer import Tokenizer
@@ -227,7 +232,7 @@ class GrammarCompiler:
         try:
             if constraint.kind == "json_schema":
                 return llguidance.LLMatcher.grammar_from_json_schema(
-                    constraint.text, defaults=JSON_OPTIONS)
+                    _integers_bounded(constraint.text), defaults=JSON_OPTIONS)
             return llguidance.grammar_from(constraint.kind, constraint.text)
         except ValueError as exc:
             raise InvalidConstraint(constraint, str(exc)) from None
@@ -328,6 +333,16 @@ _OVER_LIMITS = re.compile(r"Too many items \(limit|Current row has \d+ items; ma
 # a GBNF rule starts a line: `name ::=` (what llguidance's converter parses as one)
 _GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
 _LARK_JSON = re.compile(r"%json\s*")
+
+
+def _integers_bounded(text: str) -> str:
+    """A schema's text with its integers bounded (dispatch/schema_integers.py); text that
+    does not parse is left to llguidance, whose message is better."""
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return json.dumps(bound_integers(schema))
 
 
 def _schemas_in(constraint: Constraint) -> list[object]:

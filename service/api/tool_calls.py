@@ -37,6 +37,7 @@ What was shown and the last `Reply` add up to what `parse` gives for the whole t
 
 from __future__ import annotations
 
+import copy
 import enum
 import json
 import re
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eagerlm.dispatch.grammar import JSON_OPTIONS
+from eagerlm.dispatch.schema_integers import bound_integers
 from eagerlm.dispatch.stop_strings import StopMatcher
 from eagerlm.kernels.sampling import Constraint
 from eagerlm.loader.chat_template import ChatTemplate
@@ -207,11 +209,14 @@ def forced_call(fmt: ToolCallFormat, tools: Sequence[tuple[str, dict[str, Any] |
     parameter schema or None: any object) pairs), in the model's format: hermes a
     `<tool_call>` block (the markers as the special tokens they are in the vocabulary, when
     `is_special` says so), llama3-json the bare JSON call. Its arguments follow the tool's
-    parameters. One call: "required" asks for at least one, and one always parses."""
+    parameters, their integers bounded as a JSON-schema constraint's are
+    (dispatch/schema_integers.py). One call: "required" asks for at least one, and one
+    always parses."""
     key = "arguments" if fmt is ToolCallFormat.HERMES else "parameters"
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
               "properties": {"name": {"const": name},
-                             key: parameters if parameters else {"type": "object"}}}
+                             key: (bound_integers(copy.deepcopy(parameters)) if parameters
+                                   else {"type": "object"})}}
              for name, parameters in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if fmt is ToolCallFormat.LLAMA3_JSON:

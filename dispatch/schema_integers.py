@@ -69,13 +69,13 @@ def _number(value: Any) -> float | None:
 
 
 def _bound(node: dict[str, Any]) -> None:
-    lower = [b for b in (_number(node.get("minimum")), _number(node.get("exclusiveMinimum")))
-             if b is not None]
-    upper = [b for b in (_number(node.get("maximum")), _number(node.get("exclusiveMaximum")))
-             if b is not None]
-    if not lower and not (upper and min(upper) < -INTEGER_LIMIT):
+    """A bound is added on a side the schema leaves open; a side it names, even with a
+    value that is no number, is left to llguidance (which refuses what it cannot read)."""
+    lower = [_number(node[k]) for k in ("minimum", "exclusiveMinimum") if k in node]
+    upper = [_number(node[k]) for k in ("maximum", "exclusiveMaximum") if k in node]
+    if not lower and not any(b is not None and b < -INTEGER_LIMIT for b in upper):
         node["minimum"] = -INTEGER_LIMIT
-    if not upper and not (lower and max(lower) > INTEGER_LIMIT):
+    if not upper and not any(b is not None and b > INTEGER_LIMIT for b in lower):
         node["maximum"] = INTEGER_LIMIT
 
 

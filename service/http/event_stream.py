@@ -16,8 +16,9 @@ from starlette.types import Message, Receive, Scope, Send
 
 from eagerlm.service.api.streams import MultiStream
 from eagerlm.service.http.admission import Ticket
+from eagerlm.service.http.error_formats import OPENAI_ONLY, ErrorFormats
 from eagerlm.service.http.openai_errors import OpenAIError
-from eagerlm.service.http.shutdown import Drain, send_error, shutting_down
+from eagerlm.service.http.shutdown import Drain, shutting_down
 
 KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it
 
@@ -29,7 +30,7 @@ class EventStream(StreamingResponse):
 
     def __init__(self, events: AsyncIterator[str], ticket: Ticket, streams: MultiStream,
                  drain: Drain, error_ending: Callable[[OpenAIError], str],
-                 keepalive_s: float = 0.0) -> None:
+                 keepalive_s: float = 0.0, errors: ErrorFormats = OPENAI_ONLY) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._ticket = ticket
@@ -37,6 +38,7 @@ class EventStream(StreamingResponse):
         self._drain = drain
         self._error_ending = error_ending
         self._keepalive_s = keepalive_s
+        self._errors = errors  # a 503 before the stream started is a whole error body
 
     async def stream_response(self, send: Send) -> None:
         """Starlette's, plus a `: keep-alive` comment (which SSE clients skip) whenever no
@@ -82,7 +84,7 @@ class EventStream(StreamingResponse):
                 await super().__call__(scope, receive, tracking_send)
             if expiry.cancelled_caught and not ended:
                 if not started:
-                    await send_error(send, shutting_down())
+                    await self._errors.send(send, shutting_down(), scope.get("path", ""))
                 else:
                     tail = self._error_ending(shutting_down())
                     await send({"type": "http.response.body", "body": tail.encode(),

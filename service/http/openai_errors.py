@@ -7,10 +7,8 @@ response modules because both the request checks (service/http/openai_requests.p
 service/http/request_body.py) and the server's own refusals (server.py, shutdown.py)
 raise it.
 
-`add_error_handlers` answers every exception a route raises in that format:
-`OpenAIError`s as they are, eagerlm's own errors through `as_openai_error` (the one
-mapping of `EagerLMError` to HTTP), Starlette's 404s and 405s, FastAPI's validation
-errors (400), and anything else, a bug, as a logged 500.
+How each API writes it back (OpenAI's body, or Anthropic's under /v1/messages) and the
+handlers that answer every exception a route raises: service/http/error_formats.py.
 
 A client that goes away before it is answered (`ClientGone`: while its body is read,
 while it waits for a slot, while it generates) is no error of the server's: it is
@@ -21,14 +19,8 @@ level and no traceback; nothing is generated for it, or what was is cancelled.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagerlm.errors import EagerLMError, EngineClosed, EngineFailure
 
@@ -74,17 +66,6 @@ def brief(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-class ErrorResponse(JSONResponse):
-    """An OpenAI error body, rendered as ASCII: a message that quotes what the client
-    sent, or an exception's text, always encodes."""
-
-    def __init__(self, error: OpenAIError, headers: dict[str, str] | None = None) -> None:
-        super().__init__(error.body(), status_code=error.status, headers=headers)
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, separators=(",", ":")).encode("ascii")
-
-
 def as_openai_error(e: EagerLMError) -> OpenAIError:
     """The one mapping of eagerlm's errors to HTTP: the request's own mistakes (invalid
     parameters, a prompt or context too long, a chat template that refuses the messages)
@@ -99,36 +80,5 @@ def as_openai_error(e: EagerLMError) -> OpenAIError:
     return bad_request(str(e), param=e.param)
 
 
-def add_error_handlers(app: FastAPI) -> None:
-    """Every error a route raises, answered in OpenAI's format."""
-
-    @app.exception_handler(OpenAIError)
-    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return ErrorResponse(exc, headers=headers)
-
-    @app.exception_handler(EagerLMError)
-    async def eagerlm_error(request: Request, exc: EagerLMError) -> JSONResponse:
-        return ErrorResponse(as_openai_error(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = {404: f"Unknown route {request.method} {request.url.path}.",
-                   405: f"Method {request.method} is not allowed on {request.url.path}."}
-        return ErrorResponse(OpenAIError(exc.status_code,
-                                         message.get(exc.status_code, str(exc.detail))))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return ErrorResponse(bad_request(str(exc)))
-
-    @app.exception_handler(ClientGone)
-    async def client_gone(request: Request, exc: ClientGone) -> Response:
-        log.info("%s %s: %d, the client closed the connection %s", request.method,
-                 request.url.path, CLIENT_CLOSED_REQUEST, exc)
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return ErrorResponse(OpenAIError(500, f"Internal server error: {exc!r}"))
+__all__ = ["CLIENT_CLOSED_REQUEST", "ClientGone", "OpenAIError", "as_openai_error",
+           "bad_request", "brief", "log"]

@@ -32,14 +32,10 @@ from typing import Any
 
 from pydantic import Field
 
-from eagerlm.kernels.sampling import (
-    MAX_LOGIT_BIAS,
-    Constraint,
-    InvalidSamplingParams,
-    SamplingParams,
-)
+from eagerlm.kernels.sampling import MAX_LOGIT_BIAS, Constraint, SamplingParams
 from eagerlm.service.http.openai_errors import OpenAIError, bad_request, brief
 from eagerlm.service.http.openai_parsing import BodyPart, RequestBody
+from eagerlm.service.http.request_sampling import Sampling
 
 MAX_CHOICES = 16  # n
 
@@ -50,11 +46,6 @@ class StreamOptions(BodyPart):
 
 _TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key
 _TOKEN_ID_DIGITS = 18  # more can be no vocabulary's id (and could overflow an int64)
-
-
-def _or(value: float | None, default: float) -> float:
-    return default if value is None else value
-
 
 
 class SamplingFields(RequestBody):
@@ -104,62 +95,30 @@ class SamplingFields(RequestBody):
         return None
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
-        """`logit_bias` as (token id, bias) pairs; a 400 naming `logit_bias` for a key that
-        is not a token id in decimal, an id given twice ("7" and "07"), or a value that is
-        not a number in [-100, 100]."""
-        def invalid(message: str, code: str = "invalid_value") -> OpenAIError:
-            kind = "type" if code == "invalid_type" else "value"
-            return bad_request(f"Invalid {kind} for 'logit_bias': {message}.",
-                               param="logit_bias", code=code)
-
-        pairs: dict[int, float] = {}
-        for key, value in (self.logit_bias or {}).items():
-            if not _TOKEN_ID.fullmatch(key):
-                raise invalid(f"keys must be token ids written in decimal digits, got "
-                              f"{brief(key)}")
-            if len(key) > _TOKEN_ID_DIGITS:
-                raise invalid(f"token id {brief(key)} is out of range")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise invalid(f"the bias of token {key} must be a number, got "
-                              f"{brief(value)}", code="invalid_type")
-            if not abs(value) <= MAX_LOGIT_BIAS:  # NaN fails too
-                raise invalid(f"the bias of token {key} must be in [-{MAX_LOGIT_BIAS:g}, "
-                              f"{MAX_LOGIT_BIAS:g}], got {brief(value)}")
-            if int(key) in pairs:
-                raise invalid(f"token {int(key)} is given twice")
-            pairs[int(key)] = float(value)
-        return tuple(pairs.items())
+        return logit_bias_pairs(self.logit_bias)
 
     @property
     def logprob_count(self) -> int | None:
         """Alternatives per token to report (None: no logprobs)."""
         return None
 
+    def sampling(self) -> Sampling:
+        """The request's sampling in no API's terms (service/http/request_sampling.py)."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return Sampling(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, stop=stop,
+            logit_bias=self.logit_bias_pairs(), repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, logprobs=self.logprob_count,
+            ignore_eos=bool(self.ignore_eos),
+            skip_special_tokens=bool(self.skip_special_tokens))
+
     def sampling_params(self, max_tokens: int, choice: int,
                         constraint: Constraint | None = None) -> SamplingParams:
-        """The engine's parameters for choice `choice` of this request. With a seed,
-        choice i draws from seed + i, so choices differ but the request is reproducible.
-        `constraint`: the reply's (`constraint()`, or a forced tool call's)."""
-        seed = None if self.seed is None else (self.seed + choice) % (1 << 64)
-        temperature = 1.0 if self.temperature is None else self.temperature
-        top_p = 1.0 if self.top_p is None else self.top_p
-        if top_p == 0.0:  # the smallest nucleus is the most likely token: greedy
-            temperature, top_p = 0.0, 1.0
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens, temperature=temperature,
-                top_k=max(0, self.top_k or 0), top_p=top_p, min_p=self.min_p or 0.0,
-                seed=seed, stop=stop, ignore_eos=bool(self.ignore_eos),
-                repetition_penalty=_or(self.repetition_penalty, 1.0),
-                presence_penalty=_or(self.presence_penalty, 0.0),
-                frequency_penalty=_or(self.frequency_penalty, 0.0),
-                logprobs=self.logprob_count, logit_bias=self.logit_bias_pairs(),
-                constraint=constraint,
-                skip_special_tokens=bool(self.skip_special_tokens))
-        except InvalidSamplingParams as e:
-            raise bad_request(f"Invalid value for '{e.field}': {e}", param=e.field,
-                              code="invalid_value") from None
+        """The engine's parameters for choice `choice` of this request (`Sampling`'s
+        rules). `constraint`: the reply's (`constraint()`, or a forced tool call's)."""
+        return self.sampling().sampling_params(max_tokens, choice, constraint)
 
     @property
     def n_choices(self) -> int:
@@ -169,6 +128,35 @@ class SamplingFields(RequestBody):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+
+
+def logit_bias_pairs(logit_bias: dict[str, Any] | None
+                     ) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs; a 400 naming `logit_bias` for a key that
+    is not a token id in decimal, an id given twice ("7" and "07"), or a value that is
+    not a number in [-100, 100]."""
+    def invalid(message: str, code: str = "invalid_value") -> OpenAIError:
+        kind = "type" if code == "invalid_type" else "value"
+        return bad_request(f"Invalid {kind} for 'logit_bias': {message}.",
+                           param="logit_bias", code=code)
+
+    pairs: dict[int, float] = {}
+    for key, value in (logit_bias or {}).items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise invalid(f"keys must be token ids written in decimal digits, got "
+                          f"{brief(key)}")
+        if len(key) > _TOKEN_ID_DIGITS:
+            raise invalid(f"token id {brief(key)} is out of range")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise invalid(f"the bias of token {key} must be a number, got "
+                          f"{brief(value)}", code="invalid_type")
+        if not abs(value) <= MAX_LOGIT_BIAS:  # NaN fails too
+            raise invalid(f"the bias of token {key} must be in [-{MAX_LOGIT_BIAS:g}, "
+                          f"{MAX_LOGIT_BIAS:g}], got {brief(value)}")
+        if int(key) in pairs:
+            raise invalid(f"token {int(key)} is given twice")
+        pairs[int(key)] = float(value)
+    return tuple(pairs.items())
 
 
 def resolve_max_tokens(requested: int | None, n_prompt: int, context: int,
@@ -194,4 +182,5 @@ def resolve_max_tokens(requested: int | None, n_prompt: int, context: int,
     return requested
 
 
-__all__ = ["MAX_CHOICES", "SamplingFields", "StreamOptions", "resolve_max_tokens"]
+__all__ = ["MAX_CHOICES", "SamplingFields", "StreamOptions", "logit_bias_pairs",
+           "resolve_max_tokens"]

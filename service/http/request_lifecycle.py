@@ -65,7 +65,7 @@ async def generation_response(
                 events = after_admission(ticket, submitted.streams, events, error_ending)
             handed_over = True
             return EventStream(events, ticket, submitted.streams, ctx.drain, error_ending,
-                               ctx.config.sse_keepalive_s)
+                               ctx.config.sse_keepalive_s, ctx.errors)
         completions = await unless_disconnected(request, submitted.streams.collect)
         return JSONResponse(whole_body(submitted, completions))
     finally:

@@ -68,18 +68,15 @@ from eagerlm.service.api.engine import Engine
 from eagerlm.service.api.metrics import PrometheusText
 from eagerlm.service.api.vllm_metrics import VllmGauges, write_vllm_metrics
 from eagerlm.service.http.admission import AdmissionGate
+from eagerlm.service.http.api_dialects import API_DIALECTS, error_formats
 from eagerlm.service.http.config import ServerConfig
+from eagerlm.service.http.error_formats import add_error_handlers
 from eagerlm.service.http.liveness import EngineDied, EngineWatchdog
 from eagerlm.service.http.loading import WhileLoading
-from eagerlm.service.http.openai_chat import add_openai_chat_routes
-from eagerlm.service.http.openai_completions import add_openai_completions_routes
-from eagerlm.service.http.openai_embeddings import add_openai_embeddings_routes
-from eagerlm.service.http.openai_errors import add_error_handlers
 from eagerlm.service.http.response_counts import ResponseCounter
 from eagerlm.service.http.server_context import ServerContext
 from eagerlm.service.http.sglang_worker import add_sglang_worker_routes
 from eagerlm.service.http.shutdown import AFTER_GRACE_S, Drain, GracefulServer, RefuseWhileDraining
-from eagerlm.service.http.vllm_tokenize import add_tokenize_routes
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None,
@@ -91,20 +88,18 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
         engine, cfg, AdmissionGate(cfg.max_concurrency, cfg.max_queue), drain or Drain(),
         ReasoningFormat(cfg.reasoning_format).resolve(  # dispatch/reasoning.py
             engine.model.chat_template),
-        int(time.time()))
+        int(time.time()), errors=error_formats())
     app = FastAPI(title="eagerlm", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(RefuseWhileDraining, drain=ctx.drain)
+    app.add_middleware(RefuseWhileDraining, drain=ctx.drain, errors=ctx.errors)
     app.add_middleware(ResponseCounter, counts=ctx.response_counts)  # outermost: counts all
     app.state.engine = engine
     app.state.gate = ctx.gate
     app.state.drain = ctx.drain  # what GracefulServer's shutdown drives
-    add_error_handlers(app)  # all in OpenAI's format
+    add_error_handlers(app, ctx.errors)  # each in its path's API format
     _add_operations_routes(app, ctx)
     add_sglang_worker_routes(app, engine, ctx.gate)  # GET /server_info, /get_load
-    add_tokenize_routes(app, ctx)
-    add_openai_chat_routes(app, ctx)
-    add_openai_embeddings_routes(app, ctx)
-    add_openai_completions_routes(app, ctx)
+    for dialect in API_DIALECTS:  # service/http/api_dialects.py
+        dialect.add_routes(app, ctx)
     return app
 
 
@@ -167,7 +162,7 @@ def serve_loading(load: Callable[[], Engine], config: ServerConfig,
     /health answers 503 "loading" (service/http/loading.py). A load that fails stops the
     server and raises its error; the engine loaded here is shut down here."""
     drain = Drain()
-    front = WhileLoading()
+    front = WhileLoading(error_formats())
     loaded: list[Engine] = []
     failed: list[BaseException] = []
     server_box: list[GracefulServer] = []

@@ -19,6 +19,7 @@ from eagerlm.dispatch.reasoning import ReasoningFormat
 from eagerlm.service.api.engine import Engine
 from eagerlm.service.http.admission import AdmissionGate, QueueFull, Ticket
 from eagerlm.service.http.config import ServerConfig
+from eagerlm.service.http.error_formats import OPENAI_ONLY, ErrorFormats
 from eagerlm.service.http.openai_errors import OpenAIError, brief
 from eagerlm.service.http.request_body import read_json
 from eagerlm.service.http.shutdown import Drain
@@ -34,17 +35,26 @@ class ServerContext:
     started: int  # when the server started (the model card's `created`)
     # responses by (route, status), kept by service/http/response_counts.py
     response_counts: dict[tuple[str, int], int] = field(default_factory=dict)
+    # each path's error format (service/http/error_formats.py, from the dialect registry)
+    errors: ErrorFormats = OPENAI_ONLY
 
     def authorize(self, request: Request) -> None:
-        """With an API key, the request must carry `Authorization: Bearer KEY` (a 401)."""
+        """With an API key, the request must carry `Authorization: Bearer KEY` (OpenAI's
+        clients) or `x-api-key: KEY` (Anthropic's), else a 401."""
         key = self.config.api_key
         if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
+        if scheme.lower() == "bearer" and secrets.compare_digest(
                 token.strip().encode(), key.encode()):
-            raise OpenAIError(401, "Incorrect API key provided. Send it as "
-                                   "'Authorization: Bearer KEY'.", code="invalid_api_key")
+            return
+        anthropic_key = request.headers.get("x-api-key")
+        if anthropic_key is not None and secrets.compare_digest(
+                anthropic_key.strip().encode(), key.encode()):
+            return
+        raise OpenAIError(401, "Incorrect API key provided. Send it as "
+                               "'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
+                          code="invalid_api_key")
 
     def check_model(self, name: str) -> None:
         """A 404 unless `name` is the model this server serves."""

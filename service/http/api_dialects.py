@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
+from eagerlm.service.http.anthropic_api import add_anthropic_routes, anthropic_error_body
 from eagerlm.service.http.error_formats import ErrorBody, ErrorFormats, openai_error_body
 from eagerlm.service.http.openai_chat import add_openai_chat_routes
 from eagerlm.service.http.openai_completions import add_openai_completions_routes
@@ -34,6 +35,8 @@ API_DIALECTS: tuple[ApiDialect, ...] = (
     ApiDialect("OpenAI Chat Completions", add_openai_chat_routes, ("/v1/chat/completions",)),
     ApiDialect("OpenAI Completions", add_openai_completions_routes, ("/v1/completions",)),
     ApiDialect("OpenAI Embeddings", add_openai_embeddings_routes, ("/v1/embeddings",)),
+    ApiDialect("Anthropic Messages", add_anthropic_routes, ("/v1/messages",),
+               anthropic_error_body),
     ApiDialect("vLLM tokenize", add_tokenize_routes, ("/tokenize", "/detokenize")),
 )
 

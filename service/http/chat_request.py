@@ -28,10 +28,19 @@ from eagerlm.dispatch.reasoning import (
     split_reasoning,
 )
 from eagerlm.kernels.sampling import Constraint, SamplingParams
+from eagerlm.loader.chat_template import ChatTemplate
 from eagerlm.service.api.engine import Engine
 from eagerlm.service.api.records import Completion, TokenLogprobs
 from eagerlm.service.api.streams import MultiStream
-from eagerlm.service.api.tool_calls import Reply, ToolCall, ToolCallParser, forced_call
+from eagerlm.service.api.tool_calls import (
+    Reply,
+    ToolCall,
+    ToolCallFormat,
+    ToolCallParser,
+    forced_call,
+    format_of_template,
+)
+from eagerlm.service.http.openai_errors import bad_request
 from eagerlm.service.http.openai_sampling import resolve_max_tokens
 from eagerlm.service.http.request_lifecycle import prepare
 from eagerlm.service.http.server_context import ServerContext
@@ -132,6 +141,7 @@ class ChatRun:
     request: ChatRequest
     streams: MultiStream
     thinking: Thinking
+    prompt_tokens: int = 0  # the rendered conversation's, known before any token comes
 
     def results(self, completions: Sequence[Completion]) -> list[ChoiceResult]:
         """Each finished choice split into reasoning, content and tool calls."""
@@ -177,6 +187,29 @@ class ChatRun:
             yield ChoiceFinished(index, rest, chunk.finish_reason)
 
 
+def tool_parser_for(template: ChatTemplate, names: Sequence[str], *, parse_calls: bool,
+                    parallel: bool) -> ToolCallParser | None:
+    """The parser of a request's calls of the tools `names` from the model's text (None:
+    the text is all content, as when the request asks for no calls: `parse_calls`
+    false). A 400 when tools are given to a model whose chat template cannot show them,
+    or whose call format this server cannot parse."""
+    fmt = format_of_template(template)
+    if fmt is None:
+        raise bad_request(
+            f"This model's chat template ({template.origin}) does not support tools: it "
+            f"never reads the 'tools' variable, so the model would not see them.",
+            param="tools", code="unsupported_parameter")
+    if not parse_calls:
+        return None
+    if fmt is ToolCallFormat.UNKNOWN:
+        raise bad_request(
+            "This model's chat template shows tools, but its tool calls are written in "
+            "a format this server does not parse (it parses Hermes/Qwen <tool_call> "
+            "blocks and Llama 3 JSON calls). Ask for no calls (tool_choice none) to show "
+            "the tools without parsing calls.", param="tools", code="unsupported_parameter")
+    return ToolCallParser(fmt, names, parallel=parallel)
+
+
 async def start_chat(ctx: ServerContext, chat: ChatRequest) -> ChatRun:
     """Render and tokenize the conversation (on a worker thread), size the reply, and
     make its choices' requests (submitted once admitted)."""
@@ -193,7 +226,7 @@ async def start_chat(ctx: ServerContext, chat: ChatRequest) -> ChatRun:
     streams = engine.generate_many(
         [(prompt, thinking.params(chat.sampling.sampling_params(max_tokens, i, constraint)))
          for i in range(chat.n)])
-    return ChatRun(chat, streams, thinking)
+    return ChatRun(chat, streams, thinking, len(prompt.ids))
 
 
 def _is_special_text(engine: Engine) -> Callable[[str], bool]:
@@ -209,4 +242,4 @@ def _is_special_text(engine: Engine) -> Callable[[str], bool]:
 
 __all__ = ["ChatEvent", "ChatRequest", "ChatRun", "ChoiceFinished", "ChoiceResult",
            "ChoiceSampling", "ContentDelta", "ReasoningDelta", "Thinking", "ToolCallDelta",
-           "start_chat"]
+           "start_chat", "tool_parser_for"]

@@ -19,7 +19,7 @@ of the field at fault, `messages[0].content`) and runs the model's cross-field `
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -39,7 +39,10 @@ class BodyPart(StrictModel):
 
 
 class RequestBody(StrictModel):
-    """A request body: its fields checked one by one by pydantic, then `check`."""
+    """A request body: its fields checked one by one by pydantic, then `check`.
+    `expected`: for a field of the wrong type, what it should be (the error's words)."""
+
+    expected: ClassVar[dict[str, str] | None] = None  # None: OpenAI's chat fields
 
     def check(self) -> None:
         """Rules across fields, once the fields are valid (raises OpenAIError)."""
@@ -85,7 +88,7 @@ def parse_body(body: Any, model: type[_M],
     try:
         request = model.model_validate(kept)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise _validation_error(e, model.expected) from None
     request.check()
     return request
 
@@ -110,6 +113,20 @@ _EXPECTED = {
 }
 
 
+def _most_specific(errors: list[Any], named: frozenset[str]) -> Any:
+    """The error to report. pydantic lists one error per member of a union, the first
+    member's first: when the first error is a union member's (its path ends in the
+    member's name, such as `str`) inside a body part, the deepest error of that union is
+    the one that says what is wrong (a block inside the list that was sent, not "not a
+    string")."""
+    first = errors[0]
+    loc = first["loc"]
+    if len(loc) < 3 or not isinstance(loc[-1], str) or loc[-1] in named:
+        return first
+    same_union = [err for err in errors if err["loc"][:len(loc) - 1] == loc[:-1]]
+    return max(same_union, key=lambda err: len(err["loc"]))
+
+
 def _part_fields() -> frozenset[str]:
     """The field names of every nested part (how an error path names them)."""
     names: set[str] = set()
@@ -121,28 +138,31 @@ def _part_fields() -> frozenset[str]:
     return frozenset(names)
 
 
-def _validation_error(e: ValidationError) -> OpenAIError:
-    first = e.errors()[0]
+def _validation_error(e: ValidationError,
+                      expected: dict[str, str] | None = None) -> OpenAIError:
+    expected = _EXPECTED if expected is None else expected
+    named = _part_fields()  # field names; an unknown one is named when it is the error
+    first = _most_specific(e.errors(), named)
     loc = [str(x) for x in first["loc"]]
     field = loc[0] if loc else None
     path = field or ""
-    named = _part_fields()  # field names; an unknown one is named when it is the error
     if first["type"] == "extra_forbidden":
         named = named | {loc[-1]}
-    for part in loc[1:]:  # messages[0].role; skip pydantic's union branch names
+    for k, part in enumerate(loc[1:], 1):  # messages[0].role; skip union branch names
+        tag = loc[k - 1].isdigit() and loc[k + 1:k + 2] == [part]  # a tagged union's
         if part.isdigit():
             path += f"[{part}]"
-        elif part in named:
+        elif part in named and not tag:  # ("text" the tag, then "text" the field)
             path += f".{part}"
     if first["type"] == "missing":
         return bad_request(f"Missing required parameter: '{path}'.", param=path)
     if first["type"] == "extra_forbidden":
         return bad_request(f"Unrecognized argument: {brief(path, 80)}.", param=path,
                            code="unknown_parameter")
-    if field in _EXPECTED and len(loc) <= 2:
-        return bad_request(f"Invalid type for '{path}': expected {_EXPECTED[field]}.",
-                           param=path, code="invalid_type")
     code = "invalid_type" if first["type"].endswith("_type") else "invalid_value"
+    if field in expected and len(loc) <= 2 and code == "invalid_type":
+        return bad_request(f"Invalid type for '{path}': expected {expected[field]}.",
+                           param=path, code="invalid_type")
     kind = "type" if code == "invalid_type" else "value"
     return bad_request(f"Invalid {kind} for '{path}': {first['msg']}.", param=path, code=code)
 

@@ -38,7 +38,8 @@ from pydantic import Field
 
 from eagerlm.kernels.sampling import MAX_LOGPROBS, Constraint
 from eagerlm.loader.chat_template import ChatTemplate
-from eagerlm.service.api.tool_calls import ToolCallFormat, ToolCallParser, format_of_template
+from eagerlm.service.api.tool_calls import ToolCallParser
+from eagerlm.service.http.chat_request import tool_parser_for
 from eagerlm.service.http.openai_errors import bad_request, brief
 from eagerlm.service.http.openai_messages import ChatMessage, ToolDefinition, check_tool_fields
 from eagerlm.service.http.openai_parsing import parse_body
@@ -199,26 +200,12 @@ class ChatCompletionRequest(SamplingFields):
 
     def tool_parser(self, template: ChatTemplate) -> ToolCallParser | None:
         """The parser of this request's tool calls from the model's text (None: the
-        text is all content). A 400 when tools are given to a model whose chat template
-        cannot show them, or whose call format this server cannot parse."""
+        text is all content; service/http/chat_request.py's `tool_parser_for`)."""
         if not self.tools:
             return None
-        fmt = format_of_template(template)
-        if fmt is None:
-            raise bad_request(
-                f"This model's chat template ({template.origin}) does not support tools: it "
-                f"never reads the 'tools' variable, so the model would not see them.",
-                param="tools", code="unsupported_parameter")
-        if self.tool_choice == "none":
-            return None
-        if fmt is ToolCallFormat.UNKNOWN:
-            raise bad_request(
-                "This model's chat template shows tools, but its tool calls are written in "
-                "a format this server does not parse (it parses Hermes/Qwen <tool_call> "
-                "blocks and Llama 3 JSON calls). Send tool_choice 'none' to show the tools "
-                "without parsing calls.", param="tools", code="unsupported_parameter")
-        return ToolCallParser(fmt, (t.function.name for t in self.tools),
-                              parallel=self.parallel_tool_calls is not False)
+        return tool_parser_for(template, [t.function.name for t in self.tools],
+                               parse_calls=self.tool_choice != "none",
+                               parallel=self.parallel_tool_calls is not False)
 
     @property
     def logprob_count(self) -> int | None:

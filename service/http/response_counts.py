@@ -7,7 +7,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # the routes counted by name; every other path is counted as "other"
 COUNTED_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings",
-                  "/health", "/metrics")
+                  "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/health",
+                  "/metrics", "/")
 
 
 class ResponseCounter:

@@ -35,14 +35,12 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from eagerlm.service.http.chat_request import ChatRequest, tool_parser_for
+from eagerlm.service.http.chat_request import MAX_TOOLS, ChatRequest, tool_parser_for
 from eagerlm.service.http.openai_errors import bad_request, brief
 from eagerlm.service.http.openai_parsing import BodyPart, RequestBody, parse_body
 from eagerlm.service.http.openai_sampling import logit_bias_pairs
 from eagerlm.service.http.request_sampling import Sampling
 from eagerlm.service.http.server_context import ServerContext
-
-MAX_TOOLS = 128  # OpenAI's limit too; a template shows every tool in every prompt
 
 
 class TextBlock(BodyPart):
@@ -334,5 +332,5 @@ def parse_count_tokens_request(body: Any) -> CountTokensRequest:
     return parse_body(body, CountTokensRequest)
 
 
-__all__ = ["MAX_TOOLS", "CountTokensRequest", "MessagesRequest", "parse_count_tokens_request",
+__all__ = ["CountTokensRequest", "MessagesRequest", "parse_count_tokens_request",
            "parse_messages_request"]

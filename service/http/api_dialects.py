@@ -19,6 +19,7 @@ from eagerlm.service.http.error_formats import ErrorBody, ErrorFormats, openai_e
 from eagerlm.service.http.openai_chat import add_openai_chat_routes
 from eagerlm.service.http.openai_completions import add_openai_completions_routes
 from eagerlm.service.http.openai_embeddings import add_openai_embeddings_routes
+from eagerlm.service.http.responses_api import add_responses_routes
 from eagerlm.service.http.server_context import ServerContext
 from eagerlm.service.http.vllm_tokenize import add_tokenize_routes
 
@@ -35,6 +36,7 @@ API_DIALECTS: tuple[ApiDialect, ...] = (
     ApiDialect("OpenAI Chat Completions", add_openai_chat_routes, ("/v1/chat/completions",)),
     ApiDialect("OpenAI Completions", add_openai_completions_routes, ("/v1/completions",)),
     ApiDialect("OpenAI Embeddings", add_openai_embeddings_routes, ("/v1/embeddings",)),
+    ApiDialect("OpenAI Responses", add_responses_routes, ("/v1/responses",)),
     ApiDialect("Anthropic Messages", add_anthropic_routes, ("/v1/messages",),
                anthropic_error_body),
     ApiDialect("vLLM tokenize", add_tokenize_routes, ("/tokenize", "/detokenize")),

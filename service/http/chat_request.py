@@ -45,6 +45,10 @@ from eagerlm.service.http.openai_sampling import resolve_max_tokens
 from eagerlm.service.http.request_lifecycle import prepare
 from eagerlm.service.http.server_context import ServerContext
 
+# tools in one request of the Responses and Messages APIs (OpenAI's limit for chat's
+# `tools`): a template shows every tool in every prompt
+MAX_TOOLS = 128
+
 
 class ChoiceSampling(Protocol):
     """How a dialect's sampling fields become the engine's parameters for choice `choice`
@@ -240,6 +244,6 @@ def _is_special_text(engine: Engine) -> Callable[[str], bool]:
     return is_special
 
 
-__all__ = ["ChatEvent", "ChatRequest", "ChatRun", "ChoiceFinished", "ChoiceResult",
+__all__ = ["MAX_TOOLS", "ChatEvent", "ChatRequest", "ChatRun", "ChoiceFinished", "ChoiceResult",
            "ChoiceSampling", "ContentDelta", "ReasoningDelta", "Thinking", "ToolCallDelta",
            "start_chat", "tool_parser_for"]

@@ -116,15 +116,17 @@ _EXPECTED = {
 def _most_specific(errors: list[Any], named: frozenset[str]) -> Any:
     """The error to report. pydantic lists one error per member of a union, the first
     member's first: when the first error is a union member's (its path ends in the
-    member's name, such as `str`) inside a body part, the deepest error of that union is
-    the one that says what is wrong (a block inside the list that was sent, not "not a
-    string")."""
+    member's name, such as `str`) and another member went inside an object of the body
+    (its path names a field there), the deepest such error is the one that says what is
+    wrong (the block inside the list that was sent, not "not a string")."""
     first = errors[0]
     loc = first["loc"]
-    if len(loc) < 3 or not isinstance(loc[-1], str) or loc[-1] in named:
+    if len(loc) < 2 or not isinstance(loc[-1], str) or loc[-1] in named:
         return first
-    same_union = [err for err in errors if err["loc"][:len(loc) - 1] == loc[:-1]]
-    return max(same_union, key=lambda err: len(err["loc"]))
+    base = loc[:-1]
+    inside = [err for err in errors if err["loc"][:len(base)] == base
+              and any(isinstance(p, str) and p in named for p in err["loc"][len(base) + 1:])]
+    return max(inside, key=lambda err: len(err["loc"])) if inside else first
 
 
 def _part_fields() -> frozenset[str]:

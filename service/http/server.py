@@ -1,20 +1,26 @@
-"""The OpenAI-compatible HTTP server (`eagerlm serve`): FastAPI on uvicorn over one Engine.
+"""The HTTP server (`eagerlm serve`): FastAPI on uvicorn over one Engine, speaking several
+APIs.
 
 Routes, each group added by its module's `add_*_routes(app, ctx)` (the context every route
-shares: service/http/server_context.py):
-- POST /v1/chat/completions (openai_chat.py, onto the engine's chat request of
-  chat_request.py: each API dialect is one such module translating onto that request),
-  POST /v1/completions (openai_completions.py), POST /v1/embeddings
-  (openai_embeddings.py), streamed as server-sent events or not (request_lifecycle.py,
-  event_stream.py);
-- POST /tokenize and /detokenize (vLLM's: vllm_tokenize.py);
+shares: service/http/server_context.py), the API dialects from their registry
+(service/http/api_dialects.py: each translates its body onto the one internal chat request
+of chat_request.py, or its own request for completions and embeddings):
+- OpenAI: POST /v1/chat/completions (openai_chat.py), POST /v1/completions
+  (openai_completions.py), POST /v1/embeddings (openai_embeddings.py), POST /v1/responses
+  with GET and DELETE /v1/responses/{id} (responses_api.py);
+- Anthropic: POST /v1/messages and /v1/messages/count_tokens (anthropic_api.py);
+- vLLM's POST /tokenize and /detokenize (vllm_tokenize.py);
 - GET /server_info and /get_load (SGLang's: what its router reads from a worker;
   sglang_worker.py);
+- the chat page at GET / (webui.py; `--no-webui` leaves it out);
 - here: GET /v1/models, GET /health, GET /metrics (Prometheus text).
+Generation routes stream as server-sent events or not (request_lifecycle.py,
+event_stream.py).
 
 What a client can count on:
-- every error is OpenAI's JSON error body with the status OpenAI would use (400 for a bad
-  field or a prompt too long, 401 for a wrong key, 404 for an unknown model or route, 413
+- every error is its API's JSON error body (OpenAI's, or Anthropic's under /v1/messages:
+  error_formats.py) with the status the API would use (400 for a bad field or a prompt
+  too long, 401 for a wrong key, 404 for an unknown model, route or stored response, 413
   for an oversized body, 415 for a body not sent as `application/json`, 429 when the
   queue is full, 503 while shutting down), and the server keeps serving; no input
   makes it a 500 (JSON nested too deep or holding a lone surrogate is a 400:
@@ -49,7 +55,8 @@ What a client can count on:
   `shutdown_grace_s` to finish, ends the rest cleanly (a stream with an error event and
   [DONE], others with a 503) and returns, so the process exits 0 (service/http/shutdown.py);
 - it binds 127.0.0.1 unless told otherwise; with an API key, /v1 routes need
-  `Authorization: Bearer KEY` (/health and /metrics stay open, for probes and scrapers).
+  `Authorization: Bearer KEY` or `x-api-key: KEY` (/health, /metrics and the chat page
+  stay open: probes, scrapers, and a page that asks for the key).
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ from eagerlm.service.http.response_counts import ResponseCounter
 from eagerlm.service.http.server_context import ServerContext
 from eagerlm.service.http.sglang_worker import add_sglang_worker_routes
 from eagerlm.service.http.shutdown import AFTER_GRACE_S, Drain, GracefulServer, RefuseWhileDraining
+from eagerlm.service.http.webui import add_webui_routes
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None,
@@ -100,6 +108,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
     add_sglang_worker_routes(app, engine, ctx.gate)  # GET /server_info, /get_load
     for dialect in API_DIALECTS:  # service/http/api_dialects.py
         dialect.add_routes(app, ctx)
+    add_webui_routes(app, ctx)  # the chat page at / (unless --no-webui)
     return app
 
 

@@ -85,6 +85,7 @@ class _Submitted:
     id: str
     model: str
     stops: tuple[str, ...]
+    thinking_shown: bool = True
 
     @property
     def streams(self) -> MultiStream:
@@ -103,7 +104,7 @@ def add_anthropic_routes(app: FastAPI, ctx: ServerContext) -> None:
         async def submit() -> _Submitted:
             run = await start_chat(ctx, chat)
             return _Submitted(run, f"msg_{uuid.uuid4().hex}", ctx.engine.name,
-                              tuple(req.stop_sequences or ()))
+                              tuple(req.stop_sequences or ()), req.thinking_shown)
 
         return await generation_response(
             ctx, request, stream=bool(req.stream), submit=submit,
@@ -178,7 +179,8 @@ def _message_body(s: _Submitted, ctx: ServerContext, completions: list[Completio
     reply = result.reply
     content: list[dict[str, Any]] = []
     if result.reasoning is not None:
-        content.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
+        content.append({"type": "thinking", "signature": "",
+                        "thinking": result.reasoning if s.thinking_shown else ""})
     if reply.content or not reply.tool_calls:
         content.append({"type": "text", "text": reply.content or ""})
     content.extend(_tool_use(call) for call in reply.tool_calls)
@@ -245,7 +247,8 @@ async def _message_events(s: _Submitted, ctx: ServerContext) -> AsyncIterator[st
     try:
         async for e in run.events():
             if isinstance(e, ReasoningDelta):
-                blocks.delta("thinking", {"type": "thinking_delta", "thinking": e.text})
+                blocks.delta("thinking", {"type": "thinking_delta",
+                                          "thinking": e.text if s.thinking_shown else ""})
             elif isinstance(e, ContentDelta) and e.text:
                 blocks.delta("text", {"type": "text_delta", "text": e.text})
             elif isinstance(e, ToolCallDelta):

@@ -7,12 +7,15 @@ assistant turns; content a string or a list of `text`, `tool_use`, `tool_result`
 `thinking` and `redacted_thinking` blocks), `system` (a string or text blocks), `tools`
 (custom tools: `name`, `description`, `input_schema`; Anthropic's server tools are
 refused), `tool_choice` (`auto`, `any`, `tool` with a `name`, `none`;
-`disable_parallel_tool_use`), `stop_sequences`, `temperature` (0 to 1), `top_p`, `top_k`,
-`thinking` (`enabled` with `budget_tokens`, `disabled`, `adaptive`), `stream`, `metadata`
-(informational). llama-server's `logit_bias` extension is accepted as on the OpenAI
-routes. Strict as the other routes (service/http/openai_parsing.py): a field or block
-type this server does not know is a 400 naming it, never ignored; `cache_control` on a
-block is accepted and changes nothing (the prefix cache is automatic).
+`disable_parallel_tool_use`), `stop_sequences`, `temperature` (0 to 1), `top_p`, `top_k`
+(older SDKs send them; the current one only through `extra_body`), `thinking` (`enabled`
+with `budget_tokens`, `disabled`, `adaptive`; `display`), `output_config` (`format`: a
+JSON schema the reply follows, by constrained decoding; `effort`, which reaches the
+template as `reasoning_effort`), `stream`, `metadata` (informational), `cache_control`
+(no effect). llama-server's `logit_bias` extension is accepted as on the OpenAI routes.
+Strict as the other routes (service/http/openai_parsing.py): a field or block type this
+server does not know is a 400 naming it, never ignored; `cache_control` on a block is
+accepted and changes nothing (the prefix cache is automatic).
 
 How Anthropic's conversation maps onto a chat template's (OpenAI's form, as Hugging Face
 templates take it): consecutive turns of one role are one turn (as Anthropic combines
@@ -26,7 +29,8 @@ that turn, not continue it.
 `thinking`: `enabled` and `disabled` reach the chat template as `enable_thinking` (Qwen3's
 switch; a template that never reads it gets no say); `budget_tokens` must be below
 `max_tokens`, as Anthropic requires, and is not a separate limit here. A reasoning model's
-thinking comes back as `thinking` blocks whenever it thinks.
+thinking comes back as `thinking` blocks whenever it thinks (whole: nothing summarises
+it; empty with `display: "omitted"`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
+from eagerlm.kernels.sampling import Constraint
 from eagerlm.service.http.chat_request import MAX_TOOLS, ChatRequest, tool_parser_for
 from eagerlm.service.http.openai_errors import bad_request, brief
 from eagerlm.service.http.openai_parsing import BodyPart, RequestBody, parse_body
@@ -119,6 +124,17 @@ class ToolChoice(BodyPart):
 class ThinkingConfig(BodyPart):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1024)
+    display: Literal["summarized", "omitted"] | None = None  # omitted: blocks left empty
+
+
+class OutputFormat(BodyPart):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BodyPart):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
 
 
 class CountTokensRequest(RequestBody):
@@ -139,6 +155,8 @@ class CountTokensRequest(RequestBody):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    cache_control: dict[str, Any] | None = None  # Anthropic's prompt caching: automatic here
 
     def check(self) -> None:
         names = [tool.name for tool in self.tools or ()]
@@ -184,9 +202,17 @@ class CountTokensRequest(RequestBody):
         return [tool.for_template() for tool in self.tools] if self.tools else None
 
     def template_kwargs(self) -> dict[str, Any]:
-        if self.thinking is None or self.thinking.type == "adaptive":
-            return {}
-        return {"enable_thinking": self.thinking.type == "enabled"}
+        kwargs: dict[str, Any] = {}
+        if self.thinking is not None and self.thinking.type != "adaptive":
+            kwargs["enable_thinking"] = self.thinking.type == "enabled"
+        if self.output_config is not None and self.output_config.effort is not None:
+            kwargs["reasoning_effort"] = self.output_config.effort
+        return kwargs
+
+    @property
+    def thinking_shown(self) -> bool:
+        """Whether thinking blocks carry the thinking (`display: "omitted"`: empty)."""
+        return self.thinking is None or self.thinking.display != "omitted"
 
 
 class MessagesRequest(CountTokensRequest):
@@ -208,7 +234,19 @@ class MessagesRequest(CountTokensRequest):
             raise bad_request(f"'thinking.budget_tokens' ({budget}) must be less than "
                               f"'max_tokens' ({self.max_tokens}).",
                               param="thinking.budget_tokens", code="invalid_value")
+        forced = self.tool_choice is not None and self.tool_choice.type in ("any", "tool")
+        if forced and self.constraint() is not None:
+            raise bad_request("Give at most one of 'output_config.format' and a forced "
+                              "'tool_choice': each constrains the whole reply.",
+                              param="tool_choice", code="invalid_value")
         self.sampling()
+
+    def constraint(self) -> Constraint | None:
+        """`output_config.format`'s JSON schema (structured output), if any."""
+        fmt = self.output_config.format if self.output_config is not None else None
+        if fmt is None:
+            return None
+        return Constraint.json_schema(fmt.schema_, "output_config.format.schema")
 
     def sampling(self) -> Sampling:
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -230,7 +268,8 @@ class MessagesRequest(CountTokensRequest):
                       if choice.type == "any" or t.name == choice.name]
         return ChatRequest(messages=self.template_messages(), sampling=self.sampling(),
                            tools=self.template_tools(), template_kwargs=self.template_kwargs(),
-                           tool_parser=parser, forced_tools=forced, max_tokens=self.max_tokens)
+                           tool_parser=parser, forced_tools=forced,
+                           constraint=self.constraint(), max_tokens=self.max_tokens)
 
 
 def _merged_turns(messages: list[Message]) -> list[tuple[str, list[Any]]]:

@@ -66,11 +66,13 @@ def test_the_wheel_holds_nothing_at_top_level_but_eagerlm_and_its_dist_info(whee
     assert not any(n.split("/")[0] in FOLDERS for n in names)
 
 
-def test_every_module_and_cuda_source_of_the_checkout_is_in_the_wheel(wheel):
+def test_every_module_cuda_source_and_chat_page_file_of_the_checkout_is_in_the_wheel(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = [p for folder in FOLDERS for p in (ROOT / folder).rglob("*")
-               if p.suffix in (".py", ".cu", ".cuh") and "__pycache__" not in p.parts]
+               if p.suffix in (".py", ".cu", ".cuh", ".html", ".js", ".css")
+               and "__pycache__" not in p.parts]
     assert any(p.suffix == ".cu" for p in sources)
+    assert {p.name for p in sources} >= {"index.html", "chat.js", "chat.css"}
     missing = [str(p.relative_to(ROOT)) for p in sources if wheel_path(p) not in names]
     assert not missing, f"not in the wheel: {missing}"
 
@@ -114,18 +116,21 @@ def fresh_environment(venv: Path, wheel: Path, parent: Path) -> Path:
 PROBE = ("import eagerlm, importlib.util as u; print(eagerlm.__file__); "
          "from eagerlm import Engine, SyncEngine, SamplingParams; "
          "print([n for n in ('vmm', 'loader', 'dispatch', 'kernels', 'service') "
-         "if u.find_spec(n) is not None])")
+         "if u.find_spec(n) is not None]); "
+         "from eagerlm.service.http.webui import asset; "
+         "print(b'chat.js' in asset('index.html'))")
 
 
 def probe(python: Path, venv: Path) -> None:
-    """eagerlm imports from the virtualenv's wheel, with every dependency; the bare folder
-    names do not import."""
+    """eagerlm imports from the virtualenv's wheel, with every dependency, and reads the
+    chat page it carries; the bare folder names do not import."""
     done = subprocess.run([str(python), "-c", PROBE], cwd=venv.parent, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
-    where, bare = done.stdout.splitlines()
+    where, bare, page = done.stdout.splitlines()
     assert where.startswith(str(venv)), where
     assert bare == "[]", f"importable at top level: {bare}"
+    assert page == "True", "the chat page is not in the installed package"
 
 
 def test_installed_in_a_fresh_environment_eagerlm_works_and_the_bare_names_do_not(

@@ -84,8 +84,8 @@ class GrammarLimits:
     - `compile_seconds`: the deadline of one compilation (the checks, llguidance's
       compile and the first mask). Past it the request is refused; the compilation runs on
       to its end on its thread, bounded by the limits here, and its result is dropped. No
-      input found takes more than 1.4 s under the other limits (0.9 s before integers
-      were bounded): this is for what no one found.
+      input found takes more than about 1 s under the other limits: this is for what no one
+      found.
     - `compile_stack_bytes`: the stack of the compiling thread (virtual: only what is used
       is committed). llguidance recurses 3 to 8 KB per level of a `$ref` chain or a chain
       of Lark rules: 1,000 levels of objects (a 75 KB schema) overflowed an 8 MiB stack
@@ -106,9 +106,10 @@ class GrammarLimits:
       most about 20 ms; exponential regexes such as `(x{1,1000}){1,1000}` stop here at
       about 2 ms a step).
     - `initial_lexer_fuel` (1,000,000): the lexer's work at compile time (a 100,000-value
-      enum is refused in 0.4 s; 1,000 integer properties, each bounded to 16 digits
-      (dispatch/schema_integers.py), in 1.3 s: the bounded integer's lexeme costs about
-      8 times the unbounded one's to compile, 0.7 s for 400 such properties).
+      enum is refused in 0.4 s). An integer bounded to 16 digits
+      (dispatch/schema_integers.py) costs about 8 times an unbounded one to compile: one
+      object of 400 integer properties compiles in 0.5 to 0.7 s, of 600 required ones in
+      0.9 s, and 700 or more are refused here (unbounded, 1,000 required ones compiled).
     - `max_lexer_states` (250,000): lexer states built while generating, 0.7 to 2 KB each:
       50,000 is at most about 40 to 100 MB per request instead of 200 to 500 MB (20,000
       lasted about 1,000 random tokens inside a length-bounded string).

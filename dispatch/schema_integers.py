@@ -5,12 +5,14 @@ the demo model (Gemma 3 270M) answered one with hundreds of zeros, valid per the
 useless to the client. llama.cpp's schema converter writes an integer's integral part as
 at most 16 digits (`[1-9][0-9]{0,15}`); llguidance has no such option (its JSON options are
 separators, whitespace, `coerce_one_of`, `lenient` and escapes), so an integer schema that
-lacks a lower or an upper bound gets one here, ±(10^16 - 1), before llguidance compiles it.
+lacks a lower or an upper bound gets one here before llguidance compiles it.
 
-llguidance reads bounds as doubles, in which 10^16 - 1 rounds to 10^16: so the bound
-admits 10^16 itself too (the one 17-digit integer allowed), and nothing longer. A bound the
-schema gives is kept; when it is beyond ours (a `minimum` of 10^20 with no `maximum`), the
-other side is left open, as the schema asks for integers that long.
+The bound is ±9,999,999,999,999,998, not 10^16 - 1: llguidance reads bounds as doubles, in
+which 10^16 - 1 rounds to 10^16, and the demo model then wrote exactly 10000000000000000,
+17 digits. 10^16 - 2 is even, so a double holds it exactly: every integer of at most 16
+digits is allowed but 16 nines. A bound the schema gives is kept; when it is beyond ours
+(a `minimum` of 10^20 with no `maximum`), the other side is left open, as the schema asks
+for integers that long.
 
 Applied to every JSON-schema constraint (dispatch/grammar.py: both server routes and the
 Python API) and to a forced tool call's parameter schemas (service/api/tool_calls.py).
@@ -21,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 INTEGER_DIGITS = 16
-INTEGER_LIMIT = 10**INTEGER_DIGITS - 1
+INTEGER_LIMIT = 10**INTEGER_DIGITS - 2  # the largest such bound a double holds exactly
 
 # keywords whose value is one subschema, a list of them, or a map of names to them
 # (JSON Schema 2020-12, plus draft 4-7's spellings); `const`, `enum`, `default` and

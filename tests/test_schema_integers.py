@@ -62,10 +62,11 @@ def takes(model, compiler, constraint: Constraint, text: str) -> bool:
 def test_an_unbounded_integer_takes_sixteen_digits_and_no_more(model, compiler):
     schema = Constraint.json_schema({"type": "object", "properties": {
         "n": {"type": "integer"}}, "required": ["n"]})
-    assert takes(model, compiler, schema, '{"n": ' + "9" * 16 + "}")
-    assert takes(model, compiler, schema, '{"n": -' + "9" * 16 + "}")
+    assert takes(model, compiler, schema, '{"n": ' + "9" * 15 + "8}")
+    assert takes(model, compiler, schema, '{"n": -' + "9" * 15 + "8}")
+    assert takes(model, compiler, schema, '{"n": 1' + "0" * 15 + "}")
+    assert not takes(model, compiler, schema, '{"n": 1' + "0" * 16)  # 10^16: 17 digits
     assert not takes(model, compiler, schema, '{"n": ' + "9" * 17)
-    assert not takes(model, compiler, schema, '{"n": 1' + "0" * 16 + "0")
     # the schema's own bound wins: eighteen digits where it asks for them (llguidance
     # takes bounds as int64s)
     wide = Constraint.json_schema({"type": "integer", "minimum": 0, "maximum": 10**18})
@@ -77,6 +78,6 @@ def test_a_forced_tool_calls_integer_arguments_are_bounded_too(model, compiler):
                             "required": ["n"], "additionalProperties": False})]
     constraint = forced_call(ToolCallFormat.LLAMA3_JSON, tools, lambda _: False)
     call = '{"name": "set_count", "parameters": {"n": '
-    assert takes(model, compiler, constraint, call + "9" * 16 + "}}")
-    assert not takes(model, compiler, constraint, call + "9" * 17)
+    assert takes(model, compiler, constraint, call + "9" * 15 + "8}}")
+    assert not takes(model, compiler, constraint, call + "1" + "0" * 16)
     assert tools[0][1]["properties"]["n"] == {"type": "integer"}  # the request's, unchanged

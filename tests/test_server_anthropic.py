@@ -23,7 +23,7 @@ from eagerlm.service.http.anthropic_request import parse_messages_request
 from eagerlm.service.http.server import ServerConfig, create_app
 from tests.test_server import LiveServer
 from tests.test_server_reasoning import ANSWER, END, THINK_REPLY, THINK_THEN_CALL, THOUGHT
-from tests.test_server_responses import MODEL
+from tests.test_server_responses import MODEL, assert_never_a_500
 from tests.test_server_responses import engine as engine  # the module-scoped model
 
 HI = [{"role": "user", "content": "hello"}]
@@ -145,8 +145,9 @@ def test_thinking_disabled_reaches_the_template_and_max_tokens_cuts(client, engi
     counts = [client.messages.count_tokens(model=MODEL, messages=HI, **extra).input_tokens
               for extra in ({}, {"thinking": {"type": "disabled"}})]
     assert counts[1] > counts[0]  # Qwen3's template adds an empty <think> block
+    no_end = {str(t): -100 for t in engine.tokenizer.end_ids}
     m = client.messages.create(model=MODEL, messages=HI, max_tokens=2,
-                               extra_body={"logit_bias": {"0": -100}})
+                               extra_body={"logit_bias": no_end})
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 2
 
 
@@ -222,3 +223,22 @@ def test_a_hostile_body_is_a_400_in_anthropics_format(server, fields):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert r.json()["error"]["message"]
+
+
+def test_mutated_bodies_never_get_a_500(server):
+    body = {"model": MODEL, "max_tokens": 2, "system": [{"type": "text", "text": "Be brief."}],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "hmm", "signature": ""},
+                    {"type": "tool_use", "id": "t", "name": "get_weather",
+                     "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                              "content": [{"type": "text", "text": "sun"}]}]}],
+            "tools": TOOLS, "tool_choice": {"type": "auto"}, "stop_sequences": ["zz"],
+            "thinking": {"type": "disabled"}, "temperature": 0.5, "top_k": 3}
+    for route, sent, seed in (("/v1/messages", body, 1), ("/v1/messages/count_tokens", {
+            k: v for k, v in body.items() if k in ("model", "messages", "system", "tools")},
+            2)):
+        counts = assert_never_a_500(server, route, sent, 50, seed, {"x-api-key": "sk-test"})
+        assert counts.get(400, 0) > 15 and counts.get(200, 0) > 1, counts

@@ -12,7 +12,9 @@ store's bounds and 404s, and hostile bodies (each a 4xx in OpenAI's error format
 
 from __future__ import annotations
 
+import copy
 import json
+import random
 
 import httpx
 import jsonschema
@@ -181,14 +183,16 @@ def test_text_format_json_schema_output_validates(client):
     assert r.text.format.type == "json_schema"
 
 
-def test_a_reply_cut_by_max_output_tokens_is_incomplete(client, server):
+def test_a_reply_cut_by_max_output_tokens_is_incomplete(client, server, engine):
+    no_end = {"logit_bias": {str(t): -100 for t in engine.tokenizer.end_ids}}
     r = client.responses.create(model=MODEL, input="go on", max_output_tokens=3,
-                                extra_body={"logit_bias": {"0": -100}}, store=False)
+                                extra_body=no_end, store=False)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output[-1].status == "incomplete"
     with pytest.raises(openai.NotFoundError):  # store: false keeps nothing
         client.responses.retrieve(r.id)
-    body = {"model": MODEL, "input": "go on", "max_output_tokens": 3, "stream": True}
+    body = {"model": MODEL, "input": "go on", "max_output_tokens": 3, "stream": True,
+            **no_end}
     lines = httpx.post(server.url + "/v1/responses", json=body, timeout=30).text.splitlines()
     names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
     payloads = sse_payloads(lines)
@@ -260,6 +264,66 @@ def test_a_hostile_body_is_a_400_in_openais_format_naming_the_field(server, fiel
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+# values a careless or hostile client puts anywhere in a body
+ODD_VALUES = (None, 0, -1, 2**70, 1.5, -1e308, True, "", "x", "user", "text", "function",
+              [], {}, [{}], [None], {"type": "text"}, {"type": "x"}, "é" * 300)
+
+
+def mutated(body: dict, rng: random.Random) -> dict:
+    """`body` with one to three values replaced, removed or added at random places."""
+    def places(node, path=()):
+        yield path
+        children = (node.items() if isinstance(node, dict)
+                    else enumerate(node) if isinstance(node, list) else ())
+        for key, child in children:
+            yield from places(child, (*path, key))
+
+    body = copy.deepcopy(body)
+    for _ in range(rng.randint(1, 3)):
+        *parent_path, key = rng.choice([p for p in places(body) if p])
+        parent = body
+        for step in parent_path:
+            parent = parent[step]
+        roll = rng.random()
+        if roll < 0.15 and isinstance(parent, dict):
+            del parent[key]
+        elif roll < 0.25 and isinstance(parent, dict):
+            parent[f"extra_{rng.randint(0, 9)}"] = rng.choice(ODD_VALUES)
+        else:
+            parent[key] = copy.deepcopy(rng.choice(ODD_VALUES))
+    return body
+
+
+def assert_never_a_500(server, route: str, body: dict, n: int, seed: int,
+                       headers: dict | None = None) -> dict[int, int]:
+    """`n` mutations of a valid body: every answer a 2xx or a 4xx in the route's error
+    format; returns the count of each status."""
+    rng, counts = random.Random(seed), {}
+    with httpx.Client(base_url=server.url, timeout=60, headers=headers) as http:
+        assert http.post(route, json=body).status_code == 200
+        for _ in range(n):
+            sent = mutated(body, rng)
+            r = http.post(route, json=sent)
+            assert r.status_code < 500, (sent, r.text)
+            assert r.status_code < 300 or r.json()["error"]["message"], (sent, r.text)
+            counts[r.status_code] = counts.get(r.status_code, 0) + 1
+    return counts
+
+
+def test_mutated_bodies_never_get_a_500(server):
+    body = {"model": MODEL, "max_output_tokens": 2, "instructions": "Be brief.",
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                      {"type": "reasoning", "id": "rs", "summary": [],
+                       "content": [{"type": "reasoning_text", "text": "hmm"}]},
+                      {"type": "function_call", "call_id": "c", "name": "get_weather",
+                       "arguments": '{"city": "Paris"}'},
+                      {"type": "function_call_output", "call_id": "c", "output": "sunny"}],
+            "tools": TOOLS, "tool_choice": "auto", "text": {"format": {"type": "text"}},
+            "reasoning": {"effort": "low"}, "temperature": 0.5, "store": False}
+    counts = assert_never_a_500(server, "/v1/responses", body, 80, seed=1)
+    assert counts.get(400, 0) > 25 and counts.get(200, 0) > 2  # both kinds were tried
 
 
 def test_a_body_that_is_no_object_or_no_json_is_a_400_and_a_wrong_model_a_404(server):

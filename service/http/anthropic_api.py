@@ -36,7 +36,6 @@ from fastapi.responses import Response
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.errors import EagerLMError
 from eagerlm.service.api.records import Completion
-from eagerlm.service.api.streams import MultiStream
 from eagerlm.service.api.tool_calls import Reply, ToolCall
 from eagerlm.service.http.anthropic_request import (
     parse_count_tokens_request,
@@ -48,11 +47,11 @@ from eagerlm.service.http.chat_request import (
     ContentDelta,
     ReasoningDelta,
     ToolCallDelta,
-    start_chat,
+    chat_response,
     tool_parser_for,
 )
 from eagerlm.service.http.openai_errors import OpenAIError, as_openai_error
-from eagerlm.service.http.request_lifecycle import generation_response, prepare
+from eagerlm.service.http.request_lifecycle import prepare
 from eagerlm.service.http.server_context import ServerContext
 
 # Anthropic's error type for each status (https://docs.anthropic.com/en/api/errors)
@@ -79,17 +78,14 @@ def error_ending(error: OpenAIError) -> str:
     return f"event: error\ndata: {json.dumps(anthropic_error_body(error))}\n\n"
 
 
-@dataclass
-class _Submitted:
-    run: ChatRun
+@dataclass(frozen=True)
+class _Reply:
+    """What a reply's rendering needs of its request."""
+
     id: str
     model: str
     stops: tuple[str, ...]
     thinking_shown: bool = True
-
-    @property
-    def streams(self) -> MultiStream:
-        return self.run.streams
 
 
 def add_anthropic_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -100,16 +96,12 @@ def add_anthropic_routes(app: FastAPI, ctx: ServerContext) -> None:
         req = parse_messages_request(await ctx.read_json(request))
         ctx.check_model(req.model)
         chat = req.chat_request(ctx)
-
-        async def submit() -> _Submitted:
-            run = await start_chat(ctx, chat)
-            return _Submitted(run, f"msg_{uuid.uuid4().hex}", ctx.engine.name,
-                              tuple(req.stop_sequences or ()), req.thinking_shown)
-
-        return await generation_response(
-            ctx, request, stream=bool(req.stream), submit=submit,
-            stream_events=lambda s: _message_events(s, ctx),
-            whole_body=lambda s, completions: _message_body(s, ctx, completions),
+        reply = _Reply(f"msg_{uuid.uuid4().hex}", ctx.engine.name,
+                       tuple(req.stop_sequences or ()), req.thinking_shown)
+        return await chat_response(
+            ctx, request, chat, stream=bool(req.stream),
+            stream_events=lambda run: _message_events(run, reply, ctx),
+            whole_body=lambda run, completions: _message_body(run, reply, ctx, completions),
             error_ending=error_ending)
 
     @app.post("/v1/messages/count_tokens", dependencies=[Depends(ctx.authorize)])
@@ -131,7 +123,7 @@ def _usage(completion: Completion) -> dict[str, Any]:
             "output_tokens": completion.completion_tokens}
 
 
-def _stop(reply: Reply, completion: Completion, s: _Submitted, ctx: ServerContext
+def _stop(reply: Reply, completion: Completion, s: _Reply, ctx: ServerContext
           ) -> tuple[str, str | None]:
     """The stop reason and the stop sequence that ended the reply, if one did."""
     if reply.tool_calls:
@@ -166,16 +158,16 @@ def _tool_use(call: ToolCall, with_input: bool = True) -> dict[str, Any]:
             "name": call.name, "input": json.loads(call.arguments) if with_input else {}}
 
 
-def _message(s: _Submitted, content: list[dict[str, Any]], stop: tuple[str | None,
+def _message(s: _Reply, content: list[dict[str, Any]], stop: tuple[str | None,
              str | None], usage: dict[str, Any]) -> dict[str, Any]:
     return {"id": s.id, "type": "message", "role": "assistant", "model": s.model,
             "content": content, "stop_reason": stop[0], "stop_sequence": stop[1],
             "usage": usage}
 
 
-def _message_body(s: _Submitted, ctx: ServerContext, completions: list[Completion]
-                  ) -> dict[str, Any]:
-    (result,) = s.run.results(completions)
+def _message_body(run: ChatRun, s: _Reply, ctx: ServerContext,
+                  completions: list[Completion]) -> dict[str, Any]:
+    (result,) = run.results(completions)
     reply = result.reply
     content: list[dict[str, Any]] = []
     if result.reasoning is not None:
@@ -235,8 +227,8 @@ class _Blocks:
         return events
 
 
-async def _message_events(s: _Submitted, ctx: ServerContext) -> AsyncIterator[str]:
-    run = s.run
+async def _message_events(run: ChatRun, s: _Reply, ctx: ServerContext
+                          ) -> AsyncIterator[str]:
     usage = {"input_tokens": run.prompt_tokens, "cache_creation_input_tokens": 0,
              "cache_read_input_tokens": 0, "output_tokens": 0}
     yield sse("message_start", {"type": "message_start",

@@ -4,11 +4,13 @@ chat route translates onto.
 API translations: each API dialect (OpenAI's Chat Completions is service/http/
 openai_chat.py; one module per dialect) parses its own body, translates it onto a
 `ChatRequest` (the conversation and tools in the chat template's form, the tool-call
-parser, the reply's constraint, the sampling of each choice), runs it with `start_chat`
-through `generation_response` (service/http/request_lifecycle.py), and renders what comes
-back in its own format: `ChatRun.results` for a whole reply, `ChatRun.events` for a
-stream. So the generation, the reasoning split (dispatch/reasoning.py) and the tool-call
-parsing (service/api/tool_calls.py) exist once, whatever the API.
+parser, the reply's constraint, the sampling of each choice), runs it with
+`chat_response` (`start_chat` through service/http/request_lifecycle.py's
+`generation_response`), and renders what comes back in its own format: `ChatRun.results`
+for a whole reply, `ChatRun.events` for a stream. The dialects are registered in
+service/http/api_dialects.py. So the generation, the reasoning split
+(dispatch/reasoning.py) and the tool-call parsing (service/api/tool_calls.py) exist once,
+whatever the API.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import Response
 
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.dispatch.reasoning import (
@@ -40,9 +45,9 @@ from eagerlm.service.api.tool_calls import (
     forced_call,
     format_of_template,
 )
-from eagerlm.service.http.openai_errors import bad_request
+from eagerlm.service.http.openai_errors import OpenAIError, bad_request
 from eagerlm.service.http.openai_sampling import resolve_max_tokens
-from eagerlm.service.http.request_lifecycle import prepare
+from eagerlm.service.http.request_lifecycle import generation_response, prepare
 from eagerlm.service.http.server_context import ServerContext
 
 # tools in one request of the Responses and Messages APIs (OpenAI's limit for chat's
@@ -233,6 +238,22 @@ async def start_chat(ctx: ServerContext, chat: ChatRequest) -> ChatRun:
     return ChatRun(chat, streams, thinking, len(prompt.ids))
 
 
+async def chat_response(ctx: ServerContext, request: Request, chat: ChatRequest, *,
+                        stream: bool,
+                        stream_events: Callable[[ChatRun], AsyncIterator[str]],
+                        whole_body: Callable[[ChatRun, list[Completion]], Any],
+                        error_ending: Callable[[OpenAIError], str]) -> Response:
+    """A chat dialect's answer to `chat`: started (`start_chat`) on the way every
+    generation request takes (`generation_response`), then rendered by the dialect, a
+    stream (`stream_events` of the run) or a whole body (`whole_body`)."""
+    async def submit() -> ChatRun:
+        return await start_chat(ctx, chat)
+
+    return await generation_response(ctx, request, stream=stream, submit=submit,
+                                     stream_events=stream_events, whole_body=whole_body,
+                                     error_ending=error_ending)
+
+
 def _is_special_text(engine: Engine) -> Callable[[str], bool]:
     """Whether a text is one special token of the model's vocabulary (a forced call's
     markers are then written as that token, as the model learned them)."""
@@ -246,4 +267,4 @@ def _is_special_text(engine: Engine) -> Callable[[str], bool]:
 
 __all__ = ["MAX_TOOLS", "ChatEvent", "ChatRequest", "ChatRun", "ChoiceFinished", "ChoiceResult",
            "ChoiceSampling", "ContentDelta", "ReasoningDelta", "Thinking", "ToolCallDelta",
-           "start_chat", "tool_parser_for"]
+           "chat_response", "start_chat", "tool_parser_for"]

@@ -12,7 +12,6 @@ the finish reason.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -20,7 +19,6 @@ from fastapi.responses import Response
 
 from eagerlm.errors import EagerLMError
 from eagerlm.service.api.records import Completion
-from eagerlm.service.api.streams import MultiStream
 from eagerlm.service.http.chat_request import (
     ChatRequest,
     ChatRun,
@@ -28,7 +26,7 @@ from eagerlm.service.http.chat_request import (
     ContentDelta,
     ReasoningDelta,
     ToolCallDelta,
-    start_chat,
+    chat_response,
 )
 from eagerlm.service.http.ignored_fields import log_once
 from eagerlm.service.http.openai_errors import as_openai_error
@@ -46,7 +44,6 @@ from eagerlm.service.http.openai_responses import (
     tool_call_delta,
     usage_chunk_body,
 )
-from eagerlm.service.http.request_lifecycle import generation_response
 from eagerlm.service.http.server_context import ServerContext
 
 
@@ -64,16 +61,6 @@ def chat_request(req: ChatCompletionRequest, ctx: ServerContext) -> ChatRequest:
                        max_tokens=req.requested_max_tokens, n=req.n_choices)
 
 
-@dataclass
-class _Submitted:
-    run: ChatRun
-    ids: ResponseIds
-
-    @property
-    def streams(self) -> MultiStream:
-        return self.run.streams
-
-
 def add_openai_chat_routes(app: FastAPI, ctx: ServerContext) -> None:
     """`POST /v1/chat/completions`."""
 
@@ -82,15 +69,11 @@ def add_openai_chat_routes(app: FastAPI, ctx: ServerContext) -> None:
         req = parse_chat_request(await ctx.read_json(request))
         ctx.check_model(req.model)
         chat = chat_request(req, ctx)
-
-        async def submit() -> _Submitted:
-            run = await start_chat(ctx, chat)
-            return _Submitted(run, ResponseIds.new("chatcmpl", ctx.engine.name))
-
-        return await generation_response(
-            ctx, request, stream=bool(req.stream), submit=submit,
-            stream_events=lambda s: _chat_events(s.run, s.ids, req.include_usage),
-            whole_body=lambda s, completions: _chat_body(s.run, s.ids, completions),
+        ids = ResponseIds.new("chatcmpl", ctx.engine.name)
+        return await chat_response(
+            ctx, request, chat, stream=bool(req.stream),
+            stream_events=lambda run: _chat_events(run, ids, req.include_usage),
+            whole_body=lambda run, completions: _chat_body(run, ids, completions),
             error_ending=error_ending)
 
 

@@ -42,7 +42,6 @@ from fastapi.responses import Response
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.errors import EagerLMError
 from eagerlm.service.api.records import Completion
-from eagerlm.service.api.streams import MultiStream
 from eagerlm.service.api.tool_calls import ToolCall
 from eagerlm.service.http.chat_request import (
     ChatRun,
@@ -51,10 +50,9 @@ from eagerlm.service.http.chat_request import (
     ContentDelta,
     ReasoningDelta,
     ToolCallDelta,
-    start_chat,
+    chat_response,
 )
 from eagerlm.service.http.openai_errors import OpenAIError, as_openai_error, brief
-from eagerlm.service.http.request_lifecycle import generation_response
 from eagerlm.service.http.response_store import ResponseStore
 from eagerlm.service.http.responses_request import ResponsesRequest, parse_responses_request
 from eagerlm.service.http.server_context import ServerContext
@@ -246,16 +244,6 @@ class _Response:
         return "".join(out.take())
 
 
-@dataclass
-class _Submitted:
-    run: ChatRun
-    response: _Response
-
-    @property
-    def streams(self) -> MultiStream:
-        return self.run.streams
-
-
 def add_responses_routes(app: FastAPI, ctx: ServerContext) -> None:
     """`POST /v1/responses`, `GET /v1/responses/{id}`, `DELETE /v1/responses/{id}`."""
     store = ResponseStore(ctx.config.responses_stored, ctx.config.responses_store_bytes)
@@ -279,13 +267,10 @@ def add_responses_routes(app: FastAPI, ctx: ServerContext) -> None:
         chat = req.chat_request(ctx, conversation)
         response = _Response(req, ctx, store, conversation)
         response.output.encrypted_reasoning = bool(req.include)
-
-        async def submit() -> _Submitted:
-            return _Submitted(await start_chat(ctx, chat), response)
-
-        return await generation_response(
-            ctx, request, stream=bool(req.stream), submit=submit,
-            stream_events=_response_events, whole_body=_whole_response,
+        return await chat_response(
+            ctx, request, chat, stream=bool(req.stream),
+            stream_events=lambda run: _response_events(run, response),
+            whole_body=lambda run, completions: _whole_response(run, response, completions),
             error_ending=response.error_ending)
 
     @app.get("/v1/responses/{response_id}", dependencies=[Depends(ctx.authorize)])
@@ -312,20 +297,21 @@ def _fold(out: _Output, result: ChoiceResult) -> None:
     out.take()
 
 
-def _whole_response(s: _Submitted, completions: list[Completion]) -> dict[str, Any]:
-    (result,) = s.run.results(completions)
-    _fold(s.response.output, result)
-    return s.response.finish(result.completion)
+def _whole_response(run: ChatRun, response: _Response, completions: list[Completion]
+                    ) -> dict[str, Any]:
+    (result,) = run.results(completions)
+    _fold(response.output, result)
+    return response.finish(result.completion)
 
 
-async def _response_events(s: _Submitted) -> AsyncIterator[str]:
-    response, out = s.response, s.response.output
+async def _response_events(run: ChatRun, response: _Response) -> AsyncIterator[str]:
+    out = response.output
     out.emit("response.created", response=response.body("in_progress"))
     out.emit("response.in_progress", response=response.body("in_progress"))
     for event in out.take():
         yield event
     try:
-        async for e in s.run.events():
+        async for e in run.events():
             if isinstance(e, ReasoningDelta):
                 out.reasoning(e.text)
             elif isinstance(e, ContentDelta) and e.text:
@@ -339,7 +325,7 @@ async def _response_events(s: _Submitted) -> AsyncIterator[str]:
     except EagerLMError as e:  # the engine's failure, or the request's own (a 400)
         yield response.error_ending(as_openai_error(e))
         return
-    (completion,) = s.run.streams.completions()
+    (completion,) = run.streams.completions()
     body = response.finish(completion)
     kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
     out.emit(kind, response=body)

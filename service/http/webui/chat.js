@@ -21,8 +21,9 @@ function load() {
   }
 }
 
-function save() {
-  localStorage.setItem(STORE_KEY, JSON.stringify(state));
+function save() {  // the model's name is asked of the server each time, not kept
+  localStorage.setItem(STORE_KEY, JSON.stringify({messages: state.messages,
+                                                  settings: state.settings}));
 }
 
 // -- markdown ------------------------------------------------------------------------------
@@ -215,6 +216,7 @@ function headers() {
 async function loadModel() {
   try {
     const r = await fetch("/v1/models", {headers: headers()});
+    if (!r.ok) throw new Error(`${r.status}`);
     const body = await r.json();
     state.model = body.data[0].id;
     $("model").textContent = state.model;

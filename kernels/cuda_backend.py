@@ -3,9 +3,9 @@ dequantized on the GPU, and the same `Transformer` as the cpu backend with `Cuda
 
 What a tensor of the file becomes (`CudaWeights`), with `weights="quantized"` (the
 default): a matrix of a type whose row in kernels/cuda_weight_types.py says "blocks" (every
-block type, F16 and BF16) is uploaded as it is into its own buffer and held as such
+block type, and F16) is uploaded as it is into its own buffer and held as such
 (`DeviceQuantizedMatrix`, kernels/cuda_quantized.py: a fused dequantizing GEMV for decode,
-bf16 tiles and cuBLASLt for prefill); an F32 matrix becomes bf16 (the row says why). With
+bf16 tiles and cuBLASLt for prefill); a BF16 or F32 matrix is bf16 (the rows say why). With
 `weights="bf16"`, the path before quantized weights: every matrix bf16, the GEMMs' input
 type. Vectors (norms, biases, rope frequency factors) are float32 in both. A BF16 matrix or
 an F32 vector is uploaded as it is; everything else is uploaded raw and expanded by its
@@ -46,8 +46,8 @@ def weight_dtype(info: TensorInfo) -> str:
 
 def keeps_blocks(info: TensorInfo, weights: CudaWeightsMode) -> bool:
     """Whether the cuda backend holds this tensor as the file's bytes: in "quantized" mode,
-    every matrix of a type held as "blocks" (kernels/cuda_weight_types.py: all but F32,
-    whose matrices become bf16); vectors are float32 always."""
+    every matrix of a type held as "blocks" (kernels/cuda_weight_types.py: all but BF16 and
+    F32, whose matrices are bf16); vectors are float32 always."""
     t = WEIGHT_TYPES.get(info.qtype)
     return (weights == "quantized" and len(info.shape) == 2 and t is not None
             and t.held == "blocks")

@@ -5,7 +5,7 @@ lookup over them: the cuda counterpart of kernels/quantized.py, with the same ch
 kernels/cuda_weight_types.py says "blocks" (with `weights="quantized"`,
 kernels/cuda_backend.py): the file's bytes for it, uploaded as they are by the slab loader,
 `[out_features, row bytes]`, so it takes what the file takes (a Q4_K_M file's matrices
-about 3.3x less than as bf16; F16 and BF16 2 bytes a value). `CudaOps.linear` and
+about 3.3x less than as bf16; F16 2 bytes a value). `CudaOps.linear` and
 `CudaOps.embed` accept it where they accept a bf16 matrix, and hand it to `QuantizedLinear`:
 
 - at most `gemv_max_rows` rows of x (decode, small batches; `GEMV_MAX_ROWS`, 8, by default),
@@ -18,7 +18,8 @@ about 3.3x less than as bf16; F16 and BF16 2 bytes a value). `CudaOps.linear` an
   to bf16 into one reused scratch buffer (the type's `dequant_<type>_bf16` on a slice of
   the blocks) and multiplied by cuBLASLt into its columns of the output: one tile of
   `TILE_ELEMENTS` values (32 MiB) is all the extra memory, allocated at load (`reserve`)
-  and counted by the GPU memory check. A BF16 matrix is cuBLASLt's operand as it is.
+  and counted by the GPU memory check. A BF16 matrix (which the loader holds as a bf16
+  tensor; benchmarks make one to time `gemv_bf16`) is cuBLASLt's operand as it is.
 
 Both run on the ops' stream, in order, so consecutive tiles (and layers) reuse the scratch
 safely, and a decode graph captures either path (the scratch's address is fixed).

@@ -18,15 +18,19 @@ defines), compiled on first use: a model compiles the modules of the types it ho
 
 What a matrix of each type is on the device (`held`, with `weights="quantized"`):
 - "blocks": the file's bytes, `DeviceQuantizedMatrix` (kernels/cuda_quantized.py): every
-  block type, and F16 and BF16, which stay 2 bytes a value. F16 is not rounded to bf16: its
-  11-bit significands are kept, and the GEMV (decode) multiplies them as they are; the tile
-  path (prefill) rounds each tile to bf16 for cuBLASLt, whose bf16 GEMM is the engine's
-  only one (a GEMM in F16 would need the activations in F16, which overflow past 65504
-  where bf16 ones do not), an error of the size the bf16 activations already carry. A BF16
-  matrix needs no tile: cuBLASLt reads it as it is.
-- "bf16": F32 matrices become bf16 at load (half the bytes every product reads), the
-  GEMMs' input type; their GEMV exists for a matrix held as F32 (benchmarks/bench_gemm.py
-  times it) but the loader does not keep one.
+  block type, and F16, which stays 2 bytes a value and is not rounded to bf16: its 11-bit
+  significands are kept, and the GEMV (decode) multiplies them as they are. The tile path
+  (prefill) rounds each tile to bf16 for cuBLASLt, whose bf16 GEMM is the engine's only
+  one (a GEMM in F16 would need the activations in F16, which overflow past 65504 where
+  bf16 ones do not): an error of the size the bf16 activations already carry.
+- "bf16": a bf16 `DeviceTensor`, every product by cuBLASLt. BF16 matrices are uploaded as
+  they are (2 bytes a value either way); their GEMV (`gemv_bf16`, on a
+  `DeviceQuantizedMatrix` of BF16, where the tile path is cuBLASLt on the matrix as it is)
+  is timed against cuBLASLt by benchmarks/bench_gemm.py --quantized bf16, and replaces it
+  only once a GPU has measured it faster: a hand-written kernel has to earn its place over
+  the library. F32 matrices become bf16 at load (half the bytes every product reads), the
+  GEMMs' input type; their GEMV likewise serves a matrix held as F32, which the loader
+  does not make.
 """
 
 from __future__ import annotations
@@ -127,7 +131,7 @@ WEIGHT_TYPES: dict[GGMLQuantizationType, WeightType] = {t.qtype: t for t in (
     WeightType(Q.IQ2_S),
     WeightType(Q.IQ4_XS),
     WeightType(Q.IQ1_M),
-    WeightType(Q.BF16, tiles=False),
+    WeightType(Q.BF16, held="bf16", tiles=False),
     WeightType(Q.TQ1_0),
     WeightType(Q.TQ2_0),
     WeightType(Q.MXFP4),

@@ -177,7 +177,7 @@ class _Module:
 
 class KernelLibrary:
     """Every kernel for one device, compiled (or read from the cubin cache) and loaded on
-    first use, per source file."""
+    first use, per module."""
 
     def __init__(self, ctx: CudaContext, arch: str | None = None) -> None:
         self.ctx = ctx

@@ -361,14 +361,16 @@ def test_open_model_hands_the_weights_choice_to_the_cuda_backend(gemm_ops, tmp_p
 # -- whole models ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("types", ["q4_k_m", "q5_0", "q4_k_m-int8"])
+@pytest.mark.parametrize("types", ["q4_k_m", "q5_0", "q4_k_m-int8", "f16"])
 def test_model_logits_on_quantized_weights_match_the_cpu_backend(gemm_ops, device, tmp_path,
                                                                  types, monkeypatch) -> None:
     """A prompt of 12 tokens (the tile path), then 3 decode steps (the GEMV), against the
     cpu backend on the same file (float32 weights: the exact dequantized values): within
     bf16 activations' error of the float32 logits. Q4_K_M's mix (Q4_K, the lm head Q6_K,
     here a Q5_0 embedding) on qwen3, also through the int8 GEMV, and the demo model's
-    (Q5_0 matrices, a Q8_0 embedding) on qwen2, whose q/k/v biases the GEMV adds."""
+    (Q5_0 matrices, a Q8_0 embedding) on qwen2, whose q/k/v biases the GEMV adds; and an
+    F16 file, its matrices and embedding kept as F16 (the float GEMV and lookup exact in
+    them, the prompt's tiles rounded to bf16)."""
     from eagerlm.kernels.batch import ForwardBatch
     from eagerlm.kernels.cpu_backend import cpu_transformer
     from eagerlm.kernels.cuda_backend import cuda_transformer
@@ -378,13 +380,16 @@ def test_model_logits_on_quantized_weights_match_the_cpu_backend(gemm_ops, devic
     from eagerlm.loader.model_file import ModelFile
     from eagerlm.loader.synthetic import write_synthetic_model
 
-    spec = _spec() if types.startswith("q4_k_m") else _spec(
-        architecture="qwen2", weight_type=Q.Q5_0, output_type=Q.Q5_0, embedding_type=Q.Q8_0)
+    spec = {"q5_0": _spec(architecture="qwen2", weight_type=Q.Q5_0, output_type=Q.Q5_0,
+                          embedding_type=Q.Q8_0),
+            "f16": _spec(weight_type=Q.F16, output_type=Q.F16, embedding_type=Q.F16),
+            }.get(types) or _spec()
     model = ModelFile.open(write_synthetic_model(tmp_path / f"{types}.gguf", spec))
     cfg = model.config
     cpu = cpu_transformer(model, weights="float")
     gpu = cuda_transformer(model, ops=CudaOps(device, poison_outputs=True))
     assert isinstance(gpu.weights.layers[0].wq, DeviceQuantizedMatrix)
+    assert isinstance(gpu.weights.token_embd, DeviceQuantizedMatrix)
     gpu.ops.quantized.gemv_int8 = types.endswith("int8")
     paths = quantized_paths(gpu.ops, monkeypatch)
     lay = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)

@@ -116,7 +116,7 @@ def load_cuda_weights(model: ModelFile, ops: CudaOps, *,
     anything is uploaded, where they would not fit in the device's free memory.
     `on_bytes(done, total)` reports the upload as `cpu_transformer` reports its load."""
     weights = check_weights_mode(weights)
-    held_as = "bf16" if weights == "bf16" else "the file's blocks (bf16 for float matrices)"
+    held_as = "bf16" if weights == "bf16" else "the file's blocks (bf16 for F32 and BF16 matrices)"
     advice = ("choose a smaller model" if weights == "quantized" else
               "keep them quantized (--weights quantized) or choose a smaller model")
     check_fits(model, device_weight_bytes(model, weights), ops.device.mem_info()[0],

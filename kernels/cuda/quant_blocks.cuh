@@ -56,6 +56,13 @@ __device__ __forceinline__ void set_scales(IntUnit& w, float scale, float min, i
   w.min[0] = w.min[1] = min;
   w.offset = offset;
 }
+// a scale per half, no minimum
+__device__ __forceinline__ void set_half_scales(IntUnit& w, float s0, float s1, int offset) {
+  w.scale[0] = s0;
+  w.scale[1] = s1;
+  w.min[0] = w.min[1] = 0.0f;
+  w.offset = offset;
+}
 
 // Weight j of a unit as gguf-py computes it (product, then subtraction, each rounded).
 __device__ __forceinline__ float unit_value(const IntUnit& w, int j) {
@@ -84,6 +91,13 @@ __device__ __forceinline__ int signed_bytes(unsigned g, unsigned signs) {
                         ((signs & 8u) << 21);
   return (int)((g ^ (ones * 0xFFu)) + ones);
 }
+// group l (values 8 l .. 8 l + 7) of a unit: the 8 grid values in the bytes of g, with the
+// 8 sign bits of `signs`
+__device__ __forceinline__ void signed_group(IntUnit& w, int l, unsigned long long g,
+                                             unsigned signs) {
+  w.q[2 * l] = signed_bytes((unsigned)g, signs & 0xF);
+  w.q[2 * l + 1] = signed_bytes((unsigned)(g >> 32), signs >> 4);
+}
 
 // -- float types -----------------------------------------------------------------------
 
@@ -102,59 +116,65 @@ struct F32 {
     }
   }
 };
-__device__ __forceinline__ float f16_bits(unsigned h) {
-  return __half2float(__ushort_as_half((unsigned short)h));
+// 32 16-bit values from a 16-byte aligned address, each to float by H::of_bits.
+template <class H>
+__device__ __forceinline__ void floats16(const unsigned char* p, float* v) {
+  const uint4* p4 = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint4 c = p4[k];
+    const unsigned w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[8 * k + 2 * i] = H::of_bits(w[i] & 0xFFFFu);
+      v[8 * k + 2 * i + 1] = H::of_bits(w[i] >> 16);
+    }
+  }
 }
 struct F16 {
   static constexpr int QK = 1, BYTES = 2;
-  __device__ static float value(const unsigned char* p) { return ld_f16(p); }
-  __device__ static void floats(const unsigned char* p, float* v) {
-    const uint4* p4 = reinterpret_cast<const uint4*>(p);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint4 c = p4[k];
-      const unsigned w[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[8 * k + 2 * i] = f16_bits(w[i] & 0xFFFFu);
-        v[8 * k + 2 * i + 1] = f16_bits(w[i] >> 16);
-      }
-    }
+  __device__ static float of_bits(unsigned h) {
+    return __half2float(__ushort_as_half((unsigned short)h));
   }
+  __device__ static float value(const unsigned char* p) { return of_bits(p[0] | (p[1] << 8)); }
+  __device__ static void floats(const unsigned char* p, float* v) { floats16<F16>(p, v); }
 };
 struct BF16 {
   static constexpr int QK = 1, BYTES = 2;
-  __device__ static float value(const unsigned char* p) {
-    return __uint_as_float((unsigned)(p[0] | (p[1] << 8)) << 16);
-  }
-  __device__ static void floats(const unsigned char* p, float* v) {
-    const uint4* p4 = reinterpret_cast<const uint4*>(p);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint4 c = p4[k];
-      const unsigned w[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[8 * k + 2 * i] = __uint_as_float(w[i] << 16);
-        v[8 * k + 2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-      }
-    }
-  }
+  __device__ static float of_bits(unsigned h) { return __uint_as_float(h << 16); }
+  __device__ static float value(const unsigned char* p) { return of_bits(p[0] | (p[1] << 8)); }
+  __device__ static void floats(const unsigned char* p, float* v) { floats16<BF16>(p, v); }
 };
 
 // -- 32-value blocks -------------------------------------------------------------------
-// Values j < 16 in the low nibbles of qs[j], j >= 16 in the high ones (Q4_0's layout).
+
+// The 32 nibbles of qs[16] in Q4_0's layout (value j < 16 the low nibble of qs[j], j >= 16
+// the high one of qs[j - 16]) as bytes, four at a time through `map` (a codebook lookup,
+// or none); qs 2-byte aligned, or any with ALIGNED false.
+struct AsIs {
+  __device__ int operator()(int v) const { return v; }
+};
+struct IQ4Codebook {
+  __device__ int operator()(int v) const { return lookup16(v, KVALUES_IQ4NL); }
+};
+struct FP4Codebook {  // MXFP4's and NVFP4's E2M1 values, doubled
+  __device__ int operator()(int v) const { return lookup16(v, KVALUES_MXFP4); }
+};
+template <class Map, bool ALIGNED = true>
+__device__ __forceinline__ void q4_nibbles(const unsigned char* qs, IntUnit& w) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int v = ALIGNED ? ld_i32(qs + 4 * k) : (int)ld_u32(qs + 4 * k);
+    w.q[k] = Map()(lo4(v));
+    w.q[k + 4] = Map()(hi4(v));
+  }
+}
 
 // d, qs[16]: d * (q - 8)
 struct Q4_0 {
   static constexpr int QK = 32, BYTES = 18;
   __device__ static void unit(const unsigned char* b, int, IntUnit& w) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int v = ld_i32(b + 2 + 4 * k);
-      w.q[k] = lo4(v);
-      w.q[k + 4] = hi4(v);
-    }
+    q4_nibbles<AsIs>(b + 2, w);
     set_scales(w, ld_f16(b), 0.0f, 8);
   }
 };
@@ -162,12 +182,7 @@ struct Q4_0 {
 struct Q4_1 {
   static constexpr int QK = 32, BYTES = 20;
   __device__ static void unit(const unsigned char* b, int, IntUnit& w) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int v = ld_i32(b + 4 + 4 * k);
-      w.q[k] = lo4(v);
-      w.q[k + 4] = hi4(v);
-    }
+    q4_nibbles<AsIs>(b + 4, w);
     set_scales(w, ld_f16(b), -ld_f16(b + 2), 0);
   }
 };
@@ -213,12 +228,7 @@ struct Q8_0 {
 struct IQ4_NL {
   static constexpr int QK = 32, BYTES = 18;
   __device__ static void unit(const unsigned char* b, int, IntUnit& w) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int v = ld_i32(b + 2 + 4 * k);
-      w.q[k] = lookup16(lo4(v), KVALUES_IQ4NL);
-      w.q[k + 4] = lookup16(hi4(v), KVALUES_IQ4NL);
-    }
+    q4_nibbles<IQ4Codebook>(b + 2, w);
     set_scales(w, ld_f16(b), 0.0f, 0);
   }
 };
@@ -229,12 +239,7 @@ __device__ __forceinline__ float e8m0_half(unsigned e) {
 struct MXFP4 {
   static constexpr int QK = 32, BYTES = 17;
   __device__ static void unit(const unsigned char* b, int, IntUnit& w) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int v = (int)ld_u32(b + 1 + 4 * k);
-      w.q[k] = lookup16(lo4(v), KVALUES_MXFP4);
-      w.q[k + 4] = lookup16(hi4(v), KVALUES_MXFP4);
-    }
+    q4_nibbles<FP4Codebook, false>(b + 1, w);
     set_scales(w, e8m0_half(b[0]), 0.0f, 0);
   }
 };
@@ -256,10 +261,10 @@ struct NVFP4 {
     for (int h = 0; h < 2; ++h) {
       const int t = 2 * s + h;
       const int v0 = ld_i32(b + 4 + 8 * t), v1 = ld_i32(b + 8 + 8 * t);
-      w.q[4 * h] = lookup16(lo4(v0), KVALUES_MXFP4);
-      w.q[4 * h + 1] = lookup16(lo4(v1), KVALUES_MXFP4);
-      w.q[4 * h + 2] = lookup16(hi4(v0), KVALUES_MXFP4);
-      w.q[4 * h + 3] = lookup16(hi4(v1), KVALUES_MXFP4);
+      w.q[4 * h] = FP4Codebook()(lo4(v0));
+      w.q[4 * h + 1] = FP4Codebook()(lo4(v1));
+      w.q[4 * h + 2] = FP4Codebook()(hi4(v0));
+      w.q[4 * h + 3] = FP4Codebook()(hi4(v1));
       w.scale[h] = ue4m3_half(b[t]);
       w.min[h] = 0.0f;
     }
@@ -300,15 +305,15 @@ struct Q3_K {
     }
     const unsigned char* sc = b + 96;
     const float d = ld_f16(b + 108);
+    float scale[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int sb = 2 * s + h;
       const int low = (sc[sb % 8] >> (4 * (sb / 8))) & 0xF;
       const int high = (sc[8 + sb % 4] >> (2 * (sb / 4))) & 3;
-      w.scale[h] = __fmul_rn(d, (float)((low | (high << 4)) - 32));
-      w.min[h] = 0.0f;
+      scale[h] = __fmul_rn(d, (float)((low | (high << 4)) - 32));
     }
-    w.offset = 4;
+    set_half_scales(w, scale[0], scale[1], 4);
   }
 };
 // The 6-bit scale and min of sub-block i (of 8) of a Q4_K / Q5_K super-block.
@@ -362,10 +367,8 @@ struct Q6_K {
                (((ld_i32(qh + 4 * k) >> (2 * t)) & 0x03030303) << 4);
     }
     const float d = ld_f16(b + 208);
-    w.scale[0] = __fmul_rn(d, (float)(signed char)b[192 + 2 * s]);
-    w.scale[1] = __fmul_rn(d, (float)(signed char)b[193 + 2 * s]);
-    w.min[0] = w.min[1] = 0.0f;
-    w.offset = 32;
+    set_half_scales(w, __fmul_rn(d, (float)(signed char)b[192 + 2 * s]),
+                    __fmul_rn(d, (float)(signed char)b[193 + 2 * s]), 32);
   }
 };
 // IQ4_XS: d, scales_h: u16 (2 high bits per 32 values), scales_l[4] (4 low bits
@@ -373,12 +376,7 @@ struct Q6_K {
 struct IQ4_XS {
   static constexpr int QK = 256, BYTES = 136;
   __device__ static void unit(const unsigned char* b, int s, IntUnit& w) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int v = ld_i32(b + 8 + 16 * s + 4 * k);
-      w.q[k] = lookup16(lo4(v), KVALUES_IQ4NL);
-      w.q[k + 4] = lookup16(hi4(v), KVALUES_IQ4NL);
-    }
+    q4_nibbles<IQ4Codebook>(b + 8 + 16 * s, w);
     const int low = (b[4 + s / 2] >> (4 * (s % 2))) & 0xF;
     const int high = (ld_u16(b + 2) >> (2 * s)) & 3;
     set_scales(w, __fmul_rn(ld_f16(b), (float)((low | (high << 4)) - 32)), 0.0f, 0);
@@ -401,10 +399,7 @@ struct IQ2_XXS {
     const unsigned aux = (unsigned)ld_i32(p + 4);
 #pragma unroll
     for (int l = 0; l < 4; ++l) {
-      const unsigned long long g = iq2xxs_grid[p[l]];
-      const unsigned sg = ksigns_iq2xs[(aux >> (7 * l)) & 127];
-      w.q[2 * l] = signed_bytes((unsigned)g, sg & 0xF);
-      w.q[2 * l + 1] = signed_bytes((unsigned)(g >> 32), sg >> 4);
+      signed_group(w, l, iq2xxs_grid[p[l]], ksigns_iq2xs[(aux >> (7 * l)) & 127]);
     }
     set_scales(w, iq2_scale(ld_f16(b), aux >> 28), 0.0f, 0);
   }
@@ -417,16 +412,10 @@ struct IQ2_XS {
 #pragma unroll
     for (int l = 0; l < 4; ++l) {
       const unsigned q = ld_u16(b + 2 + 2 * (4 * s + l));
-      const unsigned long long g = iq2xs_grid[q & 511];
-      const unsigned sg = ksigns_iq2xs[q >> 9];
-      w.q[2 * l] = signed_bytes((unsigned)g, sg & 0xF);
-      w.q[2 * l + 1] = signed_bytes((unsigned)(g >> 32), sg >> 4);
+      signed_group(w, l, iq2xs_grid[q & 511], ksigns_iq2xs[q >> 9]);
     }
     const float d = ld_f16(b);
-    w.scale[0] = iq2_scale(d, b[66 + s] & 0xF);
-    w.scale[1] = iq2_scale(d, b[66 + s] >> 4);
-    w.min[0] = w.min[1] = 0.0f;
-    w.offset = 0;
+    set_half_scales(w, iq2_scale(d, b[66 + s] & 0xF), iq2_scale(d, b[66 + s] >> 4), 0);
   }
 };
 // d, qs[32] (grid index low bits), signs[32] (a byte per 8 values), qh[8] (2 high index
@@ -438,16 +427,10 @@ struct IQ2_S {
     for (int l = 0; l < 4; ++l) {
       const int g8 = 4 * s + l;
       const int index = b[2 + g8] | (((b[66 + s] >> (2 * l)) & 3) << 8);
-      const unsigned long long g = iq2s_grid[index];
-      const unsigned sg = b[34 + g8];
-      w.q[2 * l] = signed_bytes((unsigned)g, sg & 0xF);
-      w.q[2 * l + 1] = signed_bytes((unsigned)(g >> 32), sg >> 4);
+      signed_group(w, l, iq2s_grid[index], b[34 + g8]);
     }
     const float d = ld_f16(b);
-    w.scale[0] = iq2_scale(d, b[74 + s] & 0xF);
-    w.scale[1] = iq2_scale(d, b[74 + s] >> 4);
-    w.min[0] = w.min[1] = 0.0f;
-    w.offset = 0;
+    set_half_scales(w, iq2_scale(d, b[74 + s] & 0xF), iq2_scale(d, b[74 + s] >> 4), 0);
   }
 };
 // d, qs[64] (a grid index per 4 values), then per 32 values a u32: 4 x 7-bit sign-pattern
@@ -491,6 +474,12 @@ __device__ __forceinline__ int iq1_bytes(unsigned g, bool plus) {
   const unsigned t = ((g & 0x7F7F7F7Fu) + 0x01010101u) ^ (g & 0x80808080u);  // v + 1, bytewise
   return (int)((t << 3) + (plus ? 0x02020202u : 0u));
 }
+// group l of a unit: the 8 grid values of iq1s_grid[index], delta +1/8 if `plus`
+__device__ __forceinline__ void iq1_group(IntUnit& w, int l, int index, bool plus) {
+  const unsigned long long g = iq1s_grid[index];
+  w.q[2 * l] = iq1_bytes((unsigned)g, plus);
+  w.q[2 * l + 1] = iq1_bytes((unsigned)(g >> 32), plus);
+}
 // d, qs[32] (grid index low bits), qh: u16[8] per 32 values: 4 x 3 high index bits, 3-bit
 // scale << 12, delta sign << 15; dl = d (2 s + 1)
 struct IQ1_S {
@@ -500,9 +489,7 @@ struct IQ1_S {
     const bool plus = !(qh & 0x8000);
 #pragma unroll
     for (int l = 0; l < 4; ++l) {
-      const unsigned long long g = iq1s_grid[b[2 + 4 * s + l] | (((qh >> (3 * l)) & 7) << 8)];
-      w.q[2 * l] = iq1_bytes((unsigned)g, plus);
-      w.q[2 * l + 1] = iq1_bytes((unsigned)(g >> 32), plus);
+      iq1_group(w, l, b[2 + 4 * s + l] | (((qh >> (3 * l)) & 7) << 8), plus);
     }
     const float dl = __fmul_rn(ld_f16(b), (float)(2 * ((qh >> 12) & 7) + 1));
     set_scales(w, __fmul_rn(dl, 0.125f), 0.0f, 9);
@@ -518,23 +505,20 @@ struct IQ1_M {
     for (int l = 0; l < 4; ++l) {
       const int g8 = 4 * s + l;
       const int qh = (b[32 + g8 / 2] >> (4 * (g8 % 2))) & 0xF;
-      const unsigned long long g = iq1s_grid[b[g8] | ((qh & 7) << 8)];
-      w.q[2 * l] = iq1_bytes((unsigned)g, !(qh & 8));
-      w.q[2 * l + 1] = iq1_bytes((unsigned)(g >> 32), !(qh & 8));
+      iq1_group(w, l, b[g8] | ((qh & 7) << 8), !(qh & 8));
     }
     const unsigned char* sc = b + 48;
     const unsigned d_bits = (sc[1] >> 4) | (sc[3] & 0xF0) | ((sc[5] & 0xF0) << 4) |
                             ((sc[7] & 0xF0) << 8);
-    const float d = f16_bits(d_bits);
+    const float d = F16::of_bits(d_bits);
     const unsigned word = ld_u16(sc + 2 * (s / 2));  // the 3-bit scales of sub-blocks 2s, 2s+1
+    float scale[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int t = 2 * s + h;
-      const float dl = __fmul_rn(d, (float)(2 * ((word >> (3 * (t % 4))) & 7) + 1));
-      w.scale[h] = __fmul_rn(dl, 0.125f);
-      w.min[h] = 0.0f;
+      scale[h] = __fmul_rn(__fmul_rn(d, (float)(2 * ((word >> (3 * (t % 4))) & 7) + 1)), 0.125f);
     }
-    w.offset = 9;
+    set_half_scales(w, scale[0], scale[1], 9);
   }
 };
 

@@ -213,12 +213,9 @@ __device__ __forceinline__ void embed(float* __restrict__ out, const unsigned ch
                                       int vocab, float scale) {
   const int row = blockIdx.x;
   if (row >= n_rows) return;
-  const int id = embed_row_id(ids, id_stride, token_buf, row);
   float* o = out + (i64)row * d;
-  if (id < 0 || id >= vocab) {
-    for (int j = threadIdx.x; j < d; j += blockDim.x) o[j] = EAGERLM_NAN;
-    return;
-  }
+  const int id = embed_row_token(ids, id_stride, token_buf, row, o, d, vocab);
+  if (id < 0) return;
   const unsigned char* t = table + (i64)id * (d / Q::QK) * Q::BYTES;
   if constexpr (Q::QK == 1) {
     for (int j = threadIdx.x; j < d; j += blockDim.x) o[j] = Q::value(t + j * Q::BYTES) * scale;

@@ -70,18 +70,12 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "token_logprobs": ("sampler", "pppiqppi"),
     "quantize_q8": ("quant_matrix", "pppq"),
 }
-# quant_matrix.cu, per weight type: kernel name -> parameter kinds
-_WEIGHT_KINDS = {"dequant_bf16": "ppq", "dequant_f32": "ppq", "gemv": "ppppiiiii",
-                 "gemv8": "pppppiiiii", "embed": "pppipiiif"}
+# quant_matrix.cu, per weight type: parameter kinds by the kernel name's first word
+_WEIGHT_KINDS = {"dequant": "ppq", "gemv": "ppppiiiii", "gemv8": "pppppiiiii",
+                 "embed": "pppipiiif"}
 for _t in WEIGHT_TYPES.values():
-    SIGNATURES.update({
-        _t.dequant("bf16"): (_t.module, _WEIGHT_KINDS["dequant_bf16"]),
-        _t.dequant("f32"): (_t.module, _WEIGHT_KINDS["dequant_f32"]),
-        _t.gemv: (_t.module, _WEIGHT_KINDS["gemv"]),
-        _t.embed: (_t.module, _WEIGHT_KINDS["embed"]),
-    })
-    if _t.gemv8 is not None:
-        SIGNATURES[_t.gemv8] = (_t.module, _WEIGHT_KINDS["gemv8"])
+    for _name in _t.kernels:
+        SIGNATURES[_name] = (_t.module, _WEIGHT_KINDS[_name.split("_")[0]])
 
 
 @dataclass(frozen=True)

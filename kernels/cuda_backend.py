@@ -2,14 +2,14 @@
 dequantized on the GPU, and the same `Transformer` as the cpu backend with `CudaOps`.
 
 What a tensor of the file becomes (`CudaWeights`), with `weights="quantized"` (the
-default): a matrix of a block type (Q4_0 ... Q8_0, the K-quants, the IQ types) is uploaded
-as it is into its own buffer and held as its blocks (`DeviceQuantizedMatrix`,
-kernels/cuda_quantized.py: a fused dequantizing GEMV for decode, bf16 tiles and cuBLASLt
-for prefill); any other matrix (F32, F16, BF16) is bf16. With `weights="bf16"`, today's
-path before quantized weights: every matrix bf16, the GEMMs' input type. Vectors (norms,
-biases, rope frequency factors) are float32 in both. A BF16 matrix or an F32 vector is
-uploaded as it is; everything else is uploaded raw and expanded by a dequantization kernel
-on the loader's stream.
+default): a matrix of a type whose row in kernels/cuda_weight_types.py says "blocks" (every
+block type, and F16) is uploaded as it is into its own buffer and held as such
+(`DeviceQuantizedMatrix`, kernels/cuda_quantized.py: a fused dequantizing GEMV for decode,
+bf16 tiles and cuBLASLt for prefill); a BF16 or F32 matrix is bf16 (the rows say why). With
+`weights="bf16"`, the path before quantized weights: every matrix bf16, the GEMMs' input
+type. Vectors (norms, biases, rope frequency factors) are float32 in both. A BF16 matrix or
+an F32 vector is uploaded as it is; everything else is uploaded raw and expanded by its
+type's dequantization kernel on the loader's stream.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType as Q
 
 from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.cuda_ops import CudaOps
 from eagerlm.kernels.cuda_quantized import DeviceQuantizedMatrix, tile_bytes
+from eagerlm.kernels.cuda_weight_types import WEIGHT_TYPES
 from eagerlm.kernels.device_tensor import DeviceTensor
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.weight_memory import check_fits
@@ -33,16 +34,6 @@ from eagerlm.loader.sharding import Shard, ShardedFile
 from eagerlm.loader.slab_loader import LoadStats, SlabLoader
 from eagerlm.loader.weights import ModelWeights, build_weights
 from eagerlm.vmm.device import DeviceBuffer, Memory, Stream
-
-Q = GGMLQuantizationType
-DEQUANT_KERNEL = {
-    Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1",
-    Q.Q5_0: "q5_0", Q.Q5_1: "q5_1", Q.Q8_0: "q8_0", Q.Q2_K: "q2_k", Q.Q3_K: "q3_k",
-    Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k", Q.IQ2_XXS: "iq2_xxs", Q.IQ2_XS: "iq2_xs",
-    Q.IQ2_S: "iq2_s", Q.IQ3_XXS: "iq3_xxs", Q.IQ3_S: "iq3_s", Q.IQ1_S: "iq1_s",
-    Q.IQ1_M: "iq1_m", Q.IQ4_NL: "iq4_nl", Q.IQ4_XS: "iq4_xs",
-}
-
 
 CudaWeightsMode = Literal["quantized", "bf16"]
 CUDA_WEIGHTS_MODES: tuple[CudaWeightsMode, ...] = ("quantized", "bf16")
@@ -55,11 +46,12 @@ def weight_dtype(info: TensorInfo) -> str:
 
 
 def keeps_blocks(info: TensorInfo, weights: CudaWeightsMode) -> bool:
-    """Whether the cuda backend holds this tensor as its blocks: every matrix of a block
-    type, in "quantized" mode. F16 and F32 matrices become bf16 (the same bytes or fewer,
-    and cuBLASLt reads them directly); vectors are float32 always."""
-    return (weights == "quantized" and len(info.shape) == 2
-            and GGML_QUANT_SIZES[info.qtype][0] > 1)
+    """Whether the cuda backend holds this tensor as the file's bytes: in "quantized" mode,
+    every matrix of a type held as "blocks" (kernels/cuda_weight_types.py: all but BF16 and
+    F32, whose matrices are bf16); vectors are float32 always."""
+    t = WEIGHT_TYPES.get(info.qtype)
+    return (weights == "quantized" and len(info.shape) == 2 and t is not None
+            and t.held == "blocks")
 
 
 def check_weights_mode(weights: str) -> CudaWeightsMode:
@@ -91,16 +83,16 @@ class CudaWeights:
         return DeviceTensor(buffer.ptr, info.shape, weight_dtype(info), buffer)
 
     def expand(self, stream: Stream, raw: Memory, info: TensorInfo) -> DeviceTensor:
-        kind = DEQUANT_KERNEL.get(info.qtype)
-        if kind is None:
+        t = WEIGHT_TYPES.get(info.qtype)
+        if t is None:
             raise UnsupportedTensorType(
                 f"tensor {info.name!r} uses ggml type {info.qtype.name}, which the cuda "
                 "backend cannot dequantize", path=self.path, field=info.name)
         dtype = weight_dtype(info)
         n = info.n_elements
         out = self.ops.device.alloc(n * (2 if dtype == "bf16" else 4))
-        grid = max(1, min(-(-n // 256), self.ops.sm_count * 64))
-        self.ops.kernels[f"dequant_{kind}_{dtype}"].launch(
+        grid = max(1, min(-(-t.dequant_threads(n) // 256), self.ops.sm_count * 64))
+        self.ops.kernels[t.dequant(dtype)].launch(
             stream.handle, grid, 256, out.ptr, raw.ptr, n)  # type: ignore[attr-defined]
         return DeviceTensor(out.ptr, info.shape, dtype, out)
 
@@ -131,7 +123,7 @@ def load_cuda_weights(model: ModelFile, ops: CudaOps, *,
     `on_bytes(done, total)` reports the upload as `cpu_transformer` reports its load.
     With `shard`, only that device's share is read and uploaded (loader/sharding.py)."""
     weights = check_weights_mode(weights)
-    held_as = "bf16" if weights == "bf16" else "the file's blocks (bf16 for float matrices)"
+    held_as = "bf16" if weights == "bf16" else "the file's blocks (bf16 for F32 and BF16 matrices)"
     advice = ("choose a smaller model" if weights == "quantized" else
               "keep them quantized (--weights quantized) or choose a smaller model")
     check_fits(model, device_weight_bytes(model, weights, shard), ops.device.mem_info()[0],

@@ -2,7 +2,8 @@
 # Run ON THE GPU MACHINE (through the device tool, with `carry: [".whl"]`): installs the
 # carried wheels, then runs the GPU tests and the GPU benchmarks, writing logs under $OUT.
 # Usage: bash .ci/gpu_check.sh [tests|micro|decode|peer|bench|all|dry] [SHAPES]   (default all)
-#   micro: vmm, load, GEMM (bf16, and weights kept as GGUF blocks) and attention benchmarks;
+#   micro: vmm, load, GEMM (bf16, and weights kept as GGUF blocks: the common types at many
+#   token counts, then every type at 1, 8 and 512) and attention benchmarks;
 #   decode: bench_gpu_decode (a Q4_K_M file, quantized and bf16 weights), peer: HF
 #   transformers, each on SHAPES (comma-separated; default qwen3-0.6b,llama-3.2-1b, plus
 #   llama-3.1-8b for decode); bench = micro + decode + peer; dry: every benchmark's command
@@ -63,6 +64,9 @@ if part micro; then
   run gemm 120 bench_gemm.log python3 benchmarks/bench_gemm.py
   run gemm-quantized 240 bench_gemm_quantized.log python3 benchmarks/bench_gemm.py \
     --quantized --tokens 1 2 4 8 16 64 512 --reps 20
+  # every GGUF type (decode's GEMVs, 8 rows, a prefill's tiles) on two layers of each shape
+  run gemm-quantized-all-types 150 bench_gemm_quantized.log python3 benchmarks/bench_gemm.py \
+    --quantized all --layers gate_up lm_head --tokens 1 8 512 --reps 20
   run decode-attention 90 bench_attention.log python3 benchmarks/bench_decode_attention.py
   run prefill-attention 90 bench_attention.log python3 benchmarks/bench_prefill_attention.py
 fi

@@ -7,16 +7,19 @@ model shape is reported as TFLOP/s and as a fraction of that. Decode-sized produ
 of weight bytes against the measured device-to-device copy rate (HBM).
 
 Shapes: the linear layers of Qwen3-0.6B and Llama-3.1-8B (q, kv, o, gate/up, down, lm
-head) at 1, 16, 64, 512, 2048 and 8192 tokens.
+head) at 1, 16, 64, 512, 2048 and 8192 tokens (and `tiny`, one small layer, for the
+emulated GPU's test of this script).
 
-`--quantized [TYPE ...]` (default types q4_k q6_k q8_0 q5_0) also times each shape with
-the weight kept as GGUF blocks (kernels/cuda_quantized.py) by each of its paths: the fused
-dequantizing GEMV on bf16 activations and float math, the same on int8 activations and
-dp4a (up to the GEMV's row limit, for the types it serves), and bf16 tiles + cuBLASLt,
-beside the bf16 GEMM of the same shape in the same run: microseconds, GB/s of the
-quantized bytes read by the fastest against the measured copy rate (the roofline of
-few-token products), its speedup over bf16, and which path `CudaOps.linear` takes at that
-shape (so the GEMV's kind and row limit can be set from measurements).
+`--quantized [TYPE ...]` (default types q4_k q6_k q8_0 q5_0; `all`: every GGUF type of
+kernels/cuda_weight_types.py) also times each shape with the weight kept as the file's
+values (kernels/cuda_quantized.py) by each of its paths: the fused dequantizing GEMV on
+bf16 activations and float math, the same on int8 activations and dp4a (the block types;
+up to the GEMV's row limit), and bf16 tiles + cuBLASLt (BF16: cuBLASLt on the matrix as
+it is), beside the bf16 GEMM of the same shape in the same run: microseconds, GB/s of the
+bytes read by the fastest against the measured copy rate (the roofline of few-token
+products), its speedup over bf16, and which path `CudaOps.linear` takes at that shape (so
+the GEMV's kind and row limit, and whether BF16 matrices should take `gemv_bf16`, can be
+set from measurements).
 
 Run on a GPU machine: `python benchmarks/bench_gemm.py [--reps 50] [--quantized]`.
 Prints a markdown table and a JSON block on stdout.
@@ -31,12 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
 from benchmarks.gpu_timing import copy_bandwidth, open_gpu, time_on_stream
 from eagerlm.kernels.cublaslt import CUDA_R_16BF, CUDA_R_32F
 from eagerlm.kernels.cuda_ops import CudaOps
 from eagerlm.kernels.cuda_quantized import GEMV_MAX_ROWS, DeviceQuantizedMatrix
+from eagerlm.kernels.cuda_weight_types import BY_NAME
 from eagerlm.kernels.device_tensor import DeviceTensor
 
 MODELS = {
@@ -45,9 +47,10 @@ MODELS = {
     "llama-3.1-8b": {"q": (4096, 4096), "kv": (1024, 4096), "o": (4096, 4096),
                      "gate_up": (14336, 4096), "down": (4096, 14336),
                      "lm_head": (128256, 4096)},
+    "tiny": {"q": (64, 512)},
 }
 TOKENS = (1, 16, 64, 512, 2048, 8192)
-QUANT_TYPES = ("q4_k", "q6_k", "q8_0", "q5_0")
+QUANT_TYPES = ("q4_k", "q6_k", "q8_0", "q5_0")  # what Q4_K_M, Q5_K_M and Q8_0 files hold
 
 
 def time_gemm(ops: CudaOps, n_tok: int, n_in: int, n_out: int, reps: int,
@@ -64,12 +67,12 @@ def time_gemm(ops: CudaOps, n_tok: int, n_in: int, n_out: int, reps: int,
 
 
 def quantized_matrix(ops: CudaOps, kind: str, n_out: int, n_in: int) -> DeviceQuantizedMatrix:
-    """A matrix of `kind` blocks (every byte 0x3C: finite scales, values of no interest)."""
-    qtype = GGMLQuantizationType[kind.upper()]
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    buf = ops.device.alloc(n_out * (n_in // block) * type_size)
+    """A matrix of `kind` blocks (every byte 0x3C: finite scales and values, of no
+    interest, in every type)."""
+    t = BY_NAME[kind]
+    buf = ops.device.alloc(n_out * (n_in // t.block_size) * t.type_size)
     ops.fill(DeviceTensor(buf.ptr, (buf.nbytes,), "u8"), 0x3C)
-    return DeviceQuantizedMatrix(buf.ptr, qtype, (n_out, n_in), buf)
+    return DeviceQuantizedMatrix(buf.ptr, t.qtype, (n_out, n_in), buf)
 
 
 def time_quantized(ops: CudaOps, w: DeviceQuantizedMatrix, n_tok: int, reps: int, *,
@@ -101,10 +104,11 @@ def quantized_rows(ops: CudaOps, model: str, layer: str, n_out: int, n_in: int,
             for n_tok in tokens:
                 probe = ops.empty((n_tok, n_in), "bf16")
                 gemv = ops.quantized.uses_gemv(n_tok, w, probe)
-                chosen = ("gemv8" if ops.quantized.gemv_int8 else "gemv") if gemv else "tile"
+                int8 = ops.quantized.gemv_int8 and w.type.gemv8 is not None
+                chosen = ("gemv8" if int8 else "gemv") if gemv else "tile"
                 us: dict[str, float | None] = {"gemv": None, "gemv8": None}
                 if n_tok <= GEMV_MAX_ROWS and gemv:
-                    for path in ("gemv", "gemv8"):
+                    for path in ("gemv", "gemv8") if w.type.gemv8 else ("gemv",):
                         us[path] = time_quantized(ops, w, n_tok, reps, path=path,
                                                   out_f32=out_f32) * 1e6
                 us["tile"] = time_quantized(ops, w, n_tok, reps, path="tile",
@@ -127,17 +131,20 @@ def quantized_rows(ops: CudaOps, model: str, layer: str, n_out: int, n_in: int,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=[m for m in MODELS if m != "tiny"],
+                    choices=list(MODELS))
     ap.add_argument("--layers", nargs="+", help="only these layers (default: all)")
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--peak-dim", type=int, default=8192,
                     help="side of the square product that measures the matrix rate")
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the timed copy")
-    ap.add_argument("--quantized", nargs="*", metavar="TYPE", choices=QUANT_TYPES,
-                    help="also time weights kept as these GGUF block types (given alone: "
-                         f"{' '.join(QUANT_TYPES)}) by the fused GEMV and the tile path")
+    ap.add_argument("--quantized", nargs="*", metavar="TYPE", choices=[*BY_NAME, "all"],
+                    help="also time weights kept as these GGUF types (given alone: "
+                         f"{' '.join(QUANT_TYPES)}; all: every type) by the fused GEMV and "
+                         "the tile path")
     args = ap.parse_args()
-    kinds = None if args.quantized is None else (args.quantized or list(QUANT_TYPES))
+    kinds = None if args.quantized is None else (
+        list(BY_NAME) if "all" in args.quantized else args.quantized or list(QUANT_TYPES))
     device = open_gpu("bench_gemm")
     if device is None:
         return 0

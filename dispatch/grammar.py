@@ -21,6 +21,10 @@ runs on a thread of its own with a large stack (llguidance recurses once per lev
 `$ref` chain or a chain of rules: a 75 KB schema crashed the process on an 8 MiB stack)
 and a deadline. A compiled grammar whose mask or token step outgrows the parser limits
 while generating raises `ConstraintFailed`, which ends that request alone.
+
+A JSON schema's integers are bounded to 16 digits unless it bounds them itself
+(dispatch/schema_integers.py, as llama.cpp's converter does): an unbounded one let a small
+model write digits until max_tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import TypeVar
 import llguidance
 import numpy as np
 
+from eagerlm.dispatch.schema_integers import bound_integers
 from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.sampling import Constraint, mask_words
 from eagerlm.loader.tokenizer import Tokenizer
@@ -79,7 +84,7 @@ class GrammarLimits:
     - `compile_seconds`: the deadline of one compilation (the checks, llguidance's
       compile and the first mask). Past it the request is refused; the compilation runs on
       to its end on its thread, bounded by the limits here, and its result is dropped. No
-      input found takes more than 0.9 s under the other limits: this is for what no one
+      input found takes more than about 1 s under the other limits: this is for what no one
       found.
     - `compile_stack_bytes`: the stack of the compiling thread (virtual: only what is used
       is committed). llguidance recurses 3 to 8 KB per level of a `$ref` chain or a chain
@@ -101,7 +106,10 @@ class GrammarLimits:
       most about 20 ms; exponential regexes such as `(x{1,1000}){1,1000}` stop here at
       about 2 ms a step).
     - `initial_lexer_fuel` (1,000,000): the lexer's work at compile time (a 100,000-value
-      enum is refused in 0.4 s).
+      enum is refused in 0.4 s). An integer bounded to 16 digits
+      (dispatch/schema_integers.py) costs about 8 times an unbounded one to compile: one
+      object of 400 integer properties compiles in 0.5 to 0.7 s, of 600 required ones in
+      0.9 s, and 700 or more are refused here (unbounded, 1,000 required ones compiled).
     - `max_lexer_states` (250,000): lexer states built while generating, 0.7 to 2 KB each:
       50,000 is at most about 40 to 100 MB per request instead of 200 to 500 MB (20,000
       lasted about 1,000 random tokens inside a length-bounded string).
@@ -227,7 +235,7 @@ class GrammarCompiler:
         try:
             if constraint.kind == "json_schema":
                 return llguidance.LLMatcher.grammar_from_json_schema(
-                    constraint.text, defaults=JSON_OPTIONS)
+                    _integers_bounded(constraint.text), defaults=JSON_OPTIONS)
             return llguidance.grammar_from(constraint.kind, constraint.text)
         except ValueError as exc:
             raise InvalidConstraint(constraint, str(exc)) from None
@@ -328,6 +336,16 @@ _OVER_LIMITS = re.compile(r"Too many items \(limit|Current row has \d+ items; ma
 # a GBNF rule starts a line: `name ::=` (what llguidance's converter parses as one)
 _GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
 _LARK_JSON = re.compile(r"%json\s*")
+
+
+def _integers_bounded(text: str) -> str:
+    """A schema's text with its integers bounded (dispatch/schema_integers.py); text that
+    does not parse is left to llguidance, whose message is better."""
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return json.dumps(bound_integers(schema))
 
 
 def _schemas_in(constraint: Constraint) -> list[object]:

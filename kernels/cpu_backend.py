@@ -15,12 +15,14 @@ from eagerlm.kernels import cpu_attention
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.cpu_moe import ExpertMatrices
 from eagerlm.kernels.cpu_threads import hold_blas_to_one_thread
+from eagerlm.kernels.host_collective import HostCollective
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.kernels.quantized import QuantizedMatrix, warm_up
 from eagerlm.kernels.weight_memory import available_memory, check_fits
 from eagerlm.loader.gguf_file import TensorInfo
 from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.sharding import Shard, ShardedFile
 from eagerlm.loader.weights import build_weights, dequantize
 
 WeightsMode = Literal["quantized", "float"]
@@ -45,13 +47,25 @@ def maps_in_place(info: TensorInfo, weights: WeightsMode) -> bool:
     return len(info.shape) == 3 and keeps_blocks(info, weights)
 
 
-def held_bytes(model: ModelFile, weights: WeightsMode) -> int:
-    """Bytes the cpu backend holds for the file's weights as its own memory: the blocks
-    where it keeps a copy of them, 4 bytes per value where it dequantizes; the mapped
-    experts (`maps_in_place`) are the page cache's, not counted."""
+def held_bytes(model: ModelFile, weights: WeightsMode, shard: Shard | None = None) -> int:
+    """Bytes the cpu backend holds for the file's weights as its own memory (one device's
+    share of them with `shard`): the blocks where it keeps a copy of them, 4 bytes per
+    value where it dequantizes; the mapped experts (`maps_in_place`) are the page cache's,
+    not counted."""
+    f = model.gguf if shard is None else ShardedFile(model.gguf, shard, model.config.head_dim)
+    infos = [f.shard_info(name) if isinstance(f, ShardedFile) else info
+             for name, info in f.tensors.items()]
     return sum(0 if maps_in_place(info, weights) else
                info.n_bytes if keeps_blocks(info, weights) else 4 * info.n_elements
-               for info in model.gguf.tensors.values())
+               for info in infos)
+
+
+def head_rows(w: CpuWeight, start: int, stop: int) -> CpuWeight:
+    """Rows start .. stop - 1 of a matrix, without a copy: a tied lm head's share of the
+    embedding table."""
+    if isinstance(w, QuantizedMatrix):
+        return QuantizedMatrix(w.qtype, (stop - start, w.shape[1]), w.blocks[start:stop])
+    return w[start:stop]
 
 
 def mapped_bytes(model: ModelFile, weights: WeightsMode) -> int:
@@ -74,6 +88,7 @@ def compile_kernels(qtypes: set[GGMLQuantizationType]) -> float:
 def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | None = None,
                     *, weights: WeightsMode = "quantized",
                     on_compile: Callable[[float | None], None] | None = None,
+                    shard: Shard | None = None, collective: HostCollective | None = None,
                     context: int | None = None) -> Transformer[np.ndarray]:
     """The file's weights paired with numpy ops: with `weights="quantized"`, each matrix
     kept as the file's blocks (kernels/quantized.py's `QuantizedMatrix`), with "float" every
@@ -83,13 +98,18 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
     a caller can show progress; it starts at (0, total) and ends at (total, total).
     `on_compile` is told None before the compiled kernels the model's types need are built
     (or read from numba's disk cache), and then the seconds it took. Raises ModelTooLarge,
-    before loading anything, where the weights would not fit in memory."""
+    before loading anything, where the weights would not fit in memory.
+
+    With `shard` (loader/sharding.py), only that device's share of the weights is loaded,
+    and its ops reach the other devices of its group through `collective`
+    (kernels/tensor_parallel.py's `cpu_group` builds every device of a group)."""
     if weights not in WEIGHTS_MODES:
         raise InvalidParameters(f"weights must be 'quantized' or 'float', not {weights!r}")
     held_as = "float32" if weights == "float" else "the file's blocks"
-    check_fits(model, held_bytes(model, weights), available_memory(), "the cpu backend",
-               held_as, "run it on a GPU (--device cuda) or choose a smaller model")
-    f = model.gguf
+    check_fits(model, held_bytes(model, weights, shard), available_memory(),
+               "the cpu backend", held_as,
+               "run it on a GPU (--device cuda) or choose a smaller model")
+    f = model.gguf if shard is None else ShardedFile(model.gguf, shard, model.config.head_dim)
     total = sum(info.n_bytes for info in f.tensors.values())
     done = 0
 
@@ -111,7 +131,13 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
 
     if on_bytes is not None:
         on_bytes(0, total)
-    held = build_weights(f, model.config, fetch)
+    held = build_weights(f, model.config,
+                         fetch if not isinstance(f, ShardedFile) else f.fetching(fetch))
+    config = model.config
+    if shard is not None:
+        config = shard.local_config(config)
+        if shard.vocab_parallel and model.config.tied_embeddings:
+            held.output = head_rows(held.token_embd, *shard.vocab)
     if on_bytes is not None:
         on_bytes(total, total)  # tensors the architecture does not use count as done
     types = {w.qtype for w in held.handles() if isinstance(w, QuantizedMatrix | ExpertMatrices)}
@@ -123,4 +149,4 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
     # the products split themselves over the cores; after the compiles, as numba may load
     # SciPy's BLAS too
     hold_blas_to_one_thread()
-    return Transformer(model.config, held, NumpyOps(), context=context)
+    return Transformer(config, held, NumpyOps(collective), context=context)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -38,16 +38,27 @@ def core_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _pin(cores: Sequence[int] | None) -> None:
+    if cores is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)  # 0: the calling thread, on Linux
+
+
 class CoreWorkers:
     """One thread per core, each with its own state (`local`, e.g. its tile buffer); `run`
     calls `part(i, parts)` for every share i on them and waits. The calling thread runs
-    share 0 itself, so a call costs one hand-off, not two."""
+    share 0 itself, so a call costs one hand-off, not two. With `cores`, the threads are
+    pinned to them (a cpu device's worker group, `device_cores`)."""
 
-    def __init__(self, workers: int | None = None) -> None:
-        self.parts = workers or core_count()
-        self._pool = (ThreadPoolExecutor(self.parts - 1, thread_name_prefix="eagerlm-cpu")
+    def __init__(self, workers: int | None = None, cores: Sequence[int] | None = None) -> None:
+        self.parts = workers or (len(cores) if cores else core_count())
+        self._pool = (ThreadPoolExecutor(self.parts - 1, thread_name_prefix="eagerlm-cpu",
+                                         initializer=_pin, initargs=(cores,))
                       if self.parts > 1 else None)
         self.local = threading.local()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     def run(self, part: Callable[[int, int], None]) -> None:
         futures = [self._pool.submit(part, i, self.parts) for i in range(1, self.parts)
@@ -61,15 +72,50 @@ class CoreWorkers:
 
 _workers: CoreWorkers | None = None
 _lock = threading.Lock()
+_device = threading.local()  # .workers: the worker group of the device this thread runs
 
 
 def core_workers() -> CoreWorkers:
-    """The process's workers, created on first use."""
+    """The workers of the cpu device the calling thread runs (`device_cores`), else the
+    process's, created on first use."""
+    mine = getattr(_device, "workers", None)
+    if mine is not None:
+        return mine
     global _workers
     with _lock:
         if _workers is None:
             _workers = CoreWorkers()
         return _workers
+
+
+def core_shares(n: int) -> list[list[int]]:
+    """The process's cores cut into `n` contiguous shares, one per cpu device of a
+    tensor-parallel group (with fewer cores than devices, devices share cores)."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover (macOS, Windows)
+        cores = list(range(core_count()))
+    if len(cores) < n:
+        return [[cores[r % len(cores)]] for r in range(n)]
+    return [cores[r * len(cores) // n:(r + 1) * len(cores) // n] for r in range(n)]
+
+
+@contextlib.contextmanager
+def device_cores(cores: Sequence[int]) -> Iterator[None]:
+    """Within, the calling thread is one cpu device's: pinned to `cores`, its products
+    split over a worker group pinned to the same cores, its numba kernels on as many
+    threads (numba's thread count is per calling thread; OpenMP's team inherits the
+    pinning). A tensor-parallel group's devices each run on their own share this way."""
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    _pin(cores)
+    workers = CoreWorkers(cores=cores)
+    _device.workers = workers
+    try:
+        yield
+    finally:
+        _device.workers = None
+        workers.close()
+        _pin(sorted(before) if before is not None else None)
 
 
 def hold_blas_to_one_thread() -> None:
@@ -100,19 +146,28 @@ def by_output_features(n_values: int, out_features: int,
                                       min(out_features, (i + 1) * per_share)))
 
 
-_NUMBA_CORES = min(core_count(), numba.config.NUMBA_NUM_THREADS)
 # numba's workqueue threading layer (used where neither OpenMP nor TBB is installed) must
 # not be entered by two threads at once; two engines in one process share the parallel
-# kernels.
+# kernels. OpenMP and TBB take concurrent callers (each OpenMP caller gets its own team),
+# which a tensor-parallel group's devices are.
 _NUMBA_LOCK = threading.Lock()
+
+
+def _numba_lock() -> contextlib.AbstractContextManager[object]:
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel kernel has run yet: the layer is not chosen
+        return _NUMBA_LOCK
+    return _NUMBA_LOCK if layer == "workqueue" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
 def numba_threads(n_values: int) -> Iterator[None]:
-    """Run a numba parallel kernel of `n_values` multiply-adds: on every core, or on one
-    thread below `SERIAL_MAX_VALUES`; one caller at a time."""
-    with _NUMBA_LOCK:
-        numba.set_num_threads(1 if n_values < SERIAL_MAX_VALUES else _NUMBA_CORES)
+    """Run a numba parallel kernel of `n_values` multiply-adds: on every core of the
+    calling thread's device, or on one thread below `SERIAL_MAX_VALUES`."""
+    with _numba_lock():
+        numba.set_num_threads(1 if n_values < SERIAL_MAX_VALUES else
+                              min(core_workers().parts, numba.config.NUMBA_NUM_THREADS))
         yield
 
 

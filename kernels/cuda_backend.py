@@ -2,14 +2,14 @@
 dequantized on the GPU, and the same `Transformer` as the cpu backend with `CudaOps`.
 
 What a tensor of the file becomes (`CudaWeights`), with `weights="quantized"` (the
-default): a matrix of a block type (Q4_0 ... Q8_0, the K-quants, the IQ types) is uploaded
-as it is into its own buffer and held as its blocks (`DeviceQuantizedMatrix`,
-kernels/cuda_quantized.py: a fused dequantizing GEMV for decode, bf16 tiles and cuBLASLt
-for prefill); any other matrix (F32, F16, BF16) is bf16. With `weights="bf16"`, today's
-path before quantized weights: every matrix bf16, the GEMMs' input type. Vectors (norms,
-biases, rope frequency factors) are float32 in both. A BF16 matrix or an F32 vector is
-uploaded as it is; everything else is uploaded raw and expanded by a dequantization kernel
-on the loader's stream.
+default): a matrix of a type whose row in kernels/cuda_weight_types.py says "blocks" (every
+block type, and F16) is uploaded as it is into its own buffer and held as such
+(`DeviceQuantizedMatrix`, kernels/cuda_quantized.py: a fused dequantizing GEMV for decode,
+bf16 tiles and cuBLASLt for prefill); a BF16 or F32 matrix is bf16 (the rows say why). With
+`weights="bf16"`, the path before quantized weights: every matrix bf16, the GEMMs' input
+type. Vectors (norms, biases, rope frequency factors) are float32 in both. A BF16 matrix or
+an F32 vector is uploaded as it is; everything else is uploaded raw and expanded by its
+type's dequantization kernel on the loader's stream.
 """
 
 from __future__ import annotations
@@ -18,31 +18,23 @@ import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType as Q
 
 from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.cuda_moe import DeviceExperts, check_moe
 from eagerlm.kernels.cuda_ops import CudaOps
 from eagerlm.kernels.cuda_quantized import DeviceQuantizedMatrix, tile_bytes
+from eagerlm.kernels.cuda_weight_types import WEIGHT_TYPES
 from eagerlm.kernels.device_tensor import DeviceTensor
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.weight_memory import check_fits
 from eagerlm.loader.errors import UnsupportedTensorType
 from eagerlm.loader.gguf_file import TensorInfo
 from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.sharding import Shard, ShardedFile
 from eagerlm.loader.slab_loader import LoadStats, SlabLoader
 from eagerlm.loader.weights import ModelWeights, build_weights
 from eagerlm.vmm.device import DeviceBuffer, Memory, Stream
-
-Q = GGMLQuantizationType
-DEQUANT_KERNEL = {
-    Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1",
-    Q.Q5_0: "q5_0", Q.Q5_1: "q5_1", Q.Q8_0: "q8_0", Q.Q2_K: "q2_k", Q.Q3_K: "q3_k",
-    Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k", Q.IQ2_XXS: "iq2_xxs", Q.IQ2_XS: "iq2_xs",
-    Q.IQ2_S: "iq2_s", Q.IQ3_XXS: "iq3_xxs", Q.IQ3_S: "iq3_s", Q.IQ1_S: "iq1_s",
-    Q.IQ1_M: "iq1_m", Q.IQ4_NL: "iq4_nl", Q.IQ4_XS: "iq4_xs", Q.MXFP4: "mxfp4",
-}
-
 
 CudaWeightsMode = Literal["quantized", "bf16"]
 CUDA_WEIGHTS_MODES: tuple[CudaWeightsMode, ...] = ("quantized", "bf16")
@@ -61,12 +53,13 @@ def weight_dtype(info: TensorInfo) -> str:
 
 
 def keeps_blocks(info: TensorInfo, weights: CudaWeightsMode) -> bool:
-    """Whether the cuda backend holds this tensor as its blocks: every matrix (and 3-D
-    expert tensor) of a block type, in "quantized" mode. F16 and F32 matrices become bf16
-    (the same bytes or fewer, and cuBLASLt reads them directly); vectors are float32
-    always."""
-    return (weights == "quantized" and len(info.shape) in (2, 3)
-            and GGML_QUANT_SIZES[info.qtype][0] > 1 and weight_dtype(info) == "bf16")
+    """Whether the cuda backend holds this tensor as the file's bytes: in "quantized" mode,
+    every matrix (and 3-D expert tensor) of a type held as "blocks"
+    (kernels/cuda_weight_types.py: all but BF16 and F32, whose matrices are bf16), not
+    a router or a bias (float32); vectors are float32 always."""
+    t = WEIGHT_TYPES.get(info.qtype)
+    return (weights == "quantized" and len(info.shape) in (2, 3) and t is not None
+            and t.held == "blocks" and weight_dtype(info) == "bf16")
 
 
 def check_weights_mode(weights: str) -> CudaWeightsMode:
@@ -101,16 +94,16 @@ class CudaWeights:
         return _tensor(buffer, info, weight_dtype(info))
 
     def expand(self, stream: Stream, raw: Memory, info: TensorInfo) -> DeviceTensor:
-        kind = DEQUANT_KERNEL.get(info.qtype)
-        if kind is None:
+        t = WEIGHT_TYPES.get(info.qtype)
+        if t is None:
             raise UnsupportedTensorType(
                 f"tensor {info.name!r} uses ggml type {info.qtype.name}, which the cuda "
                 "backend cannot dequantize", path=self.path, field=info.name)
         dtype = weight_dtype(info)
         n = info.n_elements
         out = self.ops.device.alloc(n * (2 if dtype == "bf16" else 4))
-        grid = max(1, min(-(-n // 256), self.ops.sm_count * 64))
-        self.ops.kernels[f"dequant_{kind}_{dtype}"].launch(
+        grid = max(1, min(-(-t.dequant_threads(n) // 256), self.ops.sm_count * 64))
+        self.ops.kernels[t.dequant(dtype)].launch(
             stream.handle, grid, 256, out.ptr, raw.ptr, n)  # type: ignore[attr-defined]
         return _tensor(out, info, dtype)
 
@@ -123,10 +116,15 @@ def _tensor(memory: Any, info: TensorInfo, dtype: str) -> DeviceTensor | DeviceE
     return DeviceTensor(memory.ptr, info.shape, dtype, memory)
 
 
-def device_weight_bytes(model: ModelFile, weights: CudaWeightsMode = "quantized") -> int:
-    """What the weights take on the device: the blocks where they are kept, bf16 for the
-    other matrices, float32 vectors, and the quantized tile path's scratch."""
-    tensors = model.gguf.tensors.values()
+def device_weight_bytes(model: ModelFile, weights: CudaWeightsMode = "quantized",
+                        shard: Shard | None = None) -> int:
+    """What the weights take on the device (one device's share with `shard`): the blocks
+    where they are kept, bf16 for the other matrices, float32 vectors, and the quantized
+    tile path's scratch."""
+    tensors = list(model.gguf.tensors.values())
+    if shard is not None:
+        view = ShardedFile(model.gguf, shard, model.config.head_dim)
+        tensors = [view.shard_info(info.name) for info in tensors]
     held = sum(info.n_bytes if keeps_blocks(info, weights)
                else info.n_elements * (2 if weight_dtype(info) == "bf16" else 4)
                for info in tensors)
@@ -136,39 +134,56 @@ def device_weight_bytes(model: ModelFile, weights: CudaWeightsMode = "quantized"
 
 def load_cuda_weights(model: ModelFile, ops: CudaOps, *,
                       on_bytes: Callable[[int, int], None] | None = None,
-                      weights: CudaWeightsMode = "quantized",
+                      weights: CudaWeightsMode = "quantized", shard: Shard | None = None,
                       **loader_options: Any) -> tuple[ModelWeights[CudaWeight], LoadStats]:
     """Every weight of the file on the device, through the slab loader (`weights`: see
     the module's docstring), and the tile scratch the blocks need; ModelTooLarge, before
     anything is uploaded, where they would not fit in the device's free memory.
-    `on_bytes(done, total)` reports the upload as `cpu_transformer` reports its load."""
+    `on_bytes(done, total)` reports the upload as `cpu_transformer` reports its load.
+    With `shard`, only that device's share is read and uploaded (loader/sharding.py)."""
     weights = check_weights_mode(weights)
-    held_as = "bf16" if weights == "bf16" else "the file's blocks (bf16 for float matrices)"
+    held_as = "bf16" if weights == "bf16" else "the file's blocks (bf16 for F32 and BF16 matrices)"
     advice = ("choose a smaller model" if weights == "quantized" else
               "keep them quantized (--weights quantized) or choose a smaller model")
-    check_fits(model, device_weight_bytes(model, weights), ops.device.mem_info()[0],
+    check_fits(model, device_weight_bytes(model, weights, shard), ops.device.mem_info()[0],
                "the cuda backend", held_as, advice)
-    loader = SlabLoader(ops.device, model.gguf, CudaWeights(ops, model.path, weights),
+    f = model.gguf if shard is None else ShardedFile(model.gguf, shard, model.config.head_dim)
+    loader = SlabLoader(ops.device, f, CudaWeights(ops, model.path, weights),  # type: ignore[arg-type]
                         on_bytes=on_bytes, **loader_options)
     try:
-        held = build_weights(model.gguf, model.config, loader.fetch)
+        held = build_weights(f, model.config, loader.fetch if shard is None else
+                             f.fetching(loader.fetch))  # type: ignore[union-attr]
     finally:
         stats = loader.finish()
+    if shard is not None and shard.vocab_parallel and model.config.tied_embeddings:
+        held.output = head_rows(held.token_embd, *shard.vocab)
     ops.quantized.reserve(w for w in held.handles() if isinstance(w, DeviceQuantizedMatrix))
     if on_bytes is not None:
         on_bytes(loader.total_bytes, loader.total_bytes)  # unused tensors count as done
     return held, stats
 
 
+def head_rows(w: CudaWeight, start: int, stop: int) -> CudaWeight:
+    """Rows start .. stop - 1 of a matrix on the device, sharing its memory (a tied lm
+    head's share of the embedding table)."""
+    if isinstance(w, DeviceQuantizedMatrix):
+        row_bytes = w.row_bytes
+        return DeviceQuantizedMatrix(w.ptr + start * row_bytes, w.qtype,
+                                     (stop - start, w.shape[1]), None)
+    return w.view_at(start * w.shape[1] * w.itemsize, (stop - start, w.shape[1]), w.dtype)
+
+
 def cuda_transformer(model: ModelFile, device: Any = None, *,
                      on_bytes: Callable[[int, int], None] | None = None,
                      ops: CudaOps | None = None,
                      weights: CudaWeightsMode = "quantized",
+                     shard: Shard | None = None,
                      context: int | None = None) -> Transformer[CudaWeight]:
     """The model on a CUDA device (the first one when `device` is None); `on_bytes` as for
     `load_cuda_weights`, and with it the loader's report on stderr; `weights` "quantized"
-    (the default: matrices kept as their blocks) or "bf16"; `context` as for
-    `Transformer` (LongRoPE's factors)."""
+    (the default: matrices kept as their blocks) or "bf16". With `shard`, the device's
+    share of a tensor-parallel group (its `ops` carry the group's NCCL communicator).
+    `context` as for `Transformer` (LongRoPE's factors)."""
     if model.config.moe is not None:
         check_moe(model.config.moe)
     if ops is None:
@@ -177,11 +192,13 @@ def cuda_transformer(model: ModelFile, device: Any = None, *,
 
             device = open_device("cuda")
         ops = CudaOps(device)
-    held, stats = load_cuda_weights(model, ops, on_bytes=on_bytes, weights=weights)
+    held, stats = load_cuda_weights(model, ops, on_bytes=on_bytes, weights=weights,
+                                    shard=shard)
     if on_bytes is not None:
         print(stats.report(), file=sys.stderr)
     ops.lm_head = held.output
-    return Transformer(model.config, held, ops, context=context)  # type: ignore[arg-type]
+    config = model.config if shard is None else shard.local_config(model.config)
+    return Transformer(config, held, ops, context=context)  # type: ignore[arg-type]
 
 
 def free_weights(weights: ModelWeights[CudaWeight]) -> None:

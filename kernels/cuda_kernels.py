@@ -1,9 +1,14 @@
 """The compiled kernels on one device: each kernel's argument list, loading, launching.
 
-`SIGNATURES` is the single Python statement of every kernel's parameters, in order. A
-wrong argument list is silent garbage on the device, so tests/test_kernel_build.py checks
-each entry against the parameter table NVRTC wrote into the cubin (offset and size of every
-parameter); a kernel added to a `.cu` file without an entry here fails that test too.
+`SIGNATURES` is the single Python statement of every kernel's parameters, in order, and of
+the module it is in. A wrong argument list is silent garbage on the device, so
+tests/test_kernel_build.py checks each entry against the parameter table NVRTC wrote into
+the cubin (offset and size of every parameter); a kernel added to a `.cu` file without an
+entry here fails that test too.
+
+A module is a source file compiled with given defines (`MODULES`): most are one file as it
+is; `quant_matrix_<type>` is kernels/cuda/quant_matrix.cu once per weight type
+(kernels/cuda_weight_types.py), so that a model compiles only its types' kernels.
 
 Launching is cheap enough for hundreds of launches per round: each kernel owns, per
 thread, a small argument block of 8-byte slots and the array of pointers to them, built
@@ -15,35 +20,28 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from eagerlm.kernels.nvrtc_build import compile_kernel
+from eagerlm.kernels.cuda_weight_types import WEIGHT_TYPES
+from eagerlm.kernels.nvrtc_build import Cubin, compile_kernel, kernel_sources
 from eagerlm.vmm.cuda_driver import CudaContext, check, cu, driver
 
 # Parameter kinds: p = device pointer, i = int32, q = int64, f = float32, d = float64.
 _KIND_SIZE = {"p": 8, "i": 4, "q": 8, "f": 4, "d": 8}
 _KIND_FORMAT = {"p": "Q", "i": "i4x", "q": "q", "f": "f4x", "d": "d"}
 
-_DEQUANT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k",
-                  "q4_k", "q5_k", "q6_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s",
-                  "iq1_s", "iq1_m", "iq4_nl", "iq4_xs", "mxfp4")
-# quant_matrix.cu: the fused GEMV over blocks kept on the device (the types the decode path
-# reads directly) and the embedding lookup over a block table (every block type)
-GEMV_TYPES = ("q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k")
-EMBED_BLOCK_TYPES = tuple(t for t in _DEQUANT_TYPES if t not in ("f32", "f16", "bf16"))
 _ATTENTION = {f"attention_hd{d}": "pppppqqqiiifiiiip" for d in (32, 64, 128, 256)}
 # attention_decode.cu: one kernel per (head dim, query heads per block)
 _ATTENTION_DECODE = {f"attention_decode_hd{d}_g{g}": "pppppqqqiifiiiip"
                      for d in (32, 64, 128, 256) for g in (1, 2, 4, 8)}
-# moe.cu: the grouped expert product over any block type (bf16 experts included)
-MOE_GEMV_TYPES = tuple(t for t in _DEQUANT_TYPES)
 
 # Dynamic shared memory a launch gets without opting in (cuFuncSetAttribute); up to the
 # device's maximum (227 KiB on sm_90) with it.
 DEFAULT_SMEM_LIMIT = 48 << 10
 
-# kernel name -> (source file without .cu, parameter kinds in order)
+# kernel name -> (module, parameter kinds in order)
 SIGNATURES: dict[str, tuple[str, str]] = {
     "embed_rows": ("embed", "pppipiiif"),
     "rms_norm_f32": ("norm", "pppiif"),
@@ -59,6 +57,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "add_bias_bf16": ("elementwise", "ppqi"),
     "add_bias_f32": ("elementwise", "ppqi"),
     "gather_rows": ("elementwise", "pppiq"),
+    "interleave_shards": ("elementwise", "ppiiq"),
     "kv_append": ("kv_append", "ppppiiqqq"),
     **{name: ("attention", sig) for name, sig in _ATTENTION.items()},
     "attention_merge": ("attention", "pppiiiip"),
@@ -71,16 +70,39 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "mask_rows": ("sampler", "ppipip"),
     "count_tokens": ("sampler", "ppipi"),
     "token_logprobs": ("sampler", "pppiqppi"),
-    **{f"dequant_{t}_{o}": ("dequant", "ppq") for t in _DEQUANT_TYPES for o in ("bf16", "f32")},
-    **{f"gemv_{t}": ("quant_matrix", "ppppiiiii") for t in GEMV_TYPES},
-    **{f"gemv8_{t}": ("quant_matrix", "pppppiiiii") for t in GEMV_TYPES},
     "quantize_q8": ("quant_matrix", "pppq"),
-    **{f"embed_{t}": ("quant_matrix", "pppipiiif") for t in EMBED_BLOCK_TYPES},
     "moe_route": ("moe", "pppppiiiiiif"),
     "moe_sort": ("moe", "pppppiii"),
-    **{f"moe_gemv_{t}": ("moe", "ppppqppp" + "ii") for t in MOE_GEMV_TYPES},
     "moe_combine": ("moe", "ppppppiii"),
 }
+# quant_matrix.cu, per weight type: parameter kinds by the kernel name's first word
+_WEIGHT_KINDS = {"dequant": "ppq", "gemv": "ppppiiiii", "gemv8": "pppppiiiii",
+                 "embed": "pppipiiif", "moe": "pppqpppiii"}
+for _t in WEIGHT_TYPES.values():
+    for _name in _t.kernels:
+        SIGNATURES[_name] = (_t.module, _WEIGHT_KINDS[_name.split("_")[0]])
+
+
+@dataclass(frozen=True)
+class Module:
+    """A kernel module: `kernels/cuda/<source>.cu` compiled with `defines`."""
+
+    source: str
+    defines: tuple[tuple[str, str], ...] = ()
+
+
+# module name -> what it is compiled from: every source as it is, and quant_matrix.cu per
+# weight type
+MODULES: dict[str, Module] = {
+    **{src: Module(src) for src in kernel_sources()},
+    **{t.module: Module("quant_matrix", t.defines) for t in WEIGHT_TYPES.values()},
+}
+
+
+def compile_module(module: str, arch: str) -> Cubin:
+    """The cubin of `module` for `arch` (NVRTC, cached on disk)."""
+    m = MODULES[module]
+    return compile_kernel(m.source, arch, defines=m.defines)
 
 
 def expected_params(kinds: str) -> list[tuple[int, int]]:
@@ -154,7 +176,7 @@ class _Module:
 
 class KernelLibrary:
     """Every kernel for one device, compiled (or read from the cubin cache) and loaded on
-    first use, per source file."""
+    first use, per module."""
 
     def __init__(self, ctx: CudaContext, arch: str | None = None) -> None:
         self.ctx = ctx
@@ -185,14 +207,22 @@ class KernelLibrary:
                 k = self._kernels[name] = Kernel(name, fn, kinds, self.ctx)
             return k
 
-    def _module(self, source: str) -> _Module:
-        m = self._modules.get(source)
+    def _module(self, module: str) -> _Module:
+        m = self._modules.get(module)
         if m is None:
-            cubin = compile_kernel(source, self.arch)
+            cubin = compile_module(module, self.arch)
             self.ctx.bind()
             handle = cu("cuModuleLoadData", cubin.image)
-            m = self._modules[source] = _Module(handle, len(cubin.image))
+            m = self._modules[module] = _Module(handle, len(cubin.image))
         return m
+
+    def load_modules(self, modules: Iterable[str]) -> None:
+        """Compile (or read from the cubin cache) and load these modules now: at load
+        time, so that neither the first request nor a graph capture (where loading a
+        module is not allowed) pays for it."""
+        with self._lock:
+            for module in modules:
+                self._module(module)
 
     def load_all(self) -> None:
         """Compile and load everything now (start-up), rather than at first use."""

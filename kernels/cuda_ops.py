@@ -83,8 +83,11 @@ class CudaOps(CudaSampling):
 
     def __init__(self, device: Any, stream: Any = None, *,
                  lm_head: DeviceTensor | DeviceQuantizedMatrix | None = None,
-                 poison_outputs: bool = False) -> None:
+                 poison_outputs: bool = False, collective: Any = None) -> None:
         self.device = device
+        # this device's end of its tensor-parallel group (kernels/nccl_collective.py's
+        # NcclCollective); None alone
+        self.collective = collective
         self.ctx = device.ctx
         # every op enqueues here, so the dispatcher's rounds use it as their compute stream
         self.stream: Stream = stream if stream is not None else device.stream("compute")
@@ -289,6 +292,17 @@ class CudaOps(CudaSampling):
         """The mixture-of-experts FFN, routed and grouped on the device
         (kernels/cuda_moe.py)."""
         return cuda_moe.moe_ffn(self, x, w, moe, act)
+
+    # -- tensor parallelism (kernels/nccl_collective.py) --------------------------------
+
+    def all_reduce(self, x: DeviceTensor) -> DeviceTensor:
+        """The sum of `x` over the devices of the group (NCCL, in place, on this stream);
+        `x` itself on a device alone."""
+        return x if self.collective is None else self.collective.all_reduce(self, x)
+
+    def all_gather(self, x: DeviceTensor) -> DeviceTensor:
+        """Every device's `x` `[rows, n]` side by side along the last axis, by rank."""
+        return x if self.collective is None else self.collective.all_gather(self, x)
 
     def softcap(self, x: DeviceTensor, cap: float) -> DeviceTensor:
         out = self.empty(x.shape, x.dtype)

@@ -10,6 +10,11 @@ dense FFN); backends differ only through the ops object. The code reads in data-
 
 where ffn is the gated FFN or, in a mixture-of-experts model, the router's top-k experts'
 gated FFNs weighted and summed (`Ops.moe_ffn`).
+
+Tensor parallelism (loader/sharding.py) changes no line of it: each device holds its share
+of the heads and FFN features (its `config` is its part's, `Shard.local_config`), the
+attention's and the FFN's outputs are summed over the devices by `all_reduce` (the
+identity on one device), and a split lm head's logits are gathered by `all_gather`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class Ops(Protocol[A]):
     def gated_ffn_act(self, gate: A, up: A, act: Activation) -> A: ...
     def moe_ffn(self, x: A, w: MoEWeights[A], moe: MoEConfig, act: Activation) -> A: ...
     def softcap(self, x: A, cap: float) -> A: ...
+    def all_reduce(self, x: A) -> A: ...
+    def all_gather(self, x: A) -> A: ...
     def rows(self, x: A, rows: Any) -> A: ...
     def rope(self, x: A, positions: Any, rope: RopeParams,
              freq_factors: A | None = None) -> A: ...
@@ -71,6 +78,8 @@ class Transformer(Generic[A]):
         cfg, w, ops = self.config, self.weights, self.ops
         h = self.hidden_states(batch)
         logits = ops.linear(ops.rows(h, batch.logit_rows), w.output)
+        if w.output.shape[0] < cfg.vocab_size:  # a share of the vocabulary per device
+            logits = ops.all_gather(logits)
         if cfg.final_logit_softcap:
             logits = ops.softcap(logits, cfg.final_logit_softcap)
         return logits
@@ -108,7 +117,8 @@ class Transformer(Generic[A]):
         ops.kv_append(batch, i, k, v)
         o = ops.attention(batch, i, q, scale=cfg.attention_scale, window=cfg.sliding_window[i],
                           sinks=lw.sinks)
-        return ops.linear(o, lw.wo, lw.bo)
+        # (an output bias is added once: loader/sharding.py refuses to split such a model)
+        return ops.all_reduce(ops.linear(o, lw.wo, lw.bo))
 
     def _ffn(self, lw: LayerWeights[A], h: A) -> A:
         ops = self.ops
@@ -116,4 +126,5 @@ class Transformer(Generic[A]):
             return ops.moe_ffn(h, lw.moe, self.config.moe, self.config.activation)
         gate = ops.linear(h, lw.w_gate)
         up = ops.linear(h, lw.w_up)
-        return ops.linear(ops.gated_ffn_act(gate, up, self.config.activation), lw.w_down)
+        return ops.all_reduce(
+            ops.linear(ops.gated_ffn_act(gate, up, self.config.activation), lw.w_down))

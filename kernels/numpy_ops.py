@@ -39,6 +39,7 @@ from eagerlm.loader.config import (
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout, TokenMajorKV
 
 if TYPE_CHECKING:
+    from eagerlm.kernels.host_collective import HostCollective
     from eagerlm.kernels.model import Transformer
     from eagerlm.loader.weights import MoEWeights
     from eagerlm.vmm.device import DeviceBuffer, HostBuffer, Stream
@@ -132,10 +133,13 @@ class NumpyOps:
     kv_dtype = np.dtype(np.float32)  # the KV cache element
     stream: Stream | None = None  # it computes when called, on the dispatcher's own stream
 
-    def __init__(self) -> None:
+    def __init__(self, collective: HostCollective | None = None) -> None:
         # rope setting -> (positions, cos, sin) of its last table (`_rope_table`)
         self._rope_memo: dict[tuple[RopeParams, int],
                               tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # this device's end of its tensor-parallel group (kernels/host_collective.py);
+        # None alone
+        self.collective = collective
 
     # -- one session outside the dispatcher ---------------------------------------------
 
@@ -275,6 +279,17 @@ class NumpyOps:
         products grouped by expert (kernels/cpu_moe.py)."""
         return cpu_moe.moe_ffn(self.linear, partial(self.gated_ffn_act, act=act),
                                np.ascontiguousarray(x, np.float32), w, moe)
+
+    # -- tensor parallelism (kernels/host_collective.py) -------------------------------
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        """The sum of `x` over the devices of the group, through shared host memory; `x`
+        itself on a device alone."""
+        return x if self.collective is None else self.collective.all_reduce(x)
+
+    def all_gather(self, x: np.ndarray) -> np.ndarray:
+        """Every device's `x` `[rows, n]` side by side along the last axis, by rank."""
+        return x if self.collective is None else self.collective.all_gather(x)
 
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
         return np.tanh(x / np.float32(cap)) * np.float32(cap)

@@ -245,23 +245,27 @@ def compile_source(source: str, name: str, arch: str | int | tuple[int, int], *,
 
 
 def compile_kernel(name: str, arch: str | int | tuple[int, int], *,
-                   use_cache: bool = True) -> Cubin:
-    """Compile `kernels/cuda/<name>.cu` for `arch` (cached)."""
+                   defines: Sequence[tuple[str, str]] = (), use_cache: bool = True) -> Cubin:
+    """Compile `kernels/cuda/<name>.cu` for `arch` (cached), with `-D<key>=<value>` for each
+    of `defines` (kernels/cuda/quant_matrix.cu is compiled once per weight type so)."""
     src = KERNEL_DIR / f"{name}.cu"
     if not src.is_file():
         raise FileNotFoundError(f"no kernel source {src}")
-    return compile_source(src.read_text(), f"{name}.cu", arch, use_cache=use_cache)
+    options = [f"-D{k}={v}" for k, v in defines]
+    return compile_source(src.read_text(), f"{name}.cu", arch, options=options,
+                          use_cache=use_cache)
 
 
-def compile_all(arches: Sequence[str | int], *, use_cache: bool = True,
-                workers: int | None = None) -> dict[tuple[str, str], Cubin]:
-    """Every kernel source for every architecture, compiled in parallel (NVRTC releases
-    the GIL while it compiles). Keys are (source name, 'sm_XX')."""
-    jobs = [(n, normalize_arch(a)) for a in arches for n in kernel_sources()]
-    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+def compile_all(jobs: Sequence[tuple[str, Sequence[tuple[str, str]]]],
+                arches: Sequence[str | int], *, use_cache: bool = True,
+                workers: int | None = None) -> list[Cubin]:
+    """Each job (source name, defines) for every architecture, compiled in parallel (NVRTC
+    releases the GIL while it compiles), in the order of `arches` then `jobs`."""
+    work = [(src, tuple(defines), normalize_arch(a)) for a in arches for src, defines in jobs]
+    workers = workers or max(1, min(len(work), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        cubins = list(pool.map(lambda j: compile_kernel(j[0], j[1], use_cache=use_cache), jobs))
-    return dict(zip(jobs, cubins, strict=True))
+        return list(pool.map(
+            lambda j: compile_kernel(j[0], j[2], defines=j[1], use_cache=use_cache), work))
 
 
 def _nvrtc_compile(source: str, name: str, arch: str, opts: Sequence[str]) -> tuple[bytes, str]:

@@ -7,10 +7,10 @@ template is code that arrived inside a downloaded file: it must not reach Python
 internals, mutate the caller's messages, or turn a user's conversation into a traceback.
 Every failure of the template itself becomes a `ChatTemplateError`; a malformed list of
 messages is the caller's mistake and raises `InvalidParameters` (a ValueError). The
-sandbox is also bounded (loader/template_sandbox.py): a render that runs longer than
-RENDER_TIME_LIMIT_S, builds a value longer than the longest prompt, or builds too much in
-all stops with a `ChatTemplateError` naming the limit, on whichever thread it runs, leaving
-nothing behind.
+sandbox is also bounded (loader/template_sandbox.py, template_budget.py,
+template_deadline.py): a render that runs longer than RENDER_TIME_LIMIT_S, builds a value
+longer than the longest prompt, or builds too much in all stops with a `ChatTemplateError`
+naming the limit, on whichever thread it runs, leaving nothing behind.
 
 BOS convention (one rule, the one llama.cpp applies): templates are rendered with the real
 BOS text, so a template that writes `{{ bos_token }}` in the middle of a conversation (Llama
@@ -33,14 +33,9 @@ from jinja2.ext import Extension
 
 from eagerlm.errors import InvalidParameters
 from eagerlm.loader.errors import ModelFileError
-from eagerlm.loader.template_sandbox import (
-    MAX_RENDERED_CHARS,
-    RENDER_TIME_LIMIT_S,
-    BoundedSandbox,
-    TemplateLimitError,
-    dumps_bounded,
-    run_bounded,
-)
+from eagerlm.loader.template_budget import MAX_RENDERED_CHARS, TemplateLimitError, dumps_bounded
+from eagerlm.loader.template_deadline import RENDER_TIME_LIMIT_S, run_bounded
+from eagerlm.loader.template_sandbox import BoundedSandbox
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 

@@ -20,7 +20,7 @@ import pytest
 
 from eagerlm.loader.chat_template import ChatTemplate, ChatTemplateError
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
-from eagerlm.loader.template_sandbox import MAX_BUILT, MAX_VALUE_CHARS
+from eagerlm.loader.template_budget import MAX_BUILT, MAX_VALUE_CHARS
 from eagerlm.service.api.engine import Engine
 from eagerlm.service.http.server import ServerConfig, create_app
 from tests.test_chat_template import QWEN25_TEMPLATE

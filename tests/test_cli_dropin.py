@@ -77,3 +77,6 @@ def test_the_new_serve_flags_default_to_the_servers_config():
     args = parse("serve")
     assert (args.reasoning_format, args.sse_keepalive, args.embeddings) == (
         ServerConfig.reasoning_format, ServerConfig.sse_keepalive_s, ServerConfig.embeddings)
+    assert (not args.no_webui) is ServerConfig.webui
+    assert parse("serve", "--no-webui").no_webui
+    assert serve_parser({"EAGERLM_NO_WEBUI": "1"}).parse_args(["serve"]).no_webui

@@ -242,7 +242,7 @@ def test_too_large_counts_the_blocks_the_quantized_path_holds(synthetic, monkeyp
 
 def test_an_unknown_weights_mode_is_refused(synthetic):
     from eagerlm.errors import InvalidParameters
-    from eagerlm.service.api.engine import EngineSettings
+    from eagerlm.service.api.engine_settings import EngineSettings
 
     with pytest.raises(InvalidParameters, match="'quantized' or 'float'"):
         cpu_transformer(synthetic, weights="int4")

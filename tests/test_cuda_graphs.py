@@ -140,14 +140,15 @@ def test_graph_replays_give_the_eager_tokens(device, model, request) -> None:
     assert spy_off[0].replays == 0 and spy_off[0].eager_rounds > 0
 
 
-@pytest.mark.parametrize("gemv", ["float", "int8"])
+@pytest.mark.parametrize("gemv,types", [("float", ("F16", "Q5_0")), ("int8", ("MXFP4", "NVFP4"))],
+                         ids=["float-F16", "int8-MXFP4"])
 def test_graphs_capture_the_quantized_weights_kernels(device, tmp_path, monkeypatch,
-                                                      gemv) -> None:
-    """Matrices kept as their blocks (Q8_0, a Q5_0 embedding table): rounds of 1 and 2
-    sessions replay the fused GEMV (float, or int8 with its activations' quantization),
-    rounds of up to 4 (bucket 4) the tile path (its dequantization into the fixed scratch
-    and cuBLASLt), with the GEMV told to take at most 2 rows; the tokens are those of
-    eager launches."""
+                                                      gemv, types) -> None:
+    """Matrices kept as the file's values (F16 matrices and the lm head with a Q5_0
+    embedding table; or MXFP4 ones with an NVFP4 table): rounds of 1 and 2 sessions replay
+    the fused GEMV (float, or int8 with its activations' quantization), rounds of up to 4
+    (bucket 4) the tile path (its dequantization into the fixed scratch and cuBLASLt),
+    with the GEMV told to take at most 2 rows; the tokens are those of eager launches."""
     from gguf import GGMLQuantizationType as Q
 
     from eagerlm.kernels.cuda_backend import cuda_transformer
@@ -157,11 +158,12 @@ def test_graphs_capture_the_quantized_weights_kernels(device, tmp_path, monkeypa
     from eagerlm.loader.synthetic import SyntheticSpec, write_synthetic_model
 
     spec = SyntheticSpec("qwen3", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
-                         head_dim=32, d_ff=128, vocab_size=300, weight_type=Q.Q8_0,
-                         embedding_type=Q.Q5_0)
-    model = ModelFile.open(write_synthetic_model(tmp_path / "q8.gguf", spec))
+                         head_dim=32, d_ff=128, vocab_size=300, weight_type=Q[types[0]],
+                         embedding_type=Q[types[1]])
+    model = ModelFile.open(write_synthetic_model(tmp_path / "q.gguf", spec))
     gpu = cuda_transformer(model, ops=CudaOps(device))
     assert isinstance(gpu.weights.token_embd, DeviceQuantizedMatrix)
+    assert {gpu.weights.output.qtype, gpu.weights.layers[0].wq.qtype} == {Q[types[0]]}
     gpu.ops.quantized.gemv_max_rows = 2
     gpu.ops.quantized.gemv_int8 = gemv == "int8"
     paths = quantized_paths(gpu.ops, monkeypatch)

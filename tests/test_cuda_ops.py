@@ -288,7 +288,7 @@ def test_decode_attention_splits_long_contexts(ops) -> None:
 
 def _blocks(qtype, n_blocks: int) -> np.ndarray:
     """Random valid blocks: quantized from random floats where gguf-py can, else random
-    bytes with small finite f16 scales (K-quants and IQ types: every other field of their
+    bytes with small finite scales (K-quants, IQ types, NVFP4: every other field of their
     blocks is a bounded integer, so every bit pattern is a block)."""
     from eagerlm.loader.synthetic import random_blocks
 
@@ -300,16 +300,22 @@ def _blocks(qtype, n_blocks: int) -> np.ndarray:
         return random_blocks(qtype, scales, rng).reshape(-1)
 
 
+# every type gguf-py 0.19 dequantizes (its quants.py), written out so that a type dropped
+# from the registry fails here
 DEQUANT_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K,
                  Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S,
-                 Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.MXFP4]
+                 Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.NVFP4]
 
 
-def test_every_supported_type_has_a_dequantization_kernel() -> None:
-    from eagerlm.kernels.cuda_backend import DEQUANT_KERNEL
+def test_every_supported_type_has_its_kernels() -> None:
+    from eagerlm.kernels.cuda_kernels import SIGNATURES
+    from eagerlm.kernels.cuda_weight_types import WEIGHT_TYPES
     from eagerlm.loader.weights import SUPPORTED_TYPES
 
-    assert set(DEQUANT_KERNEL) == set(SUPPORTED_TYPES) == set(DEQUANT_TYPES)
+    assert set(WEIGHT_TYPES) == set(SUPPORTED_TYPES) == set(DEQUANT_TYPES)
+    for t in WEIGHT_TYPES.values():
+        assert set(t.kernels) <= set(SIGNATURES)
+        assert (t.gemv8 is not None) == (t.qtype not in (Q.F32, Q.F16, Q.BF16))
 
 
 @pytest.mark.parametrize("qtype", DEQUANT_TYPES, ids=lambda q: q.name)
@@ -317,7 +323,7 @@ def test_dequantization_equals_gguf(ops, qtype) -> None:
     """Reference: gguf-py's `quants.dequantize` of the same bytes: the float32 output equal
     to the bit, the bf16 output that value rounded (within one bf16 ulp). 256 blocks: an IQ
     type's grid lookups then reach nearly every entry of its table (IQ1's 2048 included)."""
-    from eagerlm.kernels.cuda_backend import DEQUANT_KERNEL
+    from eagerlm.kernels.cuda_weight_types import WEIGHT_TYPES
     from eagerlm.kernels.device_tensor import to_bf16_bits
 
     raw = _blocks(qtype, 256)
@@ -326,7 +332,7 @@ def test_dequantization_equals_gguf(ops, qtype) -> None:
     src = ops.upload(np.ascontiguousarray(raw).view(np.uint8))
     for out_dtype in ("bf16", "f32"):
         out = ops.empty((n,), out_dtype)
-        ops.kernels[f"dequant_{DEQUANT_KERNEL[qtype]}_{out_dtype}"].launch(
+        ops.kernels[WEIGHT_TYPES[qtype].dequant(out_dtype)].launch(
             ops.stream.handle, -(-n // 256), 256, out.ptr, src.ptr, n)
         got = ops.to_numpy(out)
         if out_dtype == "f32":
@@ -339,7 +345,7 @@ def test_dequantization_equals_gguf(ops, qtype) -> None:
 
 def test_a_model_of_iq_weights_loads_as_the_cpu_backend_dequantizes_it(ops, tmp_path) -> None:
     """IQ matrices through the whole cuda load path with weights="bf16" (slab loader, raw
-    upload, the kernel DEQUANT_KERNEL names): each matrix is the cpu backend's float32
+    upload, the type's dequantization kernel): each matrix is the cpu backend's float32
     weight (gguf-py's dequantization) rounded to bf16, within one ulp; each vector equal.
     (Kept as blocks, the default, they are tests/test_cuda_quantized.py's.)"""
     from eagerlm.kernels.cuda_backend import free_weights, load_cuda_weights

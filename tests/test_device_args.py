@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagerlm.service.api.engine import EngineSettings
+from eagerlm.service.api.engine_settings import EngineSettings
 from eagerlm.service.cli.commands import _engine_settings, build_parser
 from eagerlm.service.measure.harness import engine_settings
 

@@ -15,8 +15,10 @@ from eagerlm.dispatch.messages import FinishReason
 from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.service.api.chat_tokens import TurnMemory
-from eagerlm.service.api.engine import Engine, GenerationError, TokenLogprobs
+from eagerlm.service.api.engine import Engine
 from eagerlm.service.api.model_loading import LoadProgress
+from eagerlm.service.api.records import TokenLogprobs
+from eagerlm.service.api.streams import GenerationError
 from eagerlm.service.api.sync_engine import SyncEngine
 from eagerlm.vmm.cuda_driver import CudaError, NoCudaDevice
 from tests.sequential_reference import SequentialGeneration

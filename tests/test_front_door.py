@@ -205,9 +205,9 @@ def test_only_eagerlm_errors_are_mapped_a_stray_value_error_is_a_bug(monkeypatch
 ])
 def test_the_server_maps_each_category_to_an_openai_error(error, status, param):
     pytest.importorskip("fastapi")
-    from eagerlm.service.http.server import _as_openai_error
+    from eagerlm.service.http.openai_errors import as_openai_error
 
-    body = _as_openai_error(error)
+    body = as_openai_error(error)
     assert (body.status, body.param) == (status, param)
     assert str(error) in body.message
     assert body.body()["error"]["type"] == ("invalid_request_error" if status == 400

@@ -66,6 +66,29 @@ def test_bench_gemm_times_weights_kept_as_blocks_by_both_paths(emulator, monkeyp
     assert rows[0]["weight_bytes"] == 2048 * 1024 // 256 * 144
 
 
+def test_bench_gemm_takes_every_weight_type(emulator, monkeypatch, capsys) -> None:
+    """`--quantized all` (what .ci/gpu_check.sh micro runs): every type of
+    kernels/cuda_weight_types.py on a small layer, its GEMV at 1 row (and the int8 one for
+    the block types) and its tile path at 16."""
+    from eagerlm.kernels.cuda_weight_types import WEIGHT_TYPES
+
+    out = run_script("bench_gemm", ["--models", "tiny", "--tokens", "1", "16", "--peak-dim",
+                                    "128", "--copy-mib", "1", "--reps", "1", "--quantized",
+                                    "all"], monkeypatch, capsys)
+    rows = json_block(out)["quantized_rows"]
+    assert [(r["type"], r["tokens"]) for r in rows] == [
+        (t.name, n) for t in WEIGHT_TYPES.values() for n in (1, 16)]
+    for r in rows:
+        t = next(t for t in WEIGHT_TYPES.values() if t.name == r["type"])
+        assert r["weight_bytes"] == 64 * 512 // t.block_size * t.type_size
+        assert r["tile_us"] > 0 and r["of_hbm"] > 0
+        if r["tokens"] == 1:
+            assert r["chosen"] == "gemv" and r["gemv_us"] > 0
+            assert (r["gemv8_us"] is not None) == t.integer
+        else:
+            assert r["chosen"] == "tile" and r["gemv_us"] is None
+
+
 def test_bench_decode_attention(emulator, monkeypatch, capsys) -> None:
     out = run_script("bench_decode_attention",
                      ["--sessions", "3", "--context", "96", "--heads", "4", "--kv-heads", "2",

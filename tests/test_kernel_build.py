@@ -1,7 +1,8 @@
-"""Kernel build: every CUDA C source compiles with NVRTC to a cubin for sm_80 and sm_90,
-on a machine without a GPU (CI), and the Python side agrees with what was compiled.
+"""Kernel build: every CUDA C module (a source, or quant_matrix.cu once per weight type)
+compiles with NVRTC to a cubin for sm_80 and sm_90, on a machine without a GPU (CI), and
+the Python side agrees with what was compiled.
 
-- every source gives an ELF cubin (never PTX) defining the kernels SIGNATURES lists for it,
+- every module gives an ELF cubin (never PTX) defining the kernels SIGNATURES lists for it,
   and no kernel SIGNATURES does not know;
 - every kernel's parameter table in the cubin (offset and size of each parameter) is the
   one SIGNATURES declares, so a launch never packs its arguments wrong;
@@ -19,7 +20,7 @@ import pytest
 
 from eagerlm.kernels import nvrtc_build as nb
 from eagerlm.kernels.cuda_attention import SEQ_DESC
-from eagerlm.kernels.cuda_kernels import SIGNATURES, expected_params
+from eagerlm.kernels.cuda_kernels import MODULES, SIGNATURES, expected_params
 from eagerlm.kernels.cuda_sampling import SAMPLE_PARAMS
 
 ARCHES = ("sm_80", "sm_90")
@@ -34,8 +35,11 @@ extern "C" __global__ void tiny(bf16* out, float x, int n) {
 
 @pytest.fixture(scope="module")
 def cubins() -> dict[tuple[str, str], nb.Cubin]:
+    """(module, arch) -> cubin, for every module of kernels/cuda_kernels.py's MODULES."""
     t0 = time.perf_counter()
-    built = nb.compile_all(ARCHES)
+    jobs = [(m.source, m.defines) for m in MODULES.values()]
+    keys = [(name, arch) for arch in ARCHES for name in MODULES]
+    built = dict(zip(keys, nb.compile_all(jobs, ARCHES), strict=True))
     elapsed = time.perf_counter() - t0
     compiled = sum(not c.from_cache for c in built.values())
     print(f"\n{len(built)} cubins ({compiled} compiled, {len(built) - compiled} from the "
@@ -83,27 +87,40 @@ def test_iq_tables_header_is_what_the_generator_makes_from_gguf_py_now() -> None
     assert iq_tables.main(["--check"]) == 0
 
 
-def test_every_source_is_covered() -> None:
-    assert set(nb.kernel_sources()) == {src for src, _ in SIGNATURES.values()}
+def test_every_source_and_module_is_covered() -> None:
+    assert set(nb.kernel_sources()) == {m.source for m in MODULES.values()}
+    assert set(MODULES) == {module for module, _ in SIGNATURES.values()}
+
+
+def test_quant_matrix_is_one_module_per_weight_type_with_that_types_kernels() -> None:
+    """kernels/cuda_weight_types.py's rows: each type's kernels, and only them, in its own
+    module, so a model loads the modules of its types and compiles nothing else."""
+    from eagerlm.kernels.cuda_weight_types import WEIGHT_TYPES
+
+    assert len(WEIGHT_TYPES) == 26
+    for t in WEIGHT_TYPES.values():
+        assert MODULES[t.module].source == "quant_matrix"
+        assert {k for k, (m, _) in SIGNATURES.items() if m == t.module} == set(t.kernels)
+    assert {k for k, (m, _) in SIGNATURES.items() if m == "quant_matrix"} == {"quantize_q8"}
 
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_every_kernel_compiles_to_a_cubin(cubins: dict, arch: str) -> None:
-    for source in nb.kernel_sources():
-        c = cubins[(source, arch)]
-        assert c.image[:4] == b"\x7fELF", f"{source} for {arch} is not an ELF cubin"
+    for module in MODULES:
+        c = cubins[(module, arch)]
+        assert c.image[:4] == b"\x7fELF", f"{module} for {arch} is not an ELF cubin"
         assert c.arch == arch
-        expected = {name for name, (src, _) in SIGNATURES.items() if src == source}
+        expected = {name for name, (mod, _) in SIGNATURES.items() if mod == module}
         defined = c.symbols()
-        assert expected <= defined, f"{source}.cu lacks {sorted(expected - defined)}"
-        assert defined <= expected, f"{source}.cu defines kernels SIGNATURES does not " \
+        assert expected <= defined, f"{module} lacks {sorted(expected - defined)}"
+        assert defined <= expected, f"{module} defines kernels SIGNATURES does not " \
                                     f"declare: {sorted(defined - expected)}"
 
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_signatures_match_the_compiled_parameters(cubins: dict, arch: str) -> None:
-    for name, (source, kinds) in SIGNATURES.items():
-        params = cubins[(source, arch)].params()
+    for name, (module, kinds) in SIGNATURES.items():
+        params = cubins[(module, arch)].params()
         assert params[name] == expected_params(kinds), name
 
 

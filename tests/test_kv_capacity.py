@@ -16,10 +16,11 @@ import pytest
 
 from eagerlm.dispatch.errors import PromptTooLong
 from eagerlm.dispatch.kv_capacity import KVPoolTooSmall, plan_capacity
+from eagerlm.dispatch.messages import FinishReason
 from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.loader.demo_model import demo_model_available
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
-from eagerlm.service.api.engine import Engine, FinishReason
+from eagerlm.service.api.engine import Engine
 from eagerlm.service.cli.commands import main
 from eagerlm.service.http.server import ServerConfig, create_app
 from eagerlm.vmm.device import open_device

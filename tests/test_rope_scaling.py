@@ -35,7 +35,7 @@ from eagerlm.loader.config import (
 from eagerlm.loader.errors import InvalidMetadata
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
-from eagerlm.service.api.engine import EngineSettings
+from eagerlm.service.api.engine_settings import EngineSettings
 from eagerlm.service.cli.commands import main
 from eagerlm.service.measure.perplexity import perplexity
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout

@@ -22,7 +22,8 @@ import uvicorn
 
 from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
-from eagerlm.service.api.engine import Engine, Logprob, TokenLogprobs
+from eagerlm.service.api.engine import Engine
+from eagerlm.service.api.records import Logprob, TokenLogprobs
 from eagerlm.service.http.admission import AdmissionGate, QueueFull
 from eagerlm.service.http.openai_responses import (
     LOGPROB_FLOOR,

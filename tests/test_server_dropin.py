@@ -260,7 +260,8 @@ class _Releasable:
 async def test_an_idle_stream_gets_keep_alive_comments_between_its_events():
     from fastapi import FastAPI
 
-    from eagerlm.service.http.server import _EventStream
+    from eagerlm.service.http.event_stream import EventStream
+    from eagerlm.service.http.openai_responses import error_ending
     from eagerlm.service.http.shutdown import Drain
 
     async def slow_events():
@@ -272,8 +273,8 @@ async def test_an_idle_stream_gets_keep_alive_comments_between_its_events():
     app = FastAPI()
 
     @app.get("/events")
-    async def events() -> _EventStream:
-        return _EventStream(slow_events(), held, held, Drain(), keepalive_s=0.1)
+    async def events() -> EventStream:
+        return EventStream(slow_events(), held, held, Drain(), error_ending, keepalive_s=0.1)
 
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

@@ -5,6 +5,7 @@ counted, and a SIGTERM that ends every response cleanly and exits 0."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 import socket
@@ -22,7 +23,12 @@ from eagerlm.service.api.bounded_json import MAX_JSON_DEPTH, JSONRefused, loads,
 from eagerlm.service.api.engine import Engine
 from eagerlm.service.api.tool_calls import ToolCallFormat, ToolCallParser
 from eagerlm.service.http.server import ServerConfig, create_app
-from tests.test_server import LiveServer, assert_idle_and_nothing_leaked, sse_payloads
+from tests.test_server import (
+    LiveServer,
+    assert_idle_and_nothing_leaked,
+    sse_payloads,
+    wait_until,
+)
 
 MODEL = "tiny-hostile"
 JSON = {"content-type": "application/json"}
@@ -191,6 +197,52 @@ def test_an_unexpected_exception_is_an_openai_500_and_is_counted(server, engine,
         after = metric_value(http.get("/metrics").text, "/v1/completions", 500)
         assert after == before + 1
         still_serving(http)
+    assert_idle_and_nothing_leaked(engine, server)
+
+
+# -- clients that go away --------------------------------------------------------------------
+
+def send_and_close(url: str, route: str, body: bytes, sent: int) -> None:
+    """POST `body` to `route` declaring its whole length, send only its first `sent`
+    bytes, and close the connection: a cancelled request, a client-side timeout."""
+    host, port = url.removeprefix("http://").split(":")
+    head = (f"POST {route} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(head + body[:sent])
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("half", [True, False], ids=["half a body", "headers only"])
+def test_a_client_that_closes_before_its_body_is_read_is_a_quiet_499_not_a_500(
+        server, engine, caplog, route, half):
+    """starlette's ClientDisconnect, from reading the body, reached the catch-all handler:
+    counted as a 500, logged with two tracebacks (ours and uvicorn's). Now it is counted
+    as a 499 ("client closed request", as nginx and vLLM log it) with one info line."""
+    fields = {"messages": HI} if "chat" in route else {"prompt": "x"}
+    body = json.dumps({"model": MODEL, "max_tokens": 4, **fields}).encode()
+    uvicorn_log = logging.getLogger("uvicorn.error")  # does not propagate to caplog's root
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.DEBUG), \
+                httpx.Client(base_url=server.url, timeout=30) as http:
+            counts = http.get("/metrics").text
+            before = {status: metric_value(counts, route, status) for status in (499, 500)}
+            submitted = engine.metrics.submitted
+            caplog.clear()
+            send_and_close(server.url, route, body, len(body) // 2 if half else 0)
+            wait_until(lambda: metric_value(http.get("/metrics").text, route, 499)
+                       == before[499] + 1)
+            assert metric_value(http.get("/metrics").text, route, 500) == before[500]
+            still_serving(http)
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    assert engine.metrics.submitted == submitted + 1  # still_serving's request alone
+    ours = [r for r in caplog.records if "closed the connection" in r.getMessage()]
+    assert len(ours) == 1 and ours[0].levelno == logging.INFO, caplog.text
+    assert f"POST {route}: 499" in ours[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
     assert_idle_and_nothing_leaked(engine, server)
 
 

@@ -19,7 +19,7 @@ from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import DispatcherConfig
 from eagerlm.dispatch.scheduler import SchedulerConfig
 from eagerlm.service.api.chat_tokens import TurnMemory
-from eagerlm.service.api.engine import EngineSettings
+from eagerlm.service.api.engine_settings import EngineSettings
 from eagerlm.service.cli.commands import _engine_settings, build_parser
 from eagerlm.service.cli.device_args import kv_budget_bytes
 from eagerlm.service.http.config import ServerConfig

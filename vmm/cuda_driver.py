@@ -87,6 +87,9 @@ def device_count() -> int:
     return count
 
 
+_current = threading.local()  # .ctx: the context current on this thread, as bound here
+
+
 class CudaContext:
     """The primary context of one device, made current on whichever thread uses it.
 
@@ -103,7 +106,6 @@ class CudaContext:
         self.device = cu("cuDeviceGet", ordinal)
         self.ctx = cu("cuDevicePrimaryCtxRetain", self.device)
         self._released = False
-        self._bound = threading.local()
         try:
             self.bind()
             name = cu("cuDeviceGetName", 256, self.device)
@@ -123,10 +125,12 @@ class CudaContext:
             raise
 
     def bind(self) -> None:
-        """Make the primary context current on the calling thread (once per thread)."""
-        if getattr(self._bound, "ctx", None) is not self.ctx:
+        """Make the primary context current on the calling thread (a thread-local check
+        when it already is). What is current is the thread's, not the context's: a thread
+        that uses several devices (a tensor-parallel group's loading) switches each time."""
+        if getattr(_current, "ctx", None) is not self.ctx:
             cu("cuCtxSetCurrent", self.ctx)
-            self._bound.ctx = self.ctx
+            _current.ctx = self.ctx
 
     def allocation_prop(self) -> Any:
         """Properties of a physical page: pinned device memory on this device."""

@@ -71,13 +71,19 @@ static_assert(sizeof(SeqDesc) == 24, "SeqDesc must match SEQ_DESC in kernels/cud
 
 // The token of embedding row `row`: ids[row] from the host (id_stride 1), or from the
 // round's device metadata (pairs [host id, slot], id_stride 2) the token the previous
-// round's sampler wrote to token_buf[slot] where the slot is set (embed.cu says why).
-__device__ __forceinline__ int embed_row_id(const int* __restrict__ ids, int id_stride,
-                                            const int* __restrict__ token_buf, int row) {
+// round's sampler wrote to token_buf[slot] where the slot is set (embed.cu says why). An id
+// outside the vocabulary poisons the row's output `o` (d floats) with NaN and gives -1.
+__device__ __forceinline__ int embed_row_token(const int* __restrict__ ids, int id_stride,
+                                               const int* __restrict__ token_buf, int row,
+                                               float* __restrict__ o, int d, int vocab) {
   int id = ids[(i64)row * id_stride];
   if (id_stride > 1 && token_buf != nullptr) {
     const int slot = ids[(i64)row * id_stride + 1];
     if (slot >= 0) id = token_buf[slot];
+  }
+  if (id < 0 || id >= vocab) {
+    for (int j = threadIdx.x; j < d; j += blockDim.x) o[j] = EAGERLM_NAN;
+    return -1;
   }
   return id;
 }

@@ -69,3 +69,15 @@ extern "C" __global__ void gather_rows(unsigned short* __restrict__ out,
     out[i] = x[rows[r] * row_words + c];
   }
 }
+
+// out[r, s * cols + c] = in[s, r, c]: an all-gather's per-device blocks [shards, rows, cols]
+// (NCCL's layout) side by side as [rows, shards * cols] (32-bit words: float32 logits).
+extern "C" __global__ void interleave_shards(unsigned* __restrict__ out,
+                                             const unsigned* __restrict__ in, int n_shards,
+                                             int rows, i64 cols) {
+  const i64 per_shard = (i64)rows * cols;
+  GRID_STRIDE(i, (i64)n_shards * per_shard) {
+    const i64 s = i / per_shard, rem = i - s * per_shard, r = rem / cols, c = rem - r * cols;
+    out[(r * n_shards + s) * cols + c] = in[i];
+  }
+}

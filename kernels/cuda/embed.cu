@@ -15,12 +15,9 @@ extern "C" __global__ void embed_rows(float* __restrict__ out, const bf16* __res
                                       int vocab, float scale) {
   const int row = blockIdx.x;
   if (row >= n_rows) return;
-  const int id = embed_row_id(ids, id_stride, token_buf, row);
   float* o = out + (i64)row * d;
-  if (id < 0 || id >= vocab) {
-    for (int j = threadIdx.x; j < d; j += blockDim.x) o[j] = EAGERLM_NAN;
-    return;
-  }
+  const int id = embed_row_token(ids, id_stride, token_buf, row, o, d, vocab);
+  if (id < 0) return;
   const bf16* t = table + (i64)id * d;
   for (int j = threadIdx.x; j < d; j += blockDim.x) o[j] = __bfloat162float(t[j]) * scale;
 }

@@ -8,18 +8,13 @@
 // moe_sort: the round's (row, slot) pairs grouped by expert, in pair order within an
 //   expert (a counting sort on one thread: a round has a few thousand pairs at most), each
 //   expert's pairs cut into chunks of up to MOE_CHUNK rows, and where each pair went.
-// moe_gemv_<type>: y = x W_e^T (+ bias_e) for every chunk: the chunk's rows (token rows of
-//   x through `x_rows`, or consecutive rows of the sorted activations) against its
-//   expert's matrix, a slice of the 3-D expert tensor kept as the file's blocks; one warp
-//   per output row, the row's values decoded by the type's `at` (quant_blocks.cuh), each
-//   dotted with every row of the chunk. So an expert's weights are read once per chunk,
-//   not once per row that chose it. Any block type, bf16 included.
+// The expert products between them are quant_matrix.cu's moe_gemv_<type>, the fused GEMV of
+// the experts' type over each chunk (its rows of x gathered in expert order first).
 // moe_combine: each row's k expert outputs weighted and summed in slot order, plus a
 //   shared expert's output (times the sigmoid of its gate logit, when it has one).
-#include "quant_blocks.cuh"
+#include "common.cuh"
 
-#define MOE_CHUNK 8      // rows per chunk of an expert's product
-#define MOE_WARPS 4      // warps (output rows) per moe_gemv block
+#define MOE_CHUNK 8      // rows per chunk of an expert's product: GEMV_MAX_ROWS
 #define MOE_MAX_EXPERTS 512
 #define MOE_MAX_USED 32
 
@@ -115,81 +110,6 @@ extern "C" __global__ void moe_sort(int* __restrict__ pos, i64* __restrict__ row
     rows[q] = p / k;
   }
 }
-
-template <class Q>
-__device__ __forceinline__ void moe_gemv(bf16* __restrict__ y, const bf16* __restrict__ x,
-                                         const i64* __restrict__ x_rows,
-                                         const unsigned char* __restrict__ w, i64 expert_bytes,
-                                         const float* __restrict__ bias,
-                                         const int* __restrict__ chunks,
-                                         const int* __restrict__ n_chunks, int n_in,
-                                         int n_out) {
-  const int c = blockIdx.y;
-  if (c >= n_chunks[0]) return;  // uniform over the block
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int o = blockIdx.x * MOE_WARPS + warp;
-  if (o >= n_out) return;  // uniform over the warp; no block barrier follows
-  const int e = chunks[3 * c], start = chunks[3 * c + 1], n = chunks[3 * c + 2];
-  const unsigned char* row = w + e * expert_bytes + (i64)o * (n_in / Q::QK) * Q::BYTES;
-  i64 xr[MOE_CHUNK];
-#pragma unroll
-  for (int j = 0; j < MOE_CHUNK; ++j) {
-    const int q = start + min(j, n - 1);
-    xr[j] = (x_rows != nullptr ? x_rows[q] : q) * n_in;
-  }
-  float acc[MOE_CHUNK];
-#pragma unroll
-  for (int j = 0; j < MOE_CHUNK; ++j) acc[j] = 0.0f;
-  for (int i = lane; i < n_in; i += 32) {
-    const float v = Q::at(row + (i / Q::QK) * Q::BYTES, i % Q::QK);
-#pragma unroll
-    for (int j = 0; j < MOE_CHUNK; ++j) {
-      if (j < n) acc[j] = fmaf(v, __bfloat162float(x[xr[j] + i]), acc[j]);
-    }
-  }
-  const float b = bias != nullptr ? bias[(i64)e * n_out + o] : 0.0f;
-#pragma unroll
-  for (int j = 0; j < MOE_CHUNK; ++j) {
-    if (j < n) {  // the same for every lane: the reduction's lanes all arrive
-      const float s = warp_sum(acc[j]);
-      if (lane == 0) y[(i64)(start + j) * n_out + o] = from_f32<bf16>(s + b);
-    }
-  }
-}
-
-#define MOE_GEMV_KERNEL(NAME, Q)                                                          \
-  extern "C" __global__ void __launch_bounds__(32 * MOE_WARPS)                            \
-      moe_gemv_##NAME(bf16* __restrict__ y, const bf16* __restrict__ x,                   \
-                      const i64* __restrict__ x_rows, const unsigned char* __restrict__ w, \
-                      i64 expert_bytes, const float* __restrict__ bias,                   \
-                      const int* __restrict__ chunks, const int* __restrict__ n_chunks,    \
-                      int n_in, int n_out) {                                              \
-    moe_gemv<Q>(y, x, x_rows, w, expert_bytes, bias, chunks, n_chunks, n_in, n_out);      \
-  }
-
-MOE_GEMV_KERNEL(f32, F32)
-MOE_GEMV_KERNEL(f16, F16)
-MOE_GEMV_KERNEL(bf16, BF16)
-MOE_GEMV_KERNEL(q4_0, Q4_0)
-MOE_GEMV_KERNEL(q4_1, Q4_1)
-MOE_GEMV_KERNEL(q5_0, Q5_0)
-MOE_GEMV_KERNEL(q5_1, Q5_1)
-MOE_GEMV_KERNEL(q8_0, Q8_0)
-MOE_GEMV_KERNEL(q2_k, Q2_K)
-MOE_GEMV_KERNEL(q3_k, Q3_K)
-MOE_GEMV_KERNEL(q4_k, Q4_K)
-MOE_GEMV_KERNEL(q5_k, Q5_K)
-MOE_GEMV_KERNEL(q6_k, Q6_K)
-MOE_GEMV_KERNEL(iq2_xxs, IQ2_XXS)
-MOE_GEMV_KERNEL(iq2_xs, IQ2_XS)
-MOE_GEMV_KERNEL(iq2_s, IQ2_S)
-MOE_GEMV_KERNEL(iq3_xxs, IQ3_XXS)
-MOE_GEMV_KERNEL(iq3_s, IQ3_S)
-MOE_GEMV_KERNEL(iq1_s, IQ1_S)
-MOE_GEMV_KERNEL(iq1_m, IQ1_M)
-MOE_GEMV_KERNEL(iq4_nl, IQ4_NL)
-MOE_GEMV_KERNEL(iq4_xs, IQ4_XS)
-MOE_GEMV_KERNEL(mxfp4, MXFP4)
 
 // out[r, :] = sum_s weights[r, s] y[pos[r k + s], :] (+ shared[r, :], times
 // sigmoid(shared_logit[r]) when given), bf16; one block per row.

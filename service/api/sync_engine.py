@@ -21,16 +21,10 @@ from typing import Any
 
 from eagerlm.dispatch.messages import Output
 from eagerlm.kernels.sampling import SamplingParams
-from eagerlm.service.api.engine import (
-    ChatMessage,
-    Chunk,
-    Completion,
-    Engine,
-    Prompt,
-    PromptInput,
-    RequestResult,
-)
+from eagerlm.service.api.engine import Engine
 from eagerlm.service.api.model_loading import ProgressCallback
+from eagerlm.service.api.records import ChatMessage, Chunk, Completion, Prompt, PromptInput
+from eagerlm.service.api.streams import RequestResult
 
 
 class SyncEngine:

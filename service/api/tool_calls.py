@@ -43,6 +43,7 @@ What was shown and the last `Reply` add up to what `parse` gives for the whole t
 
 from __future__ import annotations
 
+import copy
 import enum
 import json
 import re
@@ -54,6 +55,7 @@ from typing import Any
 
 from eagerlm.dispatch.grammar import JSON_OPTIONS
 from eagerlm.dispatch.reasoning import HARMONY_CHANNEL
+from eagerlm.dispatch.schema_integers import bound_integers
 from eagerlm.dispatch.stop_strings import StopMatcher
 from eagerlm.kernels.sampling import Constraint
 from eagerlm.loader.chat_template import ChatTemplate
@@ -237,7 +239,9 @@ def forced_call(fmt: ToolCallFormat, tools: Sequence[tuple[str, dict[str, Any] |
     `is_special` says so), llama3-json the bare JSON call, harmony one commentary message
     to the function (`<|channel|>commentary to=functions.f <|constrain|>json<|message|>`
     and the arguments, as gpt-oss writes a call). Its arguments follow the tool's
-    parameters. One call: "required" asks for at least one, and one always parses."""
+    parameters, their integers bounded as a JSON-schema constraint's are
+    (dispatch/schema_integers.py). One call: "required" asks for at least one, and one
+    always parses."""
 
     def marker(text: str) -> str:
         return text if is_special(text) else json.dumps(text)
@@ -245,7 +249,8 @@ def forced_call(fmt: ToolCallFormat, tools: Sequence[tuple[str, dict[str, Any] |
     if fmt is ToolCallFormat.HARMONY:
         rules = []
         for i, (name, parameters) in enumerate(tools):
-            args = {**(parameters or {"type": "object"}), "x-guidance": JSON_OPTIONS}
+            args = {**(bound_integers(copy.deepcopy(parameters)) if parameters
+                       else {"type": "object"}), "x-guidance": JSON_OPTIONS}
             rules.append(f'call{i}: {marker("<|channel|>")} '
                          f'{json.dumps(f"commentary to=functions.{name} ")} '
                          f'{marker("<|constrain|>")} "json" {marker("<|message|>")} '
@@ -255,7 +260,8 @@ def forced_call(fmt: ToolCallFormat, tools: Sequence[tuple[str, dict[str, Any] |
     key = "arguments" if fmt is ToolCallFormat.HERMES else "parameters"
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
               "properties": {"name": {"const": name},
-                             key: parameters if parameters else {"type": "object"}}}
+                             key: (bound_integers(copy.deepcopy(parameters)) if parameters
+                                   else {"type": "object"})}}
              for name, parameters in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if fmt is ToolCallFormat.LLAMA3_JSON:

@@ -19,7 +19,8 @@ from typing import TextIO
 
 from eagerlm.dispatch.errors import RequestError
 from eagerlm.kernels.sampling import SamplingParams
-from eagerlm.service.api.engine import Chunk, GenerationError
+from eagerlm.service.api.records import Chunk
+from eagerlm.service.api.streams import GenerationError
 from eagerlm.service.api.sync_engine import SyncEngine
 
 HELP = "/reset starts over, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply"

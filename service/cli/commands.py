@@ -154,7 +154,7 @@ def _constraint(args: argparse.Namespace) -> Constraint | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from eagerlm.service.api.engine import GenerationError
+    from eagerlm.service.api.streams import GenerationError
 
     params = _sampling(args, constraint=_constraint(args))
     with _open_engine(args) as engine:
@@ -220,7 +220,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                           shutdown_grace_s=args.shutdown_grace,
                           reasoning_format=args.reasoning_format,
-                          sse_keepalive_s=args.sse_keepalive, embeddings=args.embeddings)
+                          sse_keepalive_s=args.sse_keepalive, embeddings=args.embeddings,
+                          webui=not args.no_webui)
     settings: dict[str, object] = {"max_batch": args.max_batch}
     if args.served_model_name:
         settings["model_name"] = args.served_model_name
@@ -380,10 +381,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve the model over HTTP with OpenAI's API: GET /v1/models, POST "
-                    "/v1/completions and /v1/chat/completions (streaming or not), "
-                    "/v1/embeddings (embedding models, or any with --embeddings), plus GET "
-                    "/health (503 while loading or once the engine cannot serve) and GET "
-                    "/metrics (Prometheus; eagerlm's and vLLM's names). Requests beyond "
+                    "/v1/completions, /v1/chat/completions and /v1/responses (streaming or "
+                    "not), /v1/embeddings (embedding models, or any with --embeddings); "
+                    "Anthropic's POST /v1/messages; a chat page at / (unless --no-webui); "
+                    "plus GET /health (503 while loading or once the engine cannot serve) "
+                    "and GET /metrics (Prometheus; eagerlm's and vLLM's names). Requests beyond "
                     "--max-concurrency wait in a queue of --max-queue; beyond that the "
                     "server answers 429. Every option can also be set by an environment "
                     "variable: EAGERLM_ and the long flag in capitals (EAGERLM_PORT, "
@@ -395,7 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "to serve the network, preferably with --api-key)")
     s.add_argument("--port", type=int, default=srv.port, help=f"TCP port (default {srv.port})")
     s.add_argument("--api-key", metavar="KEY", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: the "
+                   help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 "
+                        "routes (default: the "
                         "EAGERLM_API_KEY environment variable; unset = no authentication)")
     s.add_argument("model_path", nargs="?", metavar="MODEL", default=None,
                    help="the GGUF file, as `vllm serve MODEL` (or --model)")
@@ -434,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve /v1/embeddings for this model too, as llama-server's flag "
                         "(mean pooling unless the file says otherwise; embedding GGUFs are "
                         "served without it)")
+    s.add_argument("--no-webui", action="store_true",
+                   help="do not serve the chat page at / (as llama-server's flag)")
     s.set_defaults(func=cmd_serve)
     apply_env_defaults(s)  # every option also from EAGERLM_<OPTION> (service/cli/env_settings.py)
 

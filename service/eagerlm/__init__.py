@@ -23,16 +23,10 @@ from eagerlm.errors import (
     UnsupportedModel,
 )
 from eagerlm.kernels.sampling import Constraint, SamplingParams
-from eagerlm.service.api.engine import (
-    Chunk,
-    Completion,
-    Engine,
-    EngineSettings,
-    GenerationError,
-    Logprob,
-    Prompt,
-    TokenLogprobs,
-)
+from eagerlm.service.api.engine import Engine
+from eagerlm.service.api.engine_settings import EngineSettings
+from eagerlm.service.api.records import Chunk, Completion, Logprob, Prompt, TokenLogprobs
+from eagerlm.service.api.streams import GenerationError
 from eagerlm.service.api.sync_engine import SyncEngine
 
 __all__ = [

@@ -27,6 +27,12 @@ class ServerConfig:
     # serve /v1/embeddings for any model (mean pooling unless the file says otherwise);
     # embedding GGUFs (a pooling type in the file) are served without it
     embeddings: bool = False
+    # responses the Responses API keeps for previous_response_id and GET, at most this
+    # many and this many bytes of JSON (the oldest evicted: service/http/response_store.py)
+    responses_stored: int = 1024
+    responses_store_bytes: int = 64 << 20
+    # the chat page at / (service/http/webui.py); `eagerlm serve --no-webui` turns it off
+    webui: bool = True
 
     def __post_init__(self) -> None:
         if self.reasoning_format not in ("auto", "none", "deepseek"):

@@ -15,7 +15,7 @@ never reads it, it changes nothing and is logged the same way (`log_once`).
 
 Fields that would change the output (`audio`, `functions`, `web_search_options`,
 `verbosity`, ...) are not here: they stay 400s naming the field
-(service/http/openai_requests.py).
+(service/http/openai_parsing.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `eagerlm serve` binds its port first and loads the model meanwhile, so that a load balancer
 or Kubernetes' readiness probe sees `/health` answer 503 `{"status": "loading"}` (and every
-other route a 503 in OpenAI's format) instead of a refused connection it cannot tell from
+other route a 503 in its API's error format) instead of a refused connection it cannot tell from
 a crash; once the engine is up, `WhileLoading.ready` hands every request to the real app.
 """
 
@@ -12,15 +12,16 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from eagerlm.service.http.error_formats import OPENAI_ONLY, ErrorFormats
 from eagerlm.service.http.openai_errors import OpenAIError
-from eagerlm.service.http.shutdown import send_error
 
 
 class WhileLoading:
     """Pure ASGI app: 503s until `ready(app)`, then `app` answers everything."""
 
-    def __init__(self) -> None:
+    def __init__(self, errors: ErrorFormats = OPENAI_ONLY) -> None:
         self._app: ASGIApp | None = None
+        self._errors = errors
 
     def ready(self, app: ASGIApp) -> None:
         self._app = app
@@ -44,8 +45,9 @@ class WhileLoading:
                                     (b"retry-after", b"5")]})
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
-        await send_error(send, OpenAIError(503, "The model is still loading; retry shortly.",
-                                           code="model_loading"))
+        await self._errors.send(send, OpenAIError(
+            503, "The model is still loading; retry shortly.", code="model_loading"),
+            scope.get("path", ""))
 
 
 __all__ = ["WhileLoading"]

@@ -1,11 +1,11 @@
-"""POST /v1/embeddings in OpenAI's wire format.
+"""POST /v1/embeddings in OpenAI's wire format: the body, the route, the response.
 
 The request: `model`, `input` (a string, a list of strings, a list of token ids or a list
 of such lists; at most MAX_INPUTS), `encoding_format` ("float", the default, or "base64":
 the float32 vector's little-endian bytes in base64, as OpenAI's clients decode them),
 `dimensions` (accepted only as the model's own width: a shorter vector would need a
 model trained for truncation), `user` (ignored). Checked field by field as the other
-routes' bodies are (service/http/openai_requests.py).
+routes' bodies are (service/http/openai_parsing.py).
 
 Served for embedding GGUFs (a pooling type in the file) and for any model when the
 server was started with `--embeddings` (service/api/embeddings.py).
@@ -17,16 +17,21 @@ import base64
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import anyio
 import numpy as np
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from eagerlm.service.http.openai_errors import bad_request
-from eagerlm.service.http.openai_requests import _parse, _Request
+from eagerlm.service.http.openai_parsing import RequestBody, parse_body
+from eagerlm.service.http.request_lifecycle import prepare, unless_disconnected
+from eagerlm.service.http.server_context import ServerContext
 
 MAX_INPUTS = 256
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(RequestBody):
     model: str
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] | None = None
@@ -51,7 +56,7 @@ class EmbeddingRequest(_Request):
 
 
 def parse_embedding_request(body: Any) -> EmbeddingRequest:
-    return _parse(body, EmbeddingRequest, {})
+    return parse_body(body, EmbeddingRequest)
 
 
 def embedding_body(model: str, vectors: Sequence[np.ndarray], n_tokens: int,
@@ -67,4 +72,36 @@ def embedding_body(model: str, vectors: Sequence[np.ndarray], n_tokens: int,
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
 
-__all__ = ["EmbeddingRequest", "embedding_body", "parse_embedding_request"]
+def add_openai_embeddings_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """`POST /v1/embeddings`."""
+    engine, cfg = ctx.engine, ctx.config
+
+    @app.post("/v1/embeddings", dependencies=[Depends(ctx.authorize)])
+    async def embeddings(request: Request) -> Response:
+        req = parse_embedding_request(await ctx.read_json(request))
+        ctx.check_model(req.model)
+        if not (cfg.embeddings or engine.pooling is not None):
+            raise bad_request("This model is not an embedding model (its file declares no "
+                              "pooling); start the server with --embeddings to embed with "
+                              "it (mean pooling).", param="model",
+                              code="unsupported_parameter")
+        width = engine.model.config.d_model
+        if req.dimensions is not None and req.dimensions != width:
+            raise bad_request(f"'dimensions' must be this model's {width}.",
+                              param="dimensions", code="unsupported_parameter")
+        items = req.inputs()
+        ids = await prepare(lambda: [engine.tokenizer.encode(x) if isinstance(x, str)
+                                     else x for x in items])
+        ticket = ctx.admit()
+        try:
+            await unless_disconnected(request, ticket.wait)
+            vectors = await unless_disconnected(
+                request, lambda: anyio.to_thread.run_sync(engine.embed, ids))
+        finally:
+            ticket.release()
+        return JSONResponse(embedding_body(engine.name, vectors, sum(map(len, ids)),
+                                           req.encoding_format))
+
+
+__all__ = ["EmbeddingRequest", "add_openai_embeddings_routes", "embedding_body",
+           "parse_embedding_request"]

@@ -3,8 +3,9 @@
 Whole bodies and streamed chunks of both routes (`chat_completion_body`,
 `chat_chunk_body`, `completion_body`, `completion_chunk_body`, `usage_chunk_body`), the
 parts they share (`ResponseIds`, `Usage`, finish reasons), tool calls as message entries
-and stream deltas, and log-probabilities in both APIs' formats. Request bodies are
-service/http/openai_requests.py.
+and stream deltas, log-probabilities in both APIs' formats, and the server-sent events
+that carry chunks (`event`; a stream that fails ends with `error_event` and `DONE`).
+Request bodies are service/http/openai_requests.py.
 
 Log-probabilities are the model's (log-softmax of the raw logits, before the logit bias,
 penalties, filters and temperature), one entry per generated token, in OpenAI's two formats:
@@ -27,6 +28,7 @@ has the exact bytes. Log-probabilities below -9999.0 (-inf included) are reporte
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -34,8 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagerlm.dispatch.messages import FinishReason
-from eagerlm.service.api.engine import Completion, Logprob, TokenLogprobs
+from eagerlm.service.api.records import Completion, Logprob, TokenLogprobs
 from eagerlm.service.api.tool_calls import Reply, ToolCall
+from eagerlm.service.http.openai_errors import OpenAIError
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
@@ -207,3 +210,23 @@ def usage_chunk_body(ids: ResponseIds, obj: str, usage: Usage) -> dict[str, Any]
     """The last chunk of a stream with `include_usage`: no choices, the usage."""
     return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model,
             "system_fingerprint": None, "choices": [], "usage": usage.body()}
+
+
+# -- server-sent events ---------------------------------------------------------------------
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(body: dict[str, Any]) -> str:
+    """One server-sent event carrying a chunk."""
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def error_event(error: OpenAIError) -> str:
+    """An in-band error, ASCII whatever its message holds, so it always encodes."""
+    return f"data: {json.dumps(error.body())}\n\n"
+
+
+def error_ending(error: OpenAIError) -> str:
+    """How a stream that fails or is cut ends: an error event, then [DONE]."""
+    return error_event(error) + DONE

@@ -12,16 +12,19 @@ routes accept.
 - UTF-8 (RFC 8259 says JSON between systems is; a byte-order mark is skipped), decoded
   by service/api/bounded_json.py: nesting deeper than MAX_JSON_DEPTH and lone surrogates are
   400s like any invalid JSON, never a RecursionError or an unencodable string downstream.
+- A client that closes its connection before the whole body came (a cancelled request,
+  a client-side timeout, a half-sent body) raises `ClientGone`: a 499, not a 500
+  (service/http/openai_errors.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from eagerlm.service.api import bounded_json
-from eagerlm.service.http.openai_errors import OpenAIError, bad_request, brief
+from eagerlm.service.http.openai_errors import ClientGone, OpenAIError, bad_request, brief
 
 JSON_MEDIA_TYPE = "application/json"
 
@@ -57,10 +60,13 @@ async def _read_at_most(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise _too_large(limit)
+    try:
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise _too_large(limit)
+    except ClientDisconnect:
+        raise ClientGone(f"before its body was read ({len(body)} bytes came)") from None
     return bytes(body)
 
 

@@ -10,9 +10,10 @@ shut down. `GracefulServer` does this instead:
    arrives gets a 503 (`RefuseWhileDraining`), /health included, so probes see it;
 2. wait up to the grace period (`ServerConfig.shutdown_grace_s`) for the requests in
    flight to finish on their own;
-3. then end the rest (`Drain.expire`): a stream gets an in-band error event,
-   `data: {"error": {...}}` then `data: [DONE]`, and a request not yet answered
-   (queued for a slot, or generating a whole reply) gets a 503 in OpenAI's format;
+3. then end the rest (`Drain.expire`): a stream gets its API's in-band error ending
+   (OpenAI's chat: `data: {"error": {...}}` then `data: [DONE]`), and a request not yet
+   answered (queued for a slot, or generating a whole reply) gets a 503 in its API's
+   error format (service/http/error_formats.py);
 4. uvicorn's own shutdown follows, with a short backstop for connections that do not
    take those last bytes; `serve` returns, the caller shuts the engine down, and the
    process exits 0.
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 from collections.abc import Iterator
 from types import FrameType
@@ -33,6 +33,7 @@ import anyio
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from eagerlm.service.http.error_formats import OPENAI_ONLY, ErrorFormats
 from eagerlm.service.http.openai_errors import OpenAIError
 
 AFTER_GRACE_S = 5  # uvicorn's backstop once streams have been ended: bytes left unsent
@@ -78,28 +79,18 @@ class Drain:
 
 class RefuseWhileDraining:
     """Pure ASGI middleware: once the server is stopping, every new request gets a 503
-    in OpenAI's format and its connection closes."""
+    in its API's error format and its connection closes."""
 
-    def __init__(self, app: ASGIApp, drain: Drain) -> None:
+    def __init__(self, app: ASGIApp, drain: Drain, errors: ErrorFormats = OPENAI_ONLY) -> None:
         self.app = app
         self.drain = drain
+        self.errors = errors
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.drain.stopping:
             await self.app(scope, receive, send)
             return
-        await send_error(send, shutting_down(), close=True)
-
-
-async def send_error(send: Send, error: OpenAIError, close: bool = False) -> None:
-    """A whole JSON error response, through the raw ASGI `send`."""
-    body = json.dumps(error.body()).encode()  # ASCII: whatever the message holds
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
-    if close:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+        await self.errors.send(send, shutting_down(), scope.get("path", ""), close=True)
 
 
 class GracefulServer(uvicorn.Server):
@@ -134,4 +125,4 @@ class GracefulServer(uvicorn.Server):
 
 
 __all__ = ["AFTER_GRACE_S", "Drain", "GracefulServer", "RefuseWhileDraining",
-           "send_error", "shutting_down"]
+           "shutting_down"]

@@ -45,6 +45,7 @@ class _Worker:
         self.pending = 0
         self.error: BaseException | None = None  # the first work that raised (sticky)
         self.capture: list[Callable[[], None]] | None = None
+        self.device = 0  # the device whose context created it
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -95,13 +96,16 @@ class _Ev:
 
 
 class FakeDriver:
-    """What `vmm` uses of cuda.bindings.driver, with the driver's rules, on host memory."""
+    """What `vmm` uses of cuda.bindings.driver, with the driver's rules, on host memory;
+    `n_devices` GPUs (one primary context each; memory is counted for all of them
+    together)."""
 
-    def __init__(self, memory_bytes: int = 512 << 20) -> None:
+    def __init__(self, memory_bytes: int = 512 << 20, n_devices: int = 1) -> None:
         self.total = memory_bytes
         self.used = 0
         self.ids = itertools.count(0x1000)
-        self.ctx_id = 0xC7C7
+        self.n_devices = n_devices
+        self.ctx_id = 0xC7C7  # device d's primary context is ctx_id + d
         self.ctx_refs = 0
         self.tls = threading.local()
         self.handles: dict[int, tuple[int, int]] = {}  # id -> (memfd, size)
@@ -133,9 +137,14 @@ class FakeDriver:
                 pass  # no driver library: the arguments converted fine
             finally:
                 _VALIDATING.on = False
-        if needs_ctx and getattr(self.tls, "ctx", None) != self.ctx_id:
+        if needs_ctx and self.current_device() is None:
             return (R.CUDA_ERROR_INVALID_CONTEXT, None)
         return None
+
+    def current_device(self) -> int | None:
+        """The device whose context is current on the calling thread."""
+        d = getattr(self.tls, "ctx", -1) - self.ctx_id
+        return d if 0 <= d < self.n_devices else None
 
     def _device_ok(self, ptr: int, n: int) -> bool:
         """Whether [ptr, ptr + n) is device memory this device may access."""
@@ -164,17 +173,17 @@ class FakeDriver:
         return self._enter("cuInit", (flags,), False) or (R.CUDA_SUCCESS,)
 
     def cuDeviceGetCount(self) -> tuple:
-        return self._enter("cuDeviceGetCount", (), False) or (R.CUDA_SUCCESS, 1)
+        return self._enter("cuDeviceGetCount", (), False) or (R.CUDA_SUCCESS, self.n_devices)
 
     def cuDeviceGet(self, ordinal: int) -> tuple:
         err = self._enter("cuDeviceGet", (ordinal,), False)
-        return err or ((R.CUDA_SUCCESS, real.CUdevice(0)) if ordinal == 0
+        return err or ((R.CUDA_SUCCESS, real.CUdevice(ordinal)) if 0 <= ordinal < self.n_devices
                        else (R.CUDA_ERROR_INVALID_DEVICE, None))
 
     def cuDevicePrimaryCtxRetain(self, dev: Any) -> tuple:
         err = self._enter("cuDevicePrimaryCtxRetain", (dev,), False)
         self.ctx_refs += 1
-        return err or (R.CUDA_SUCCESS, real.CUcontext(self.ctx_id))
+        return err or (R.CUDA_SUCCESS, real.CUcontext(self.ctx_id + int(dev)))
 
     def cuDevicePrimaryCtxRelease(self, dev: Any) -> tuple:
         err = self._enter("cuDevicePrimaryCtxRelease", (dev,), False)
@@ -210,11 +219,12 @@ class FakeDriver:
 
     # -- virtual memory management ---------------------------------------------------
 
-    @staticmethod
-    def _prop_ok(prop: Any) -> bool:
+    def _prop_ok(self, prop: Any) -> bool:
+        """Pinned device memory on the current context's device (0 where none is current:
+        the granularity query needs no context)."""
         return (prop.type == real.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
                 and prop.location.type == real.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                and prop.location.id == 0)
+                and prop.location.id == (self.current_device() or 0))
 
     def cuMemGetAllocationGranularity(self, prop: Any, option: Any) -> tuple:
         err = self._enter("cuMemGetAllocationGranularity", (prop, option), False)
@@ -293,7 +303,7 @@ class FakeDriver:
         covered = [a for a, m in self.mappings.items() if addr <= a and a + m[0] <= addr + size]
         if (count != len(desc) or sum(self.mappings[a][0] for a in covered) != size
                 or not all(d.location.type == real.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                           and d.location.id == 0 and d.flags ==
+                           and d.location.id == self.current_device() and d.flags ==
                            real.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
                            for d in desc)):
             return (R.CUDA_ERROR_INVALID_VALUE,)
@@ -372,6 +382,7 @@ class FakeDriver:
             return err
         s = next(self.ids)
         self.streams[s] = _Worker()
+        self.streams[s].device = self.current_device() or 0
         return (R.CUDA_SUCCESS, real.CUstream(s))
 
     def _stream(self, s: Any) -> _Worker | None:

@@ -5,7 +5,8 @@ tests also run the cuda backend on `EmulatedDriver`: the fake driver of
 fake_cuda_driver.py beside this file (device memory is host memory, streams are threads,
 the driver's rules are kept) plus what kernels need:
 
-- `cuModuleLoadData` loads each `kernels/cuda/*.cu` compiled by g++ against
+- `cuModuleLoadData` loads each kernel module (a `kernels/cuda/*.cu` file and its
+  defines: kernels/cuda_kernels.py's MODULES) compiled by g++ against
   cuda_emulation/runtime.h, which runs a grid block by block with the threads of a
   block as fibers that switch at every barrier and warp collective (see that header for
   what is and is not modelled). The sources are the very files NVRTC compiles; only
@@ -85,9 +86,11 @@ def _rewrite(text: str) -> str:
         text)
 
 
-def build_module(source: str, kernels: list[str]) -> Path:
-    """`kernels/cuda/<source>.cu` as a host shared library with one `emu_launch_<name>`
-    entry per kernel, cached by the content of everything it is built from."""
+def build_module(module: str, kernels: list[str]) -> Path:
+    """Kernel module `module` (kernels/cuda_kernels.py's MODULES: a `kernels/cuda/*.cu`
+    source and its defines) as a host shared library with one `emu_launch_<name>` entry per
+    kernel, cached by the content of everything it is built from."""
+    from eagerlm.kernels.cuda_kernels import MODULES
     from eagerlm.kernels.nvrtc_build import cuda_include_dir
 
     cxx = _compiler()
@@ -95,12 +98,13 @@ def build_module(source: str, kernels: list[str]) -> Path:
         include = cuda_include_dir()
     except Exception as exc:
         raise EmulatorUnavailable(str(exc)) from exc
+    source, defines = MODULES[module].source, [f"-D{k}={v}" for k, v in MODULES[module].defines]
     files = sorted([*SOURCES.glob("*.cu"), *SOURCES.glob("*.cuh"), *RUNTIME.rglob("*")])
-    digest = hashlib.sha256(" ".join([cxx, source, *kernels]).encode())
+    digest = hashlib.sha256(" ".join([cxx, source, *defines, *kernels]).encode())
     for f in files:
         if f.is_file():
             digest.update(f.name.encode() + f.read_bytes())
-    out = _cache_dir() / f"{source}-{digest.hexdigest()[:20]}.so"
+    out = _cache_dir() / f"{module}-{digest.hexdigest()[:20]}.so"
     if out.exists():
         return out
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,12 +118,13 @@ def build_module(source: str, kernels: list[str]) -> Path:
         unit = build / "unit.cpp"
         unit.write_text(f'#include "{source}.cu"\n{entries}\n')
         tmp_out = build / "module.so"
-        cmd = [cxx, "-std=c++17", "-O1", "-g0", "-fPIC", "-shared", "-w",
+        cmd = [cxx, "-std=c++17", "-O1", "-g0", "-fPIC", "-shared", "-w", *defines,
                "-include", str(RUNTIME / "runtime.h"), f"-I{RUNTIME}", f"-I{build}",
                f"-I{include}", str(unit), "-o", str(tmp_out)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"emulated build of {source}.cu failed:\n{done.stderr[-4000:]}")
+            raise RuntimeError(f"emulated build of {module} ({source}.cu) failed:\n"
+                               f"{done.stderr[-4000:]}")
         shutil.move(str(tmp_out), out)
     return out
 
@@ -131,15 +136,17 @@ class _Launch(ctypes.Structure):
 
 
 @functools.cache
-def sm90_resources(source: str) -> dict[str, Any]:
-    """Registers and launch bounds of `source`'s kernels as NVRTC compiles them for sm_90
+def sm90_resources(module: str) -> dict[str, Any]:
+    """Registers and launch bounds of `module`'s kernels as NVRTC compiles them for sm_90
     (the emulated device's architecture), so that a launch the real GPU would refuse (a
     block over its kernel's bound or over the register file) is refused here too; empty
     if NVRTC cannot compile here."""
+    from eagerlm.kernels.cuda_kernels import MODULES
     from eagerlm.kernels.nvrtc_build import compile_kernel, cubin_resources
 
+    m = MODULES[module]
     try:
-        return cubin_resources(compile_kernel(source, "sm_90").image)
+        return cubin_resources(compile_kernel(m.source, "sm_90", defines=m.defines).image)
     except Exception:
         return {}
 
@@ -151,8 +158,8 @@ class KernelFailed(RuntimeError):
 class EmulatedDriver(FakeDriver):
     """The fake driver, running the engine's kernels (see the module docstring)."""
 
-    def __init__(self, memory_bytes: int = 2 << 30) -> None:
-        super().__init__(memory_bytes)
+    def __init__(self, memory_bytes: int = 2 << 30, n_devices: int = 1) -> None:
+        super().__init__(memory_bytes, n_devices)
         self.modules: dict[int, ctypes.CDLL] = {}
         self.functions: dict[int, tuple[str, Any, str]] = {}  # id -> (name, entry, kinds)
         self.smem_allowed: dict[int, int] = {}  # function -> opted-in dynamic shared memory
@@ -160,6 +167,7 @@ class EmulatedDriver(FakeDriver):
         self.async_allocs: set[int] = set()
         self.launches = 0
         self.cublaslt: Any = None  # tests/fake_cublaslt.FakeCublasLt, set by emulated_gpu
+        self.nccl: Any = None  # tests/fake_nccl.FakeNccl, set by emulated_gpu
         self.capturing: dict[int, set[int]] = {}  # stream -> allocations of its capture
         self.capture_threads: dict[int, int] = {}  # stream -> the thread capturing it
         self.capture_invalid: set[int] = set()  # captures a refused call invalidated
@@ -260,9 +268,9 @@ class EmulatedDriver(FakeDriver):
             return (R.CUDA_ERROR_INVALID_IMAGE, None)
         from eagerlm.kernels.cuda_kernels import SIGNATURES
 
-        source = image[4:].decode()
-        names = [k for k, (src, _) in SIGNATURES.items() if src == source]
-        lib = ctypes.CDLL(str(build_module(source, names)))
+        module = image[4:].decode()
+        names = [k for k, (mod, _) in SIGNATURES.items() if mod == module]
+        lib = ctypes.CDLL(str(build_module(module, names)))
         h = next(self.ids)
         self.modules[h] = lib
         return (R.CUDA_SUCCESS, real.CUmodule(h))
@@ -432,13 +440,14 @@ class EmulatedDriver(FakeDriver):
 
 
 @contextlib.contextmanager
-def emulated_gpu_for_test(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
+def emulated_gpu_for_test(row_exact_gemm: bool = False,
+                          devices: int = 1) -> Iterator[EmulatedDriver]:
     """`emulated_gpu` for a test fixture: the test is skipped where the emulator cannot be
     built, and fails if an emulated kernel failed on any stream."""
     import pytest
 
     try:
-        with emulated_gpu(row_exact_gemm) as drv:
+        with emulated_gpu(row_exact_gemm, devices) as drv:
             yield drv
             assert drv.failures() == [], "an emulated kernel failed"
     except EmulatorUnavailable as exc:
@@ -446,13 +455,15 @@ def emulated_gpu_for_test(row_exact_gemm: bool = False) -> Iterator[EmulatedDriv
 
 
 @contextlib.contextmanager
-def emulated_gpu(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
-    """Within: `open_device("cuda")` gives a device on the emulated driver, kernels build
-    for the host, and cuBLASLt is fake_cublaslt.py (`row_exact_gemm`: see there)."""
+def emulated_gpu(row_exact_gemm: bool = False, devices: int = 1) -> Iterator[EmulatedDriver]:
+    """Within: `open_device("cuda")` (and "cuda:N" for N < `devices`) gives a device on
+    the emulated driver, kernels build for the host, cuBLASLt is fake_cublaslt.py
+    (`row_exact_gemm`: see there) and NCCL fake_nccl.py."""
     import pytest
 
     import eagerlm.kernels.cublaslt
     import eagerlm.kernels.cuda_kernels
+    import eagerlm.kernels.nccl_collective
     import eagerlm.vmm.cuda_driver
 
     _compiler()
@@ -467,13 +478,21 @@ def emulated_gpu(row_exact_gemm: bool = False) -> Iterator[EmulatedDriver]:
     except ImportError as exc:
         raise EmulatorUnavailable(f"nvmath-python, whose cuBLASLt bindings the fake "
                                   f"checks calls against, is not installed ({exc})") from exc
-    drv = EmulatedDriver()
+    drv = EmulatedDriver(n_devices=devices)
     drv.cublaslt = FakeCublasLt(drv, row_exact_gemm)
+    if devices > 1:
+        try:
+            from tests.emulated_gpu.fake_nccl import FakeNccl
+        except ImportError as exc:
+            raise EmulatorUnavailable(f"nccl4py, whose bindings the fake NCCL checks calls "
+                                      f"against, is not installed ({exc})") from exc
+        drv.nccl = FakeNccl(drv)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(eagerlm.vmm.cuda_driver, "_driver", drv)
-        mp.setattr(eagerlm.kernels.cuda_kernels, "compile_kernel",
-                   lambda source, arch: SimpleNamespace(image=b"EMU:" + source.encode()))
+        mp.setattr(eagerlm.kernels.cuda_kernels, "compile_module",
+                   lambda module, arch: SimpleNamespace(image=b"EMU:" + module.encode()))
         mp.setattr(eagerlm.kernels.cublaslt, "_cublaslt", lambda: drv.cublaslt)
+        mp.setattr(eagerlm.kernels.nccl_collective, "_nccl", lambda: drv.nccl)
         try:
             yield drv
         finally:

@@ -384,6 +384,13 @@ inline int __dp4a(int a, int b, int c) {
   for (int k = 0; k < 4; ++k) c += (int)(int8_t)(a >> (8 * k)) * (int)(int8_t)(b >> (8 * k));
   return c;
 }
+// byte_perm: byte n of the result is byte (s >> 4n) & 7 of the eight bytes y:x
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t in = ((uint64_t)y << 32) | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) r |= (unsigned)((in >> (8 * ((s >> (4 * n)) & 7))) & 0xFF) << (8 * n);
+  return r;
+}
 inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
   return (unsigned long long)(((unsigned __int128)a * b) >> 64);
 }

@@ -1,0 +1,170 @@
+"""Tensor parallelism on the cuda backend: a model over 2 and 4 emulated GPUs
+(tests/emulated_gpu/: N devices, NCCL as fake_nccl.py) against the same model on one, in
+both emulator schedules; on a machine with several GPUs, the same over them.
+
+Tolerance: the cuda backend's activations are bf16 and each device's share of a
+sub-layer's output is rounded to bf16 before NCCL sums it (as vLLM all-reduces in the
+activation type), where one device rounds the whole sum once: the logits agree within
+bf16 rounding (1.5e-2 of their largest magnitude), not float32's. The cpu backend's
+float32 test (test_tensor_parallel.py) holds the forward to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.tensor_parallel import cuda_group
+from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from tests.cuda_testing import SCHEDULE_VARIABLE
+
+SPECS = {
+    "llama": tiny_spec("llama", n_layers=1),
+    "qwen2": tiny_spec("qwen2", n_layers=1, tied_embeddings=True),
+    "qwen3": tiny_spec("qwen3", n_layers=1, n_kv_heads=1),
+    "gemma3": tiny_spec("gemma3", n_layers=2, tied_embeddings=True, final_logit_softcap=30.0),
+}
+PROMPT = [1, 17, 300, 42, 42, 7]
+
+
+@pytest.fixture(params=[pytest.param("gpu", marks=pytest.mark.gpu), "emulated",
+                        "emulated-reverse"])
+def gpus(request, monkeypatch):
+    """How many devices there are: every GPU of the machine (the test skips below 2), or
+    4 emulated ones."""
+    if request.param == "gpu":
+        from eagerlm.vmm.cuda_driver import NoCudaDevice, device_count
+
+        try:
+            have = device_count()
+        except NoCudaDevice:
+            have = 0
+        if have < 2:
+            pytest.skip(f"tensor parallelism needs 2 CUDA devices, {have} present")
+        yield have
+        return
+    from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
+
+    if request.param == "emulated-reverse":
+        monkeypatch.setenv(SCHEDULE_VARIABLE, "reverse")
+    with emulated_gpu_for_test(devices=4):
+        yield 4
+
+
+def _logits(model: ModelFile, n: int) -> list[np.ndarray]:
+    group = cuda_group(model, n, poison_outputs=True)
+    try:
+        kvs = [group.transformers[r].ops.contiguous_kv(group.kv_layout(r), 32)
+               for r in range(n)]
+        out = [group.forward([ForwardBatch.single(PROMPT, 0, kv, np.arange(len(PROMPT)))
+                              for kv in kvs])]
+        for step, t in enumerate([5, 300]):
+            out.append(group.forward([ForwardBatch.single([t], len(PROMPT) + step, kv)
+                                      for kv in kvs]))
+        for kv in kvs:
+            kv.free()
+        return out
+    finally:
+        group.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+def test_logits_over_two_and_four_gpus_equal_one_gpus_within_bf16_rounding(gpus, tmp_path,
+                                                                           arch):
+    spec = SPECS[arch]
+    model = ModelFile.open(write_synthetic_model(tmp_path / f"{arch}.gguf", spec))
+    ref = _logits(model, 1)
+    for n in (n for n in (2, 4) if n <= gpus):
+        for a, b in zip(ref, _logits(model, n), strict=True):
+            assert np.isfinite(b).all()
+            np.testing.assert_allclose(b, a, rtol=0, atol=1.5e-2 * np.abs(a).max())
+
+
+def _on_threads(fns):
+    """Run each device's part on its own thread (a collective waits for every device)."""
+    errors: list[BaseException] = []
+
+    def run(fn):
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+
+
+def test_the_all_reduce_is_captured_into_a_graph_and_replayed_on_emulated_gpus(monkeypatch):
+    from eagerlm.kernels.cuda_ops import CudaOps
+    from eagerlm.kernels.nccl_collective import NcclCollective, init_communicators
+    from eagerlm.vmm.cuda_driver import cu, driver
+    from eagerlm.vmm.device import open_device
+    from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
+
+    with emulated_gpu_for_test(devices=2) as drv:
+        devices = [open_device(f"cuda:{r}") for r in range(2)]
+        comms = init_communicators([0, 1])
+        ops = [CudaOps(d, collective=NcclCollective(c, r, 2))
+               for r, (d, c) in enumerate(zip(devices, comms, strict=True))]
+        xs = [o.upload(np.full(8, r + 1.0, np.float32)) for r, o in enumerate(ops)]
+        graphs: list = [None, None]
+
+        def capture(r: int) -> None:
+            o, d = ops[r], driver()
+            o.ctx.bind()
+            with o.capturing():
+                cu("cuStreamBeginCapture", o.stream.handle,
+                   d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                o.all_reduce(xs[r])
+                graphs[r] = cu("cuGraphInstantiate",
+                               cu("cuStreamEndCapture", o.stream.handle), 0)
+        _on_threads([lambda r=r: capture(r) for r in range(2)])
+        assert drv.nccl.comms[0].clique.calls == 0  # recorded, not run
+
+        def replay(r: int) -> None:
+            ops[r].ctx.bind()
+            cu("cuGraphLaunch", graphs[r], ops[r].stream.handle)
+        for _ in range(2):  # 1 + 2 = 3, then 3 + 3 = 6 on both devices
+            _on_threads([lambda r=r: replay(r) for r in range(2)])
+        for r in range(2):
+            np.testing.assert_array_equal(ops[r].to_numpy(xs[r]), np.full(8, 6.0))
+
+
+def test_the_emulated_gpus_nccl_holds_calls_to_nccl4pys_signatures_and_rules():
+    from eagerlm.vmm.device import open_device
+    from tests.emulated_gpu.fake_nccl import FakeNcclError
+    from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
+
+    with emulated_gpu_for_test(devices=2) as drv:
+        d0, d1 = open_device("cuda:0"), open_device("cuda:1")
+        nccl = drv.nccl
+        c0, c1 = nccl.comm_init_all(2, [0, 1])
+        buf = d0.alloc(64)
+        s0, s1 = d0.stream("s"), d1.stream("s")
+        f32, total = int(nccl.DataType.Float32), int(nccl.RedOp.Sum)
+        with pytest.raises(TypeError):  # a float where the binding takes size_t
+            nccl.all_reduce(buf.ptr, buf.ptr, 16.0, f32, total, c0, int(s0.handle))
+        with pytest.raises(TypeError):  # one argument short
+            nccl.all_reduce(buf.ptr, buf.ptr, 16, f32, c0, int(s0.handle))
+        with pytest.raises(FakeNcclError, match="not a stream of device 0"):
+            nccl.all_reduce(buf.ptr, buf.ptr, 16, f32, total, c0, int(s1.handle))
+        with pytest.raises(FakeNcclError, match="InvalidArgument"):  # past the buffer
+            nccl.all_reduce(buf.ptr, buf.ptr, 17, f32, total, c0, int(s0.handle))
+        with pytest.raises(FakeNcclError, match="devlist"):
+            nccl.comm_init_all(2, [0, 0])
+        nccl.comm_abort(c1)
+        with pytest.raises(FakeNcclError, match="not a live communicator"):
+            nccl.all_reduce(buf.ptr, buf.ptr, 16, f32, total, c1, int(s1.handle))
+        s0.close()
+        s1.close()
+        buf.free()

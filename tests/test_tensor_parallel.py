@@ -1,0 +1,219 @@
+"""Tensor parallelism below the dispatcher: a model split over 2 and 4 cpu devices
+(loader/sharding.py, kernels/tensor_parallel.py) against the same model on one.
+
+References: the one-device forward (itself checked against a float64 forward and
+llama.cpp in test_forward.py / test_architectures_vs_llama_cpp.py), gguf-py's dequantizer
+for the shards of quantized blocks, a float64 numpy sum for the host all-reduce.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, quants
+from gguf import GGMLQuantizationType as Q
+
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.host_collective import HostGroup
+from eagerlm.kernels.tensor_parallel import TensorParallelModel, cpu_group
+from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.sharding import Split, UnevenShard, plan_shards, shard_bytes, shard_info
+from eagerlm.loader.synthetic import (
+    RANDOM_BYTE_TYPES,
+    random_blocks,
+    tiny_spec,
+    write_synthetic_model,
+)
+from eagerlm.loader.weights import SUPPORTED_TYPES
+from eagerlm.vmm.kv_layout import ContiguousKV
+
+SPECS = {  # as test_forward.py's: qwen3 with one KV head (replicated on every device)
+    "llama": tiny_spec("llama"),
+    "qwen2": tiny_spec("qwen2", tied_embeddings=True),
+    "qwen3": tiny_spec("qwen3", n_kv_heads=1),
+    "gemma3": tiny_spec("gemma3", n_layers=6, sliding_window=4, tied_embeddings=True,
+                        final_logit_softcap=30.0),
+}
+PROMPT = [1, 17, 300, 42, 42, 7, 99, 256, 3, 511, 128, 64]
+DECODED = [5, 9, 33, 480]
+
+
+def _model(tmp_path, spec) -> ModelFile:
+    return ModelFile.open(write_synthetic_model(tmp_path / f"{spec.architecture}.gguf", spec))
+
+
+def _logits(group: TensorParallelModel) -> list[np.ndarray]:
+    """A prefill (every row's logits) then one decode step per token of DECODED, each
+    device with its own cache of its KV heads."""
+    kvs = [ContiguousKV(group.kv_layout(r), 64) for r in range(group.size)]
+    out = [group.forward([ForwardBatch.single(PROMPT, 0, kv, np.arange(len(PROMPT)))
+                          for kv in kvs])]
+    for step, t in enumerate(DECODED):
+        out.append(group.forward([ForwardBatch.single([t], len(PROMPT) + step, kv)
+                                  for kv in kvs]))
+    return out
+
+
+def _run(model: ModelFile, n: int, **kw) -> list[np.ndarray]:
+    group = cpu_group(model, n, **kw)
+    try:
+        return _logits(group)
+    finally:
+        group.close()
+
+
+def _assert_close(ref: list[np.ndarray], got: list[np.ndarray]) -> None:
+    # float32 rounding: the devices' partial sums are added in another order
+    for a, b in zip(ref, got, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=2e-5 * np.abs(a).max())
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+def test_logits_over_two_and_four_cpu_devices_equal_one_devices_within_float32_rounding(
+        tmp_path, arch):
+    model = _model(tmp_path, SPECS[arch])
+    ref = _run(model, 1)
+    for n in (2, 4):
+        _assert_close(ref, _run(model, n))
+
+
+def test_each_device_holds_its_share_of_the_heads_the_ffn_and_the_vocabulary(tmp_path):
+    model = _model(tmp_path, SPECS["qwen3"])  # 4 heads, 1 KV head, d_ff 128, vocab 512
+    group = cpu_group(model, 4, weights="float")
+    try:
+        for r, tf in enumerate(group.transformers):
+            lw, c = tf.weights.layers[0], tf.config
+            assert (c.n_heads, c.n_kv_heads, c.d_ff, c.vocab_size) == (1, 1, 32, 512)
+            assert lw.wq.shape == (16, 64) and lw.wk.shape == (16, 64)
+            assert lw.wo.shape == (64, 16) and lw.w_down.shape == (64, 32)
+            assert lw.w_gate.shape == (32, 64) and tf.weights.output.shape == (128, 64)
+            full = model.gguf.tensor_bytes("blk.0.ffn_gate.weight").view(np.float32)
+            np.testing.assert_array_equal(lw.w_gate, full.reshape(128, 64)[32 * r:32 * (r + 1)])
+    finally:
+        group.close()
+
+
+def _blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
+    """Random raw bytes of a `rows x cols` matrix of `qtype`, as a file stores them."""
+    rng = np.random.default_rng(int(qtype))
+    block = GGML_QUANT_SIZES[qtype][0]
+    if qtype in RANDOM_BYTE_TYPES:
+        return random_blocks(qtype, np.full(rows * cols // block, 0.01, np.float32), rng
+                             ).reshape(-1)
+    values = rng.standard_normal((rows, cols), dtype=np.float32)
+    return quants.quantize(values, qtype).reshape(-1).view(np.uint8)
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES), ids=lambda q: q.name)
+def test_every_weight_type_is_split_on_block_boundaries_without_dequantizing(qtype):
+    from eagerlm.loader.gguf_file import TensorInfo
+
+    block = GGML_QUANT_SIZES[qtype][0]
+    rows, cols = 6, 4 * max(block, 32)
+    raw = _blocks(qtype, rows, cols)
+    info = TensorInfo("blk.0.ffn_down.weight", qtype, (rows, cols), 0, raw.size)
+    full = quants.dequantize(raw.reshape(rows, -1), qtype).reshape(rows, cols)
+    for cut in (Split(0, 2, 5), Split(1, cols // 4, 3 * cols // 4), Split(1, 0, cols // 4)):
+        part = shard_bytes(raw, info, cut)
+        part_info = shard_info(info, cut)
+        assert part.size == part_info.n_bytes  # whole blocks, the same bytes
+        got = quants.dequantize(part.reshape(part_info.shape[0], -1), qtype)
+        want = full[cut.start:cut.stop] if cut.axis == 0 else full[:, cut.start:cut.stop]
+        np.testing.assert_array_equal(got.reshape(want.shape), want)
+
+
+def test_a_column_split_inside_a_block_is_refused_naming_the_tensor(tmp_path):
+    # 4 heads of 16 over 4 devices: 16 columns of attn_output each, half a Q8_0 block
+    model = _model(tmp_path, tiny_spec("llama", weight_type=Q.Q8_0))
+    plan_shards(model.config, model.gguf.tensors, 2)  # 32 columns each: whole blocks
+    with pytest.raises(UnevenShard, match="blk.0.attn_output.weight.*Q8_0") as err:
+        plan_shards(model.config, model.gguf.tensors, 4)
+    assert err.value.param == "tensor_parallel"
+
+
+def test_heads_that_do_not_divide_are_refused(tmp_path):
+    model = _model(tmp_path, SPECS["llama"])  # 4 heads, 2 KV heads
+    with pytest.raises(UnevenShard, match="4 attention heads.*head_count"):
+        plan_shards(model.config, model.gguf.tensors, 3)
+    kv3 = _model(tmp_path, tiny_spec("qwen2", n_heads=6, n_kv_heads=3))
+    with pytest.raises(UnevenShard, match="3 KV heads.*head_count_kv"):
+        plan_shards(kv3.config, kv3.gguf.tensors, 2)
+
+
+def test_an_ffn_of_an_odd_number_of_blocks_is_split_unevenly_on_whole_blocks(tmp_path):
+    # 96 features = 3 Q8_0 blocks over 2 devices: 64 and 32 (Llama 2 7B's 43 superblocks)
+    spec = tiny_spec("llama", weight_type=Q.Q8_0, d_ff=96, head_dim=32, n_heads=2,
+                     n_kv_heads=2)
+    model = _model(tmp_path, spec)
+    assert [s.ffn for s in plan_shards(model.config, model.gguf.tensors, 2)] == \
+        [(0, 32), (32, 96)]
+    _assert_close(_run(model, 1), _run(model, 2))
+
+
+def test_a_vocabulary_that_does_not_divide_keeps_the_lm_head_whole(tmp_path):
+    model = _model(tmp_path, tiny_spec("qwen2", vocab_size=514, tied_embeddings=True))
+    shards = plan_shards(model.config, model.gguf.tensors, 4)
+    assert not any(s.vocab_parallel for s in shards)
+    _assert_close(_run(model, 1), _run(model, 4))
+
+
+def test_the_lm_head_kept_whole_gives_the_logits_of_the_split_one(tmp_path):
+    model = _model(tmp_path, SPECS["llama"])
+    _assert_close(_run(model, 2), _run(model, 2, split_lm_head=False))
+
+
+def test_quantized_blocks_split_over_devices_give_the_one_devices_logits(tmp_path):
+    # Q4_K rows are 256-value superblocks: 8 heads of 64 give each of 2 devices 256
+    # columns of attn_output, and d_ff 512 gives 256 of ffn_down
+    spec = tiny_spec("qwen3", weight_type=Q.Q4_K, embedding_type=Q.Q8_0, d_model=256,
+                     n_heads=8, n_kv_heads=2, head_dim=64, d_ff=512)
+    model = _model(tmp_path, spec)
+    _assert_close(_run(model, 1), _run(model, 2))
+
+
+def test_a_device_that_fails_ends_the_forward_on_every_device_without_a_hang(tmp_path):
+    model = _model(tmp_path, SPECS["llama"])
+    group = cpu_group(model, 2)
+    try:
+        def broken(*args, **kwargs):
+            raise RuntimeError("device 1 failed")
+        ops = group.transformers[1].ops
+        ops.attention = broken  # type: ignore[method-assign]
+        kvs = [ContiguousKV(group.kv_layout(r), 64) for r in range(2)]
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="device 1 failed"):
+            group.forward([ForwardBatch.single(PROMPT, 0, kv) for kv in kvs])
+        del ops.attention  # the device is fine again, but its group is over
+        with pytest.raises(threading.BrokenBarrierError):
+            group.forward([ForwardBatch.single(PROMPT, 0, kv) for kv in kvs])
+        assert time.monotonic() - t0 < 30
+    finally:
+        group.close()
+
+
+def test_the_host_all_reduce_is_the_sum_with_the_same_bits_on_every_device():
+    rng = np.random.default_rng(1)
+    parts = [rng.standard_normal((3, 1001), dtype=np.float32) for _ in range(4)]
+    group = HostGroup(4)
+    got: list[np.ndarray] = [np.empty(0)] * 4
+    gathered: list[np.ndarray] = [np.empty(0)] * 4
+
+    def device(r: int) -> None:
+        me = group.member(r)
+        got[r] = me.all_reduce(parts[r]).copy()
+        gathered[r] = me.all_gather(parts[r][:, :5]).copy()
+
+    threads = [threading.Thread(target=device, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    exact = np.sum([p.astype(np.float64) for p in parts], axis=0)
+    np.testing.assert_allclose(got[0], exact, rtol=1e-6, atol=1e-6)
+    for r in range(4):
+        np.testing.assert_array_equal(got[r], got[0])
+        np.testing.assert_array_equal(gathered[r], np.concatenate([p[:, :5] for p in parts], 1))

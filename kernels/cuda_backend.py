@@ -158,6 +158,9 @@ def load_cuda_weights(model: ModelFile, ops: CudaOps, *,
     if shard is not None and shard.vocab_parallel and model.config.tied_embeddings:
         held.output = head_rows(held.token_embd, *shard.vocab)
     ops.quantized.reserve(w for w in held.handles() if isinstance(w, DeviceQuantizedMatrix))
+    experts = {w.type.module for w in held.handles() if isinstance(w, DeviceExperts)}
+    if experts:  # the MoE kernels too, at load (as `reserve` says why)
+        ops.kernels.load_modules(sorted({"moe", "elementwise", *experts}))
     if on_bytes is not None:
         on_bytes(loader.total_bytes, loader.total_bytes)  # unused tensors count as done
     return held, stats
@@ -185,7 +188,7 @@ def cuda_transformer(model: ModelFile, device: Any = None, *,
     share of a tensor-parallel group (its `ops` carry the group's NCCL communicator).
     `context` as for `Transformer` (LongRoPE's factors)."""
     if model.config.moe is not None:
-        check_moe(model.config.moe)
+        check_moe(model.config.moe, model.config.d_model)
     if ops is None:
         if device is None:
             from eagerlm.vmm.device import open_device

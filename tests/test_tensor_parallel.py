@@ -19,7 +19,6 @@ from gguf import GGMLQuantizationType as Q
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.host_collective import HostGroup
 from eagerlm.kernels.tensor_parallel import TensorParallelModel, cpu_group
-from eagerlm.loader.config import SUPPORTED_ARCHITECTURES
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.sharding import Split, UnevenShard, plan_shards, shard_bytes, shard_info
 from eagerlm.loader.synthetic import (
@@ -72,13 +71,25 @@ def _assert_close(ref: list[np.ndarray], got: list[np.ndarray]) -> None:
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-5 * np.abs(a).max())
 
 
-@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+@pytest.mark.parametrize("arch", sorted(SPECS))  # the families it splits
 def test_logits_over_two_and_four_cpu_devices_equal_one_devices_within_float32_rounding(
         tmp_path, arch):
     model = _model(tmp_path, SPECS[arch])
     ref = _run(model, 1)
     for n in (2, 4):
         _assert_close(ref, _run(model, n))
+
+
+@pytest.mark.parametrize("spec, tensor", [
+    (tiny_spec("qwen3moe"), "ffn_gate_inp"), (tiny_spec("gpt-oss"), "attn_output.bias"),
+    (tiny_spec("phi3"), "attn_qkv")], ids=["qwen3moe", "gpt-oss", "phi3"])
+def test_a_family_without_sharding_rules_is_refused_naming_a_tensor(tmp_path, spec, tensor):
+    """Mixtures of experts, gpt-oss's biases and sinks, phi3's fused tensors: no rule
+    splits them yet, so such a model is refused for more than one device."""
+    model = _model(tmp_path, spec)
+    with pytest.raises(UnevenShard, match=tensor):
+        plan_shards(model.config, model.gguf.tensors, 2)
+    assert len(plan_shards(model.config, model.gguf.tensors, 1)) == 1
 
 
 def test_each_device_holds_its_share_of_the_heads_the_ffn_and_the_vocabulary(tmp_path):

@@ -222,8 +222,9 @@ def tool_parser_for(template: ChatTemplate, names: Sequence[str], *, parse_calls
         raise bad_request(
             "This model's chat template shows tools, but its tool calls are written in "
             "a format this server does not parse (it parses Hermes/Qwen <tool_call> "
-            "blocks and Llama 3 JSON calls). Ask for no calls (tool_choice none) to show "
-            "the tools without parsing calls.", param="tools", code="unsupported_parameter")
+            "blocks, gpt-oss's harmony calls and Llama 3 JSON calls). Ask for no calls "
+            "(tool_choice none) to show the tools without parsing calls.", param="tools",
+            code="unsupported_parameter")
     return ToolCallParser(fmt, names, parallel=parallel)
 
 

@@ -241,3 +241,19 @@ def _fields(engine: Engine, script: str) -> dict:
     fields = forcing(engine, script)
     return {"logit_bias": fields["logit_bias"], "stop": fields["stop"],
             "max_tokens": fields["max_tokens"]}
+
+
+def test_the_responses_api_gets_the_same_split(client, engine):
+    """OpenAI's Responses API runs the same chat request: the analysis channel is the
+    reasoning item, a commentary call a function_call item."""
+    forced = {"extra_body": {"logit_bias": {str(engine.tokenizer.token_id(REPLY)): 100},
+                             "stop": [END]}, "max_output_tokens": 4}
+    r = client.responses.create(model=MODEL, input="hello", **forced)
+    reasoning, message = r.output
+    assert [c.text for c in reasoning.content] == [THOUGHT]
+    assert message.type == "message" and r.output_text == "Hello there!"
+    forced["extra_body"]["logit_bias"] = {str(engine.tokenizer.token_id(CALL)): 100}
+    r = client.responses.create(model=MODEL, input="Weather in Paris?",
+                                tools=[{"type": "function", **WEATHER["function"]}], **forced)
+    call = next(item for item in r.output if item.type == "function_call")
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})

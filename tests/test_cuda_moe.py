@@ -93,10 +93,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("rows", [1, 6, 21])
+@pytest.mark.parametrize("rows", [1, 40])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_moe_ffn_equals_the_float64_reference(ops, case, rows) -> None:
-    """Decode (one row), a small batch, and rows enough for several chunks per expert."""
+    """Decode (one row), and rows enough for several chunks (of 8 rows) per expert."""
     moe, act = CASES[case]
     d = 64
     w, exact = _layer(ops, moe, d, Q.Q8_0)

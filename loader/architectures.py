@@ -29,7 +29,13 @@ from eagerlm.loader.config import (
     RopeScalingType,
     RopeStyle,
 )
-from eagerlm.loader.errors import MissingKey, ModelFileError, UnknownArchitecture, quoted
+from eagerlm.loader.errors import (
+    InvalidMetadata,
+    MissingKey,
+    ModelFileError,
+    UnknownArchitecture,
+    quoted,
+)
 from eagerlm.loader.gguf_file import GGUFFile
 from eagerlm.loader.metadata_schema import check_metadata
 
@@ -73,6 +79,17 @@ class Keys:
 
     def fail(self, message: str, name: str) -> ModelFileError:
         return ModelFileError(message, path=self.path, field=f"{self.arch}.{name}")
+
+    def sliding_window(self) -> int:
+        """`attention.sliding_window` of an architecture whose local layers slide: the
+        schema lets 0 through (phi-4 files write 0 for "none"), but a sliding layer with
+        a window of 0 would attend to nothing."""
+        window = int(self.require("attention.sliding_window"))
+        if window < 1:
+            raise InvalidMetadata(f"{window} is out of range: this architecture's sliding "
+                                  "layers need a window of at least 1",
+                                  path=self.path, field=f"{self.arch}.attention.sliding_window")
+        return window
 
 
 Family = Callable[[Keys, Mapping[str, Any]], dict[str, Any]]
@@ -185,7 +202,7 @@ def _qwen3moe(k: Keys, common: Mapping[str, Any]) -> dict[str, Any]:
 
 def _gemma3(k: Keys, common: Mapping[str, Any]) -> dict[str, Any]:
     n_layers, head_dim = common["n_layers"], common["head_dim"]
-    window = int(k.require("attention.sliding_window"))
+    window = k.sliding_window()
     swa = _swa_layers(k, n_layers, 6)
     # llama.cpp: the 27B (62 layers) scales by d_model / n_heads, the others by the head dim
     scale_dim = common["d_model"] // common["n_heads"] if n_layers == 62 else head_dim
@@ -203,7 +220,7 @@ def _gpt_oss(k: Keys, common: Mapping[str, Any]) -> dict[str, Any]:
     experts with biases behind a top-k-then-softmax router, the clamped SwiGLU, and the
     FFN's pre-norm stored as `post_attention_norm`."""
     n_layers = common["n_layers"]
-    window = int(k.require("attention.sliding_window"))
+    window = k.sliding_window()
     swa = _swa_layers(k, n_layers, 2)
     scaling: RopeScaling = common["rope_scaling"]
     return dict(rope_style=RopeStyle.NEOX, activation=Activation.SWIGLU_OAI,

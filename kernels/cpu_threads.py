@@ -1,32 +1,32 @@
-"""How the cpu backend's matmuls use the machine's cores.
+"""How the cpu backend's kernels use the machine's cores.
 
-Two kinds of parallel work share the cores: the fused GEMVs (numba `prange`, OpenMP
-threads) and the many-rows path (a tile of weights dequantized, then BLAS). Left alone,
-numpy's OpenBLAS starts its own threads for each product and keeps them spinning after
-it, and on a 2-core machine they and numba's threads took turns being descheduled inside
-each other's barriers: the 126 tile products of the demo model's layers at 8 rows took
-0.4-1.5 s instead of 80 ms, even with the machine otherwise idle. The spinning threads
-also take the cores from the host threads eager dispatch overlaps with a round (with
-float32 weights, `eagerlm profile --synthetic tiny` used 1.7 cores for one core's work). So
-once a cpu backend is built, numpy's BLAS runs on one thread in this process
-(threadpoolctl; OpenBLAS's threads then sleep) and the big products parallelize
-themselves: `CoreWorkers` splits the output features in one contiguous share per core
-(`by_output_features`). The quantized many-rows path dequantizes its share tile by tile
-into a reused buffer per worker and multiplies it with single-threaded BLAS; a float32
-matrix's share is multiplied directly (numba and BLAS both release the GIL). The rest of
-the forward's numpy products (attention) are small beside the weights' and run on the
-calling thread, or split by rows (`by_rows`).
+Every parallel piece of work runs on `CoreWorkers`, one thread per core, the caller
+taking the first share: the weight kernels (kernels/quantized.py: one contiguous share of
+the output features per core, `by_output_features`), the attention rows
+(kernels/cpu_attention.py, `on_cores`), the many-rows path (a tile of weights dequantized
+into a reused buffer per worker, then single-threaded BLAS), big float32 products, and a
+prompt's numpy work split by rows (`by_rows`). The kernels are compiled without numba's
+`parallel=True` (each releases the GIL), which also keeps their first-use compile short:
+numba's parallel pipeline took 4.3 s of CPU for the attention kernel alone against 2.0 s
+for the same loop serial.
+
+Left alone, numpy's OpenBLAS starts its own threads for each product and keeps them
+spinning after it, and on a 2-core machine they and numba's threads took turns being
+descheduled inside each other's barriers: the 126 tile products of the demo model's
+layers at 8 rows took 0.4-1.5 s instead of 80 ms, even with the machine otherwise idle.
+The spinning threads also take the cores from the host threads eager dispatch overlaps
+with a round (with float32 weights, `eagerlm profile --synthetic tiny` used 1.7 cores for
+one core's work). So once a cpu backend is built, numpy's BLAS runs on one thread in this
+process (threadpoolctl; OpenBLAS's threads then sleep).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import numba
 from threadpoolctl import ThreadpoolController
 
 
@@ -81,8 +81,7 @@ def hold_blas_to_one_thread() -> None:
 
 
 # Below this many multiply-adds a product runs on the calling thread alone: waking the
-# workers (ours, or numba's sleeping ones) costs ~20-50 µs, more than a 256 x 640 GEMV
-# takes on one core.
+# workers costs ~20-50 µs, more than a 256 x 640 GEMV takes on one core.
 SERIAL_MAX_VALUES = 1 << 18
 
 
@@ -100,20 +99,15 @@ def by_output_features(n_values: int, out_features: int,
                                       min(out_features, (i + 1) * per_share)))
 
 
-_NUMBA_CORES = min(core_count(), numba.config.NUMBA_NUM_THREADS)
-# numba's workqueue threading layer (used where neither OpenMP nor TBB is installed) must
-# not be entered by two threads at once; two engines in one process share the parallel
-# kernels.
-_NUMBA_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def numba_threads(n_values: int) -> Iterator[None]:
-    """Run a numba parallel kernel of `n_values` multiply-adds: on every core, or on one
-    thread below `SERIAL_MAX_VALUES`; one caller at a time."""
-    with _NUMBA_LOCK:
-        numba.set_num_threads(1 if n_values < SERIAL_MAX_VALUES else _NUMBA_CORES)
-        yield
+def on_cores(n_values: int, part: Callable[[int, int], None]) -> None:
+    """`part(i, parts)` for every share i of a product of `n_values` multiply-adds, one
+    per core, or `part(0, 1)` on the calling thread when it is too small to pay for the
+    hand-off (`part` chooses what its share is)."""
+    workers = core_workers() if n_values >= SERIAL_MAX_VALUES else None
+    if workers is None or workers.parts == 1:
+        part(0, 1)
+        return
+    workers.run(part)
 
 
 SPLIT_MIN_ROWS = 32  # fewer rows stay on the calling thread: a hand-off costs ~20-50 µs

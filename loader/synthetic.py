@@ -58,7 +58,7 @@ _MIN_OFFSETS: dict[GGMLQuantizationType, tuple[int, float]] = {
 }
 IQ_TYPES = (Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S,
             Q.IQ1_M)
-RANDOM_BYTE_TYPES = frozenset({*_SCALE_OFFSETS, Q.IQ1_M})
+RANDOM_BYTE_TYPES = frozenset({*_SCALE_OFFSETS, Q.IQ1_M, Q.NVFP4})
 
 
 def _set_iq1_m_scales(raw: np.ndarray, scales: np.ndarray) -> None:
@@ -74,7 +74,7 @@ def _set_iq1_m_scales(raw: np.ndarray, scales: np.ndarray) -> None:
 
 def random_blocks(qtype: GGMLQuantizationType, scales: np.ndarray,
                   rng: np.random.Generator) -> np.ndarray:
-    """`len(scales)` blocks of `qtype` (one gguf-py cannot quantize: K-quants and IQ types),
+    """`len(scales)` blocks of `qtype` (one gguf-py cannot quantize: K-quants, IQ types, NVFP4),
     [blocks, bytes]: random bytes, each block's float16 scale set to its entry of
     `scales` (and a K-quant's minimum scale so that the block averages zero)."""
     if qtype not in RANDOM_BYTE_TYPES:
@@ -83,6 +83,8 @@ def random_blocks(qtype: GGMLQuantizationType, scales: np.ndarray,
     raw = rng.integers(0, 256, size=(len(scales), size), dtype=np.uint8)
     if qtype == Q.IQ1_M:
         _set_iq1_m_scales(raw, scales)
+    elif qtype == Q.NVFP4:  # four UE4M3 scales, one per 16 values, decoded halved
+        raw[:, :4] = quants.NVFP4.fp32_to_ue4m3(2 * scales.astype(np.float32))[:, None]
     else:
         half = scales.astype(np.float16).view(np.uint8).reshape(len(scales), 2)
         for off in _SCALE_OFFSETS[qtype]:

@@ -21,6 +21,8 @@ def _field(r: GGUFReader, key: str, default=None):
 
 
 def load(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """The hyperparameters (and, under "types", each tensor's GGML type) and the weights
+    dequantized to float64."""
     r = GGUFReader(path)
     arch = _field(r, "general.architecture")
     hp = {
@@ -36,6 +38,7 @@ def load(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     }
     hp["hd"] = _field(r, f"{arch}.attention.key_length", hp["d"] // hp["n_heads"])
     weights = {}
+    hp["types"] = {t.name: t.tensor_type for t in r.tensors}
     for t in r.tensors:
         w = quants.dequantize(t.data, t.tensor_type).astype(np.float64)
         weights[t.name] = w.reshape([int(x) for x in reversed(t.shape.tolist())])
@@ -58,15 +61,38 @@ def _rope(v: np.ndarray, pos: int, base: float, neox: bool) -> np.ndarray:
     return out
 
 
-def reference_logits(path: str, tokens: list[int]) -> np.ndarray:
-    """Logits `[len(tokens), vocab]` for every position of one sequence, in float64."""
+def eight_bit(v: np.ndarray) -> np.ndarray:
+    """v rounded as llama.cpp (and eagerlm's cpu kernels) round the activations of a
+    product with quantized weights: per 32 values, to the nearest multiple of
+    max |v| / 127 (ggml's Q8_0)."""
+    g = v.reshape(-1, 32)
+    d = np.abs(g).max(axis=1, keepdims=True) / 127
+    return (np.rint(g / np.where(d > 0, d, 1)) * d).reshape(v.shape)
+
+
+def reference_logits(path: str, tokens: list[int], eight_bit_activations: bool = False
+                     ) -> np.ndarray:
+    """Logits `[len(tokens), vocab]` for every position of one sequence, in float64;
+    with `eight_bit_activations`, every product with a quantized (not float) weight first
+    rounds its input by `eight_bit`."""
     hp, W = load(path)
+    hp["eight_bit"] = eight_bit_activations
     hidden = reference_hidden_states(path, tokens, (hp, W))
-    out_w = W.get("output.weight", W["token_embd.weight"])
-    logits = hidden @ out_w.T
+    name = "output.weight" if "output.weight" in W else "token_embd.weight"
+    logits = np.stack([_product(hp, W, name, h) for h in hidden])
     if hp["softcap"]:
         logits = np.tanh(logits / hp["softcap"]) * hp["softcap"]
     return logits
+
+
+_FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
+
+
+def _product(hp: dict, W: dict[str, np.ndarray], name: str, v: np.ndarray) -> np.ndarray:
+    """W[name] @ v, v rounded first where `hp["eight_bit"]` and the weight is quantized."""
+    if hp.get("eight_bit") and int(hp["types"][name]) not in _FLOAT_TYPES:
+        v = eight_bit(v)
+    return W[name] @ v
 
 
 def reference_hidden_states(path: str, tokens: list[int],
@@ -92,9 +118,9 @@ def reference_hidden_states(path: str, tokens: list[int],
         qs, ks, vs = [], [], []
         for t in range(T):
             h = _rms(x[t], W[p + "attn_norm.weight"], eps)
-            q = W[p + "attn_q.weight"] @ h
-            k = W[p + "attn_k.weight"] @ h
-            v = W[p + "attn_v.weight"] @ h
+            q = _product(hp, W, p + "attn_q.weight", h)
+            k = _product(hp, W, p + "attn_k.weight", h)
+            v = _product(hp, W, p + "attn_v.weight", h)
             if arch == "qwen2":
                 q = q + W[p + "attn_q.bias"]
                 k = k + W[p + "attn_k.bias"]
@@ -117,18 +143,18 @@ def reference_hidden_states(path: str, tokens: list[int],
                 attn_out[t, i * hd:(i + 1) * hd] = sum(pr[n] * vs[j][kvh]
                                                        for n, j in enumerate(js))
         for t in range(T):
-            a = W[p + "attn_output.weight"] @ attn_out[t]
+            a = _product(hp, W, p + "attn_output.weight", attn_out[t])
             if gemma:
                 a = _rms(a, W[p + "post_attention_norm.weight"], eps)
             x[t] = x[t] + a
             h = _rms(x[t], W[p + "ffn_norm.weight"], eps)
-            g = W[p + "ffn_gate.weight"] @ h
-            u = W[p + "ffn_up.weight"] @ h
+            g = _product(hp, W, p + "ffn_gate.weight", h)
+            u = _product(hp, W, p + "ffn_up.weight", h)
             if gemma:  # GELU, tanh approximation
                 act = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
             else:  # SiLU
                 act = g / (1 + np.exp(-g))
-            f = W[p + "ffn_down.weight"] @ (act * u)
+            f = _product(hp, W, p + "ffn_down.weight", act * u)
             if gemma:
                 f = _rms(f, W[p + "post_ffw_norm.weight"], eps)
             x[t] = x[t] + f

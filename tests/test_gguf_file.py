@@ -199,8 +199,9 @@ def test_unknown_tensor_type(tmp_path):
 
 def test_known_but_unsupported_tensor_type_is_named(tmp_path):
     tensors = llama_tensors()
-    # TQ2_0 (35): 256-element blocks of 66 bytes; a real type this engine does not run
-    tensors[2] = ("blk.0.attn_q.weight", [256, 8], 35, b"\0" * 66 * 8)
+    # Q8_K (15): 256-element blocks of 292 bytes; a real type (ggml's intermediate for
+    # K-quant dot products) that no model file holds and this engine does not run
+    tensors[2] = ("blk.0.attn_q.weight", [256, 8], 15, b"\0" * 292 * 8)
     kvs = [k for k in llama_kvs()]
     with GGUFFile.open(write(tmp_path, gguf_bytes(kvs, tensors))) as f:
         cfg = config_from_gguf(f)
@@ -214,9 +215,9 @@ def test_unsupported_type_with_matching_shape_is_named(tmp_path):
     kvs[2] = _kv("llama.embedding_length", UINT32, 256)
     kvs[3] = _kv("llama.feed_forward_length", UINT32, 256)
     tensors = llama_tensors(d=256, ff=256)
-    tensors[2] = ("blk.0.attn_q.weight", [256, 256], 35, b"\0" * 66 * 256)  # TQ2_0
+    tensors[2] = ("blk.0.attn_q.weight", [256, 256], 15, b"\0" * 292 * 256)  # Q8_K
     with GGUFFile.open(write(tmp_path, gguf_bytes(kvs, tensors))) as f:
-        with pytest.raises(UnsupportedTensorType, match="TQ2_0"):
+        with pytest.raises(UnsupportedTensorType, match="Q8_K"):
             build_weights(f, config_from_gguf(f), lambda info: None)
 
 

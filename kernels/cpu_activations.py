@@ -1,0 +1,60 @@
+"""Activations as 8-bit integers, for the integer dot products of the quantized kernels.
+
+A row of x is cut in groups of `GROUP` (32) values, each stored as int8 codes (held in
+int16, the width the dot product multiplies in) times one float32 scale: d = max |x| / 127,
+code = round(x / d). This is llama.cpp's Q8_0 activation format. The kernels then compute
+exactly sum(w * x~) with x~ = d * code, the activation rounded to the nearest of 255 levels
+of its group: |x~ - x| <= d / 2 = max |x of the group| / 254 per value. A matmul's error
+against the float32 activations is therefore at most sum_i |w_i| * max|x of i's group| / 254
+per output (the bound the tests hold the kernels to), plus float32 rounding.
+
+`xsum[j, h]` is d * the sum of the codes of values 16h .. 16h + 15 of row j: what a block
+type with per-group offsets (value = scale * q + offset) needs, offset times the sum of
+the (quantized) activations it multiplies, so offsets cost one multiply per group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from eagerlm.kernels.numba_settings import JIT_ORDERED
+
+GROUP = 32  # activation values per scale
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 `[n, k]` (k a multiple of `GROUP`) as (codes int16 `[n, k]`, scales float32
+    `[n, k / 32]`, sums of 16 float32 `[n, k / 16]`)."""
+    n, k = x.shape
+    codes = np.empty((n, k), np.int16)
+    scales = np.empty((n, k // GROUP), np.float32)
+    sums = np.empty((n, k // 16), np.float32)
+    _quantize(x, codes, scales, sums)
+    return codes, scales, sums
+
+
+@njit(**JIT_ORDERED)
+def _quantize(x, codes, scales, sums):
+    n, k = x.shape
+    for j in range(n):
+        xr, cr = x[j], codes[j]
+        for g in range(k // GROUP):
+            o = g * GROUP
+            amax = np.float32(0.0)
+            for i in range(GROUP):
+                amax = max(amax, abs(xr[o + i]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            s0 = 0
+            s1 = 0
+            for i in range(16):
+                c0 = np.int16(np.rint(xr[o + i] * inv))
+                c1 = np.int16(np.rint(xr[o + 16 + i] * inv))
+                cr[o + i] = c0
+                cr[o + 16 + i] = c1
+                s0 += c0
+                s1 += c1
+            scales[j, g] = d
+            sums[j, 2 * g] = d * np.float32(s0)
+            sums[j, 2 * g + 1] = d * np.float32(s1)

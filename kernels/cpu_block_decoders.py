@@ -1,0 +1,429 @@
+"""One decoder per GGUF block type, for the cpu kernels (kernels/cpu_quant_loops.py).
+
+Every quantized type of ggml is, block by block, small integers times a scale per group of
+16 or 32 values, plus for some a per-group offset: `value = sc[s] * q + mn[s]`. A decoder
+turns one block into exactly that:
+
+    decode_<type>(row, o, q, sc, mn)
+
+reads the block at byte `o` of `row` (uint8), writes its codes as int8 to `q[0:BLOCK]`,
+the scale of each group of `SUB` values to `sc[0:BLOCK // SUB]` and, for the types with an
+offset (`has_min` in the registry), the offset to `mn[...]`. The loops do the rest: an
+integer dot product of the codes with 8-bit activations per group, times the group's
+scale (the one-row and few-rows kernels), or the values themselves (the tiles BLAS
+multiplies). Codes are exact, so the decoders lose nothing: `sc * q + mn` is gguf-py's
+value to float32 rounding (the IQ1 types' codes are 8 * grid +- 1 and their scale an
+eighth of gguf-py's, the same value exactly).
+
+Block layouts are ggml's, as gguf-py's `gguf/quants.py` dequantizes them (the reference
+the tests hold these to). Codes are unpacked 32 at a time as `Bytes32` vectors
+(kernels/cpu_simd.py); scales are a few scalars per block. The IQ grids, sign patterns
+and codebook come from gguf-py through kernels/iq_tables.py, the tables the CUDA kernels
+are generated from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import quants
+from numba import njit
+
+from eagerlm.kernels.cpu_simd import (
+    bit_lanes,
+    gather_u32x8,
+    gather_u64x4,
+    half_to_float,
+    load_bytes,
+    load_f16,
+    load_nibbles,
+    load_nibbles_by8,
+    load_u16,
+    load_u32,
+    lut16,
+    mul_high,
+    negate_where,
+    splat_bytes,
+    store_bytes,
+)
+from eagerlm.kernels.iq_tables import grid_words, iq4_codebook, sign_patterns
+from eagerlm.kernels.numba_settings import JIT_ORDERED
+
+_INLINE = {**JIT_ORDERED, "inline": "always"}
+
+
+def _table32(values) -> np.ndarray:
+    """A 16-entry byte table padded to the 32 bytes `load_bytes` reads."""
+    out = np.zeros(32, np.int8)
+    out[:len(values)] = values
+    return out
+
+
+_IQ4_VALUES = _table32(iq4_codebook())
+_FP4_VALUES = _table32(np.array(quants.MXFP4.kvalues, np.int8))  # e2m1, doubled
+_SIGNS = sign_patterns()
+_IQ2_XXS_GRID = grid_words(quants.IQ2_XXS, 8)
+_IQ2_XS_GRID = grid_words(quants.IQ2_XS, 8)
+_IQ2_S_GRID = grid_words(quants.IQ2_S, 8)
+_IQ3_XXS_GRID = grid_words(quants.IQ3_XXS, 4)
+_IQ3_S_GRID = grid_words(quants.IQ3_S, 4)
+_IQ1_GRID = grid_words(quants.IQ1_S, 8)  # IQ1_M's too
+# MXFP4's block exponent (e8m0) and NVFP4's sub-block scales (unsigned e4m3) as float32,
+# halved as gguf-py's are (its codes are the e2m1 values doubled)
+_E8M0_HALF = quants.MXFP4.e8m0_to_fp32_half(np.arange(256, dtype=np.uint32)).astype(np.float32)
+_UE4M3_HALF = quants.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8)).astype(np.float32)
+_POW3 = np.array([1, 3, 9, 27, 81], np.uint8)
+
+
+# -- 32-value blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4 ------------------------------
+
+@njit(**_INLINE)
+def decode_q4_0(row, o, q, sc, mn):
+    """18 bytes: float16 d, 16 bytes of nibbles; value = d * (nibble - 8)."""
+    sc[0] = load_f16(row, o)
+    store_bytes(q, 0, load_nibbles(row, o + 2) - 8)
+
+
+@njit(**_INLINE)
+def decode_q4_1(row, o, q, sc, mn):
+    """20 bytes: float16 d and m, 16 bytes of nibbles; value = d * nibble + m."""
+    sc[0] = load_f16(row, o)
+    mn[0] = load_f16(row, o + 2)
+    store_bytes(q, 0, load_nibbles(row, o + 4))
+
+
+@njit(**_INLINE)
+def decode_q5_0(row, o, q, sc, mn):
+    """22 bytes: float16 d, 32 fifth bits (bit i for value i), nibbles as Q4_0's;
+    value = d * (q - 16)."""
+    sc[0] = load_f16(row, o)
+    high = bit_lanes(load_u32(row, o + 2)) << 4
+    store_bytes(q, 0, (load_nibbles(row, o + 6) | high) - 16)
+
+
+@njit(**_INLINE)
+def decode_q5_1(row, o, q, sc, mn):
+    """24 bytes: float16 d and m, fifth bits, nibbles; value = d * q + m."""
+    sc[0] = load_f16(row, o)
+    mn[0] = load_f16(row, o + 2)
+    store_bytes(q, 0, load_nibbles(row, o + 8) | (bit_lanes(load_u32(row, o + 4)) << 4))
+
+
+@njit(**_INLINE)
+def decode_q8_0(row, o, q, sc, mn):
+    """34 bytes: float16 d, int8 q[32]; value = d * q."""
+    sc[0] = load_f16(row, o)
+    store_bytes(q, 0, load_bytes(row, o + 2))
+
+
+@njit(**_INLINE)
+def decode_iq4_nl(row, o, q, sc, mn):
+    """18 bytes: float16 d, 16 bytes of nibbles indexing the IQ4 codebook."""
+    sc[0] = load_f16(row, o)
+    store_bytes(q, 0, lut16(load_bytes(_IQ4_VALUES, 0), load_nibbles(row, o + 2)))
+
+
+@njit(**_INLINE)
+def decode_mxfp4(row, o, q, sc, mn):
+    """17 bytes: an e8m0 exponent, 16 bytes of e2m1 nibbles (codes: the values doubled)."""
+    sc[0] = _E8M0_HALF[row[o]]
+    store_bytes(q, 0, lut16(load_bytes(_FP4_VALUES, 0), load_nibbles(row, o + 1)))
+
+
+@njit(**_INLINE)
+def decode_nvfp4(row, o, q, sc, mn):
+    """36 bytes per 64 values: four unsigned e4m3 scales (one per 16 values), then 8 bytes
+    of e2m1 nibbles per 16 values (low nibbles first)."""
+    for s in range(4):
+        sc[s] = _UE4M3_HALF[row[o + s]]
+    table = load_bytes(_FP4_VALUES, 0)
+    for c in range(2):
+        store_bytes(q, 32 * c, lut16(table, load_nibbles_by8(row, o + 4 + 16 * c)))
+
+
+# -- K-quants: 256-value superblocks ---------------------------------------------------------
+
+@njit(**_INLINE)
+def decode_q2_k(row, o, q, sc, mn):
+    """84 bytes: 16 bytes of 4-bit scale and min per 16 values, 64 bytes of 2-bit codes
+    (32-value chunk c: bits 2(c % 4) of bytes 32(c // 4) ..), float16 d, dmin;
+    value = d * scale * q - dmin * min."""
+    d = load_f16(row, o + 80)
+    dmin = load_f16(row, o + 82)
+    for s in range(16):
+        b = np.int32(row[o + s])
+        sc[s] = d * np.float32(b & 15)
+        mn[s] = -dmin * np.float32(b >> 4)
+    for c in range(8):
+        store_bytes(q, 32 * c, (load_bytes(row, o + 16 + 32 * (c // 4)) >> (2 * (c % 4))) & 3)
+
+
+@njit(**_INLINE)
+def decode_q3_k(row, o, q, sc, mn):
+    """110 bytes: 32 bytes of high bits (hmask), 64 bytes of 2-bit codes (as Q2_K's), 12
+    bytes of 6-bit scales, float16 d; value = d * (scale - 32) * (q - 4 * !high)."""
+    d = load_f16(row, o + 108)
+    for s in range(16):
+        low = (np.int32(row[o + 96 + s % 8]) >> (4 * (s // 8))) & 15
+        high = (np.int32(row[o + 104 + s % 4]) >> (2 * (s // 4))) & 3
+        sc[s] = d * np.float32((low | (high << 4)) - 32)
+    hmask = load_bytes(row, o)
+    for c in range(8):
+        low = (load_bytes(row, o + 32 + 32 * (c // 4)) >> (2 * (c % 4))) & 3
+        store_bytes(q, 32 * c, (low | (((hmask >> c) & 1) << 2)) - 4)
+
+
+@njit(**_INLINE)
+def _k4_scale_min(row, o, j):
+    """Sub-block j's 6-bit scale and min of the 12 bytes at row[o:] (Q4_K, Q5_K)."""
+    if j < 4:
+        return np.int32(row[o + j]) & 63, np.int32(row[o + j + 4]) & 63
+    sc = (np.int32(row[o + j + 4]) & 15) | ((np.int32(row[o + j - 4]) >> 6) << 4)
+    mn = (np.int32(row[o + j + 4]) >> 4) | ((np.int32(row[o + j]) >> 6) << 4)
+    return sc, mn
+
+
+@njit(**_INLINE)
+def _k4_scales(row, o, sc, mn):
+    d = load_f16(row, o)
+    dmin = load_f16(row, o + 2)
+    for j in range(8):
+        s, m = _k4_scale_min(row, o + 4, j)
+        sc[j] = d * np.float32(s)
+        mn[j] = -dmin * np.float32(m)
+
+
+@njit(**_INLINE)
+def decode_q4_k(row, o, q, sc, mn):
+    """144 bytes: float16 d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of
+    32, 128 bytes of nibbles (bytes 32c.. : low nibbles sub-block 2c, high 2c + 1);
+    value = d * scale * q - dmin * min."""
+    _k4_scales(row, o, sc, mn)
+    for c in range(4):
+        v = load_bytes(row, o + 16 + 32 * c)
+        store_bytes(q, 64 * c, v & 15)
+        store_bytes(q, 64 * c + 32, v >> 4)
+
+
+@njit(**_INLINE)
+def decode_q5_k(row, o, q, sc, mn):
+    """176 bytes: Q4_K's with 32 bytes of fifth bits before the nibbles (bit s of byte i:
+    value i of sub-block s)."""
+    _k4_scales(row, o, sc, mn)
+    high = load_bytes(row, o + 16)
+    for c in range(4):
+        v = load_bytes(row, o + 48 + 32 * c)
+        store_bytes(q, 64 * c, (v & 15) | (((high >> (2 * c)) & 1) << 4))
+        store_bytes(q, 64 * c + 32, (v >> 4) | (((high >> (2 * c + 1)) & 1) << 4))
+
+
+@njit(**_INLINE)
+def decode_q6_k(row, o, q, sc, mn):
+    """210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales
+    (one per 16 values), float16 d; value = d * scale * (q - 32). In half h, values 32g.. :
+    nibble g // 2 of bytes 64h + 32(g % 2).., bits 2g of bytes 128 + 32h.."""
+    d = load_f16(row, o + 208)
+    for s in range(16):
+        sc[s] = d * np.float32(np.int8(row[o + 192 + s]))
+    for h in range(2):
+        high = load_bytes(row, o + 128 + 32 * h)
+        for g in range(4):
+            low = load_bytes(row, o + 64 * h + 32 * (g % 2)) >> (4 * (g // 2))
+            code = (low & 15) | (((high >> (2 * g)) & 3) << 4)
+            store_bytes(q, 128 * h + 32 * g, code - 32)
+
+
+# -- ternary: TQ1_0, TQ2_0 --------------------------------------------------------------------
+
+@njit(**_INLINE)
+def _trit(byte, power):
+    """Base-3 digit `power` of a TQ1_0 byte (ggml's fixed-point packing)."""
+    return ((np.int32(np.uint8(byte * _POW3[power])) * 3) >> 8) - 1
+
+
+@njit(**_INLINE)
+def decode_tq1_0(row, o, q, sc, mn):
+    """54 bytes: 48 bytes of five base-3 digits each (bytes 0-31: values 32k + i, bytes
+    32-47: values 160 + 16k + i), 4 bytes of four digits (values 240 + 4k + i), float16 d;
+    value = d * (digit - 1)."""
+    d = load_f16(row, o + 52)
+    for s in range(8):
+        sc[s] = d
+    first = load_bytes(row, o)
+    for k in range(5):
+        store_bytes(q, 32 * k, mul_high(first * _POW3[k], 3) - 1)
+    for k in range(5):
+        for i in range(16):
+            q[160 + 16 * k + i] = _trit(row[o + 32 + i], k)
+    for k in range(4):
+        for i in range(4):
+            q[240 + 4 * k + i] = _trit(row[o + 48 + i], k)
+
+
+@njit(**_INLINE)
+def decode_tq2_0(row, o, q, sc, mn):
+    """66 bytes: 64 bytes of 2-bit codes (as Q2_K's), float16 d; value = d * (q - 1)."""
+    d = load_f16(row, o + 64)
+    for s in range(8):
+        sc[s] = d
+    for c in range(8):
+        store_bytes(q, 32 * c, ((load_bytes(row, o + 32 * (c // 4)) >> (2 * (c % 4))) & 3) - 1)
+
+
+# -- IQ4_XS ----------------------------------------------------------------------------------
+
+@njit(**_INLINE)
+def decode_iq4_xs(row, o, q, sc, mn):
+    """136 bytes: float16 d, 8 6-bit scales (low nibbles in bytes 4-7, high bit pairs in
+    the uint16 at 2), 128 bytes of codebook nibbles (16 bytes per 32 values)."""
+    d = load_f16(row, o)
+    high = load_u16(row, o + 2)
+    table = load_bytes(_IQ4_VALUES, 0)
+    for s in range(8):
+        low = (np.int32(row[o + 4 + s // 2]) >> (4 * (s % 2))) & 15
+        sc[s] = d * np.float32((low | (((high >> (2 * s)) & 3) << 4)) - 32)
+        store_bytes(q, 32 * s, lut16(table, load_nibbles(row, o + 8 + 16 * s)))
+
+
+# -- IQ2 / IQ3: grid entries with signs -----------------------------------------------------
+
+@njit(**_INLINE)
+def _signs4(a, b, c, d):
+    """The 7-bit sign indices a..d of four 8-value groups as one lane flag word."""
+    return (np.int64(_SIGNS[a]) | (np.int64(_SIGNS[b]) << 8) | (np.int64(_SIGNS[c]) << 16)
+            | (np.int64(_SIGNS[d]) << 24))
+
+
+@njit(**_INLINE)
+def decode_iq2_xxs(row, o, q, sc, mn):
+    """66 bytes: float16 d, then per 32 values two uint32: four grid indices (bytes), and
+    four 7-bit sign indices plus a 4-bit scale s: d * (0.5 + s) / 4."""
+    d = load_f16(row, o)
+    for s in range(8):
+        at = o + 2 + 8 * s
+        aux = load_u32(row, at + 4)
+        sc[s] = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.25)
+        grid = gather_u64x4(_IQ2_XXS_GRID, row[at], row[at + 1], row[at + 2], row[at + 3])
+        signs = _signs4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
+        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs)))
+
+
+@njit(**_INLINE)
+def decode_iq2_xs(row, o, q, sc, mn):
+    """74 bytes: float16 d, 32 uint16 (9-bit grid index, 7-bit sign index per 8 values),
+    8 bytes of 4-bit scales (one per 16 values): d * (0.5 + s) / 4."""
+    d = load_f16(row, o)
+    for s in range(16):
+        nib = (np.int32(row[o + 66 + s // 2]) >> (4 * (s % 2))) & 15
+        sc[s] = d * (np.float32(0.5) + np.float32(nib)) * np.float32(0.25)
+    for c in range(8):
+        at = o + 2 + 8 * c
+        e0, e1 = load_u16(row, at), load_u16(row, at + 2)
+        e2, e3 = load_u16(row, at + 4), load_u16(row, at + 6)
+        grid = gather_u64x4(_IQ2_XS_GRID, e0 & 511, e1 & 511, e2 & 511, e3 & 511)
+        signs = _signs4(e0 >> 9, e1 >> 9, e2 >> 9, e3 >> 9)
+        store_bytes(q, 32 * c, negate_where(grid, bit_lanes(signs)))
+
+
+@njit(**_INLINE)
+def decode_iq2_s(row, o, q, sc, mn):
+    """82 bytes: float16 d, 32 low bytes of 10-bit grid indices, 32 sign bytes (bit k:
+    value k of an 8-value group), 8 bytes of the indices' high bit pairs, 8 bytes of 4-bit
+    scales (one per 16 values): d * (0.5 + s) / 4."""
+    d = load_f16(row, o)
+    for s in range(16):
+        nib = (np.int32(row[o + 74 + s // 2]) >> (4 * (s % 2))) & 15
+        sc[s] = d * (np.float32(0.5) + np.float32(nib)) * np.float32(0.25)
+    for c in range(8):
+        high = np.int32(row[o + 66 + c])
+        at = o + 2 + 4 * c
+        grid = gather_u64x4(_IQ2_S_GRID,
+                            np.int32(row[at]) | ((high & 3) << 8),
+                            np.int32(row[at + 1]) | (((high >> 2) & 3) << 8),
+                            np.int32(row[at + 2]) | (((high >> 4) & 3) << 8),
+                            np.int32(row[at + 3]) | (((high >> 6) & 3) << 8))
+        store_bytes(q, 32 * c, negate_where(grid, bit_lanes(load_u32(row, o + 34 + 4 * c))))
+
+
+@njit(**_INLINE)
+def decode_iq3_xxs(row, o, q, sc, mn):
+    """98 bytes: float16 d, 64 bytes of grid indices (4 values each), then per 32 values
+    a uint32 of four 7-bit sign indices and a 4-bit scale s: d * (0.5 + s) / 2."""
+    d = load_f16(row, o)
+    for s in range(8):
+        aux = load_u32(row, o + 66 + 4 * s)
+        sc[s] = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.5)
+        at = o + 2 + 8 * s
+        grid = gather_u32x8(_IQ3_XXS_GRID, row[at], row[at + 1], row[at + 2], row[at + 3],
+                            row[at + 4], row[at + 5], row[at + 6], row[at + 7])
+        signs = _signs4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
+        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs)))
+
+
+@njit(**_INLINE)
+def decode_iq3_s(row, o, q, sc, mn):
+    """110 bytes: float16 d, 64 low bytes of 9-bit grid indices (4 values each), 8 bytes of
+    their high bits, 32 sign bytes, 4 bytes of 4-bit scales (one per 32 values):
+    d * (1 + 2s)."""
+    d = load_f16(row, o)
+    for s in range(8):
+        nib = (np.int32(row[o + 106 + s // 2]) >> (4 * (s % 2))) & 15
+        sc[s] = d * np.float32(1 + 2 * nib)
+        high = np.int32(row[o + 66 + s])
+        at = o + 2 + 8 * s
+        grid = gather_u32x8(_IQ3_S_GRID,
+                            np.int32(row[at]) | ((high & 1) << 8),
+                            np.int32(row[at + 1]) | (((high >> 1) & 1) << 8),
+                            np.int32(row[at + 2]) | (((high >> 2) & 1) << 8),
+                            np.int32(row[at + 3]) | (((high >> 3) & 1) << 8),
+                            np.int32(row[at + 4]) | (((high >> 4) & 1) << 8),
+                            np.int32(row[at + 5]) | (((high >> 5) & 1) << 8),
+                            np.int32(row[at + 6]) | (((high >> 6) & 1) << 8),
+                            np.int32(row[at + 7]) | (((high >> 7) & 1) << 8))
+        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(load_u32(row, o + 74 + 4 * s))))
+
+
+# -- IQ1: grid entries of -1, 0, 1 plus a shift of an eighth ----------------------------------
+
+@njit(**_INLINE)
+def decode_iq1_s(row, o, q, sc, mn):
+    """50 bytes: float16 d, 32 low bytes of 11-bit grid indices (8 values each), then per
+    32 values a uint16: the indices' high bits (3 each), a 3-bit scale s and the sign of
+    the shift; value = d * (2s + 1) * (grid +- 1/8), here code 8 * grid +- 1 times an
+    eighth of the scale."""
+    d = load_f16(row, o)
+    for s in range(8):
+        h = load_u16(row, o + 34 + 2 * s)
+        sc[s] = d * np.float32(2 * ((h >> 12) & 7) + 1) * np.float32(0.125)
+        at = o + 2 + 4 * s
+        grid = gather_u64x4(_IQ1_GRID,
+                            np.int32(row[at]) | ((h & 7) << 8),
+                            np.int32(row[at + 1]) | (((h >> 3) & 7) << 8),
+                            np.int32(row[at + 2]) | (((h >> 6) & 7) << 8),
+                            np.int32(row[at + 3]) | (((h >> 9) & 7) << 8))
+        shift = -1 if h & 0x8000 else 1
+        store_bytes(q, 32 * s, (grid << 3) + splat_bytes(shift))
+
+
+@njit(**_INLINE)
+def decode_iq1_m(row, o, q, sc, mn):
+    """56 bytes: 32 low bytes of 11-bit grid indices (8 values each), 16 bytes of a
+    nibble per 8 values (3 high index bits, the shift's sign), 4 uint16 holding 16 3-bit
+    scales (one per 16 values) and, in their top nibbles, the float16 d;
+    value = d * (2s + 1) * (grid +- 1/8)."""
+    w0, w1 = load_u16(row, o + 48), load_u16(row, o + 50)
+    w2, w3 = load_u16(row, o + 52), load_u16(row, o + 54)
+    d = half_to_float((w0 >> 12) | ((w1 >> 8) & 0xF0) | ((w2 >> 4) & 0xF00) | (w3 & 0xF000))
+    for s in range(16):
+        w = (w0, w1, w2, w3)[s // 4]
+        sc[s] = d * np.float32(2 * ((w >> (3 * (s % 4))) & 7) + 1) * np.float32(0.125)
+    for c in range(8):
+        n0, n1 = np.int32(row[o + 32 + 2 * c]), np.int32(row[o + 33 + 2 * c])
+        at = o + 4 * c
+        grid = gather_u64x4(_IQ1_GRID,
+                            np.int32(row[at]) | ((n0 & 7) << 8),
+                            np.int32(row[at + 1]) | (((n0 >> 4) & 7) << 8),
+                            np.int32(row[at + 2]) | ((n1 & 7) << 8),
+                            np.int32(row[at + 3]) | (((n1 >> 4) & 7) << 8))
+        negative = (((n0 >> 3) & 1) * 0xFF | ((n0 >> 7) & 1) * 0xFF00
+                    | ((n1 >> 3) & 1) * 0xFF0000 | ((n1 >> 7) & 1) * 0xFF000000)
+        store_bytes(q, 32 * c, (grid << 3) + 1 - (bit_lanes(negative) << 1))

@@ -1,0 +1,532 @@
+"""Short SIMD vectors for numba kernels: three numba types whose values are LLVM vectors,
+and the few operations the block decoders and the matmul loops need.
+
+numba compiles scalar Python loops and leaves vectorization to LLVM, which finds it or
+not depending on details (a `- 8` after a nibble mask turned a 32-byte unpack into 32
+scalar byte operations; numba widens every integer operation to 64 bits). The decoders of
+the GGUF block types and the integer dot products are written here against explicit
+vectors instead, so what runs is what is written:
+
+- `Bytes32` (`<32 x i8>`): 32 byte lanes: a block's codes as they are unpacked (nibbles,
+  bit planes, grid entries, signs). Operators `& | ^ + - * << >>` work lane-wise with
+  wrap-around; `>>` is logical; a scalar operand is broadcast.
+- `Int32x8` (`<8 x i32>`): integer dot-product partial sums, from `dot16` / `dot32`
+  (pairs of int8 codes times int16 activations summed into 32-bit lanes, the `pmaddwd`
+  pattern).
+- `Float32x8` (`<8 x float>`): float32 partial sums and values (`+ - *`, scalars
+  broadcast, `muladd`), computed in the order written (numba_settings.JIT_ORDERED).
+
+The vectors are generic LLVM IR, lowered by LLVM for whatever the machine has (AVX2 as
+two or one 256-bit registers, AVX-512, SSE, NEON): no kernel assumes an instruction set.
+Two operations use an x86 instruction where the compiling machine has it, with a generic
+fallback otherwise: `dot16` (`vpmaddwd` on AVX2; LLVM's own instruction selection found it
+in isolation but lost it once the loads were folded in) and `lut16` (a 16-entry byte
+table lookup, `vpshufb`; LLVM has no variable shuffle). numba's cache keys every compiled
+kernel on the host CPU's name and features, so a kernel compiled with them is never
+loaded on a machine without them.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import llvmlite.binding as llvm_binding
+import numba
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic, models, overload, register_model
+
+_I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                               ir.FloatType())
+_HALF = ir.HalfType()
+
+
+def _vec(element: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(element, n)
+
+
+def _host_features() -> set[str]:
+    """The instruction-set features numba compiles for: NUMBA_CPU_FEATURES where set,
+    else the host's."""
+    text = numba.config.CPU_FEATURES or llvm_binding.get_host_cpu_features().flatten()
+    return {f[1:] for f in text.split(",") if f.startswith("+")}
+
+
+_FEATURES = _host_features()
+_X86_AVX2 = "avx2" in _FEATURES
+_X86_SSSE3 = "ssse3" in _FEATURES
+
+
+# -- the three vector types -------------------------------------------------------------------
+
+class _VectorType(types.Type):
+    """A numba type whose value is one LLVM vector (`llvm` is its IR type)."""
+
+    def __init__(self, name: str, llvm: ir.VectorType) -> None:
+        self.llvm = llvm
+        super().__init__(name=name)
+
+
+class Bytes32Type(_VectorType):
+    def __init__(self) -> None:
+        super().__init__("Bytes32", _vec(_I8, 32))
+
+
+class Int32x8Type(_VectorType):
+    def __init__(self) -> None:
+        super().__init__("Int32x8", _vec(_I32, 8))
+
+
+class Float32x8Type(_VectorType):
+    def __init__(self) -> None:
+        super().__init__("Float32x8", _vec(_F32, 8))
+
+
+bytes32, int32x8, float32x8 = Bytes32Type(), Int32x8Type(), Float32x8Type()
+
+
+@register_model(Bytes32Type)
+@register_model(Int32x8Type)
+@register_model(Float32x8Type)
+class _VectorModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type: _VectorType) -> None:
+        super().__init__(dmm, fe_type, fe_type.llvm)
+
+
+# -- IR helpers ---------------------------------------------------------------------------------
+
+def _element_ptr(context, builder, array_type, array, offset, offset_type, element: ir.Type):
+    """A pointer to `element` at item `offset` of a numba array (C-contiguous, 1-D)."""
+    data = context.make_array(array_type)(context, builder, array).data
+    at = context.cast(builder, offset, offset_type, types.intp)
+    return builder.bitcast(builder.gep(data, [at]), element.as_pointer())
+
+
+def _splat(builder, value: ir.Value, vec: ir.VectorType) -> ir.Value:
+    one = builder.insert_element(ir.Constant(vec, None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(_vec(_I32, vec.count), [0] * vec.count))
+
+
+def _scalar_to(context, builder, value, from_type, vec: ir.VectorType) -> ir.Value:
+    """A numba scalar broadcast to `vec`'s element type and width."""
+    element = vec.element
+    if isinstance(element, ir.FloatType):
+        scalar = context.cast(builder, value, from_type, types.float32)
+    else:
+        scalar = builder.trunc(context.cast(builder, value, from_type, types.int64), element) \
+            if element.width < 64 else context.cast(builder, value, from_type, types.int64)
+    return _splat(builder, scalar, vec)
+
+
+def _constant_lanes(vec: ir.VectorType, values) -> ir.Constant:
+    return ir.Constant(vec, list(values))
+
+
+# -- stack buffers ------------------------------------------------------------------------------
+
+@intrinsic
+def stack_empty(typingctx, n, dtype):
+    """A 1-D C array of `n` (a compile-time constant) items of `dtype` on the stack frame:
+    no allocation, and LLVM may keep it in registers. Only valid in the function it is
+    created in (never return it)."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    count = n.literal_value
+    array_type = types.Array(dtype.dtype, 1, "C")
+
+    def codegen(context, builder, signature, args):
+        element = context.get_data_type(dtype.dtype)
+        data = cgutils.alloca_once(builder, element, size=count)
+        array = context.make_array(array_type)(context, builder)
+        itemsize = context.get_abi_sizeof(element)
+        context.populate_array(array, data=data,
+                               shape=[context.get_constant(types.intp, count)],
+                               strides=[context.get_constant(types.intp, itemsize)],
+                               itemsize=context.get_constant(types.intp, itemsize),
+                               meminfo=None)
+        return array._getvalue()
+    return array_type(n, dtype), codegen
+
+
+# -- Bytes32 --------------------------------------------------------------------------------------
+
+_V32 = _vec(_I8, 32)
+
+
+@intrinsic
+def load_bytes(typingctx, array, offset):
+    """32 bytes of a byte array (uint8 / int8) from item `offset` on."""
+    def codegen(context, builder, signature, args):
+        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+                           signature.args[1], _V32)
+        return builder.load(ptr, align=1)
+    return bytes32(array, offset), codegen
+
+
+@intrinsic
+def store_bytes(typingctx, array, offset, value):
+    """`value` into 32 items of a byte array from `offset` on."""
+    def codegen(context, builder, signature, args):
+        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+                           signature.args[1], _V32)
+        builder.store(args[2], ptr, align=1)
+        return context.get_dummy_value()
+    return types.void(array, offset, value), codegen
+
+
+def _nibbles(order: list[int]):
+    @intrinsic
+    def load(typingctx, array, offset):
+        def codegen(context, builder, signature, args):
+            ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+                               signature.args[1], _vec(_I8, 16))
+            half = builder.load(ptr, align=1)
+            low = builder.and_(half, _splat(builder, ir.Constant(_I8, 15), _vec(_I8, 16)))
+            high = builder.lshr(half, _splat(builder, ir.Constant(_I8, 4), _vec(_I8, 16)))
+            return builder.shuffle_vector(low, high, _constant_lanes(_vec(_I32, 32), order))
+        return bytes32(array, offset), codegen
+    return load
+
+
+# (shuffle lanes 0-15 are the low nibbles of bytes 0-15, 16-31 their high nibbles)
+load_nibbles = _nibbles(list(range(32)))
+load_nibbles.__doc__ = """The 32 nibbles of 16 bytes at `offset`: lanes 0-15 the low
+nibbles of bytes 0-15, lanes 16-31 their high nibbles (ggml's layout for Q4_0, Q4_1,
+IQ4_NL, MXFP4, ...)."""
+load_nibbles_by8 = _nibbles([*range(8), *range(16, 24), *range(8, 16), *range(24, 32)])
+load_nibbles_by8.__doc__ = """The 32 nibbles of 16 bytes in groups of 8 bytes: lanes 0-7
+the low nibbles of bytes 0-7, 8-15 their high nibbles, then the same for bytes 8-15
+(NVFP4's 16-value sub-blocks)."""
+
+
+@intrinsic
+def bit_lanes(typingctx, word):
+    """Lane i = bit i of the 32-bit integer `word` (0 or 1)."""
+    def codegen(context, builder, signature, args):
+        w = builder.trunc(context.cast(builder, args[0], signature.args[0], types.int64), _I32)
+        as_bytes = builder.bitcast(w, _vec(_I8, 4))
+        spread = builder.shuffle_vector(as_bytes, as_bytes, _constant_lanes(
+            _vec(_I32, 32), [i // 8 for i in range(32)]))
+        bits = _constant_lanes(_V32, [1 << (i % 8) for i in range(32)])
+        hit = builder.icmp_unsigned("!=", builder.and_(spread, bits), ir.Constant(_V32, None))
+        return builder.zext(hit, _V32)
+    return bytes32(word), codegen
+
+
+@intrinsic
+def splat_bytes(typingctx, value):
+    """`value` (truncated to a byte) in every lane."""
+    def codegen(context, builder, signature, args):
+        return _scalar_to(context, builder, args[0], signature.args[0], _V32)
+    return bytes32(value), codegen
+
+
+@intrinsic
+def negate_where(typingctx, value, flags):
+    """Lanes of `value` negated where `flags` is 1 (flags are 0 or 1)."""
+    def codegen(context, builder, signature, args):
+        mask = builder.sub(ir.Constant(_V32, None), args[1])
+        return builder.sub(builder.xor(args[0], mask), mask)
+    return bytes32(value, flags), codegen
+
+
+@intrinsic
+def mul_high(typingctx, value, factor):
+    """(lane * factor) >> 8, lanes unsigned and the product 16 bits wide (TQ1_0's base-3
+    digits)."""
+    def codegen(context, builder, signature, args):
+        wide = builder.zext(args[0], _vec(_I16, 32))
+        f = _scalar_to(context, builder, args[1], signature.args[1], _vec(_I16, 32))
+        product = builder.mul(wide, f)
+        shifted = builder.lshr(product, _splat(builder, ir.Constant(_I16, 8), _vec(_I16, 32)))
+        return builder.trunc(shifted, _V32)
+    return bytes32(value, factor), codegen
+
+
+@intrinsic
+def lut16(typingctx, table, index):
+    """Lane i = table[index[i]] for a 16-entry table (lanes 0-15 of `table`; every index
+    below 16)."""
+    def codegen(context, builder, signature, args):
+        tbl, idx = args
+        if _X86_AVX2:  # vpshufb looks up within each 128-bit half: the table in both
+            both = builder.shuffle_vector(tbl, tbl, _constant_lanes(
+                _vec(_I32, 32), [i % 16 for i in range(32)]))
+            fn = builder.module.declare_intrinsic(
+                "llvm.x86.avx2.pshuf.b", fnty=ir.FunctionType(_V32, [_V32, _V32]))
+            return builder.call(fn, [both, idx])
+        if _X86_SSSE3:
+            v16 = _vec(_I8, 16)
+            fn = builder.module.declare_intrinsic(
+                "llvm.x86.ssse3.pshuf.b.128", fnty=ir.FunctionType(v16, [v16, v16]))
+            low_tbl = builder.shuffle_vector(tbl, tbl, _constant_lanes(_vec(_I32, 16), range(16)))
+            halves = [builder.call(fn, [low_tbl, builder.shuffle_vector(
+                idx, idx, _constant_lanes(_vec(_I32, 16), range(h, h + 16)))])
+                for h in (0, 16)]
+            return builder.shuffle_vector(halves[0], halves[1],
+                                          _constant_lanes(_vec(_I32, 32), range(32)))
+        out = ir.Constant(_V32, None)
+        for i in range(32):
+            at = builder.extract_element(idx, ir.Constant(_I32, i))
+            out = builder.insert_element(out, builder.extract_element(tbl, at),
+                                         ir.Constant(_I32, i))
+        return out
+    return bytes32(table, index), codegen
+
+
+@intrinsic
+def gather_u64x4(typingctx, table, i0, i1, i2, i3):
+    """Entries i0..i3 of a uint64 table, each 8 byte lanes (the IQ2 / IQ1 grids)."""
+    def codegen(context, builder, signature, args):
+        out = ir.Constant(_vec(_I64, 4), None)
+        for lane in range(4):
+            ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1 + lane],
+                               signature.args[1 + lane], _I64)
+            out = builder.insert_element(out, builder.load(ptr, align=8),
+                                         ir.Constant(_I32, lane))
+        return builder.bitcast(out, _V32)
+    return bytes32(table, i0, i1, i2, i3), codegen
+
+
+@intrinsic
+def gather_u32x8(typingctx, table, i0, i1, i2, i3, i4, i5, i6, i7):
+    """Entries i0..i7 of a uint32 table, each 4 byte lanes (the IQ3 grids)."""
+    def codegen(context, builder, signature, args):
+        out = ir.Constant(_vec(_I32, 8), None)
+        for lane in range(8):
+            ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1 + lane],
+                               signature.args[1 + lane], _I32)
+            out = builder.insert_element(out, builder.load(ptr, align=4),
+                                         ir.Constant(_I32, lane))
+        return builder.bitcast(out, _V32)
+    return bytes32(table, i0, i1, i2, i3, i4, i5, i6, i7), codegen
+
+
+# -- lane-wise operators ---------------------------------------------------------------------
+
+_INT_OPS = {operator.and_: "and_", operator.or_: "or_", operator.xor: "xor",
+            operator.add: "add", operator.sub: "sub", operator.mul: "mul",
+            operator.lshift: "shl", operator.rshift: "lshr"}
+_FLOAT_OPS = {operator.add: "fadd", operator.sub: "fsub", operator.mul: "fmul"}
+
+
+def _vector_binop(vector_type: _VectorType, name: str):
+    """An intrinsic for `vector op vector`, `vector op scalar` and `scalar op vector`."""
+    @intrinsic
+    def op(typingctx, a, b):
+        def codegen(context, builder, signature, args):
+            x, y = args
+            if not isinstance(signature.args[0], _VectorType):
+                x = _scalar_to(context, builder, x, signature.args[0], vector_type.llvm)
+            if not isinstance(signature.args[1], _VectorType):
+                y = _scalar_to(context, builder, y, signature.args[1], vector_type.llvm)
+            return getattr(builder, name)(x, y)
+        return vector_type(a, b), codegen
+    return op
+
+
+def _operator_typer(vector_type: _VectorType, scalar: type, impl):
+    def typer(a, b):
+        vector = isinstance(a, type(vector_type)) or isinstance(b, type(vector_type))
+        operands_ok = all(isinstance(t, (type(vector_type), scalar)) for t in (a, b))
+        if vector and operands_ok:
+            return lambda a, b: impl(a, b)
+        return None
+    return typer
+
+
+def _register_operators(vector_type: _VectorType, ops: dict, scalar: type) -> None:
+    for pyop, name in ops.items():
+        overload(pyop)(
+            _operator_typer(vector_type, scalar, _vector_binop(vector_type, name)))
+
+
+_register_operators(bytes32, _INT_OPS, types.Integer)
+_register_operators(int32x8, {operator.add: "add", operator.sub: "sub"}, types.Integer)
+_register_operators(float32x8, _FLOAT_OPS, (types.Float, types.Integer))
+
+
+# -- integer dot products -----------------------------------------------------------------------
+
+def _pmaddwd(builder, a: ir.Value, b: ir.Value) -> ir.Value:
+    """Two `<16 x i16>`: adjacent products summed into `<8 x i32>`."""
+    if _X86_AVX2:
+        fn = builder.module.declare_intrinsic(
+            "llvm.x86.avx2.pmadd.wd",
+            fnty=ir.FunctionType(_vec(_I32, 8), [_vec(_I16, 16), _vec(_I16, 16)]))
+        return builder.call(fn, [a, b])
+    wide = _vec(_I32, 8)
+    even = _constant_lanes(_vec(_I32, 8), range(0, 16, 2))
+    odd = _constant_lanes(_vec(_I32, 8), range(1, 16, 2))
+    parts = [builder.mul(builder.sext(builder.shuffle_vector(a, a, lanes), wide),
+                         builder.sext(builder.shuffle_vector(b, b, lanes), wide))
+             for lanes in (even, odd)]
+    return builder.add(parts[0], parts[1])
+
+
+def _dot16(context, builder, signature, args, q_at: int, x_at: int) -> ir.Value:
+    codes = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1],
+                                      signature.args[1], _vec(_I8, 16)), align=1)
+    acts = builder.load(_element_ptr(context, builder, signature.args[2], args[2], args[3],
+                                     signature.args[3], _vec(_I16, 16)), align=2)
+    return _pmaddwd(builder, builder.sext(codes, _vec(_I16, 16)), acts)
+
+
+@intrinsic
+def dot16(typingctx, codes, q_offset, acts, x_offset):
+    """Lane l = c[2l] * a[2l] + c[2l+1] * a[2l+1] over the 16 int8 codes at
+    codes[q_offset:] and the 16 int16 activations at acts[x_offset:]."""
+    def codegen(context, builder, signature, args):
+        return _dot16(context, builder, signature, args, 0, 0)
+    return int32x8(codes, q_offset, acts, x_offset), codegen
+
+
+@intrinsic
+def dot32(typingctx, codes, q_offset, acts, x_offset):
+    """`dot16` over 32 codes and activations, the two halves' lanes added."""
+    def codegen(context, builder, signature, args):
+        first = _dot16(context, builder, signature, args, 0, 0)
+        shifted = list(args)
+        shifted[1] = builder.add(context.cast(builder, args[1], signature.args[1], types.intp),
+                                 ir.Constant(_I64, 16))
+        shifted[3] = builder.add(context.cast(builder, args[3], signature.args[3], types.intp),
+                                 ir.Constant(_I64, 16))
+        sig = signature.return_type(signature.args[0], types.intp, signature.args[2], types.intp)
+        return builder.add(first, _dot16(context, builder, sig, shifted, 0, 0))
+    return int32x8(codes, q_offset, acts, x_offset), codegen
+
+
+# -- float vectors --------------------------------------------------------------------------------
+
+_F8 = _vec(_F32, 8)
+
+
+@intrinsic
+def zeros_f32x8(typingctx):
+    def codegen(context, builder, signature, args):
+        return ir.Constant(_F8, None)
+    return float32x8(), codegen
+
+
+def _muladd(builder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """a * b + c, fused where the machine has a fused multiply-add (`llvm.fmuladd`: the
+    same choice at every use on one machine, so every path rounds alike)."""
+    fn = builder.module.declare_intrinsic("llvm.fmuladd.v8f32",
+                                          fnty=ir.FunctionType(_F8, [_F8, _F8, _F8]))
+    return builder.call(fn, [a, b, c])
+
+
+@intrinsic
+def muladd(typingctx, a, b, c):
+    """a * b + c lane-wise (Float32x8), fused where the machine can."""
+    def codegen(context, builder, signature, args):
+        return _muladd(builder, *args)
+    return float32x8(a, b, c), codegen
+
+
+@intrinsic
+def scaled_add(typingctx, acc, sums, scale):
+    """float(sums) * scale + acc: an integer dot's lanes into float32 partial sums."""
+    def codegen(context, builder, signature, args):
+        s = _scalar_to(context, builder, args[2], signature.args[2], _F8)
+        return _muladd(builder, builder.sitofp(args[1], _F8), s, args[0])
+    return float32x8(acc, sums, scale), codegen
+
+
+@intrinsic
+def lane_sum(typingctx, value):
+    """The sum of a Float32x8's lanes, as float32."""
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        for width in (4, 2, 1):
+            low = builder.shuffle_vector(v, v, _constant_lanes(_vec(_I32, width), range(width)))
+            high = builder.shuffle_vector(v, v, _constant_lanes(
+                _vec(_I32, width), range(width, 2 * width)))
+            v = builder.fadd(low, high)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+    return types.float32(value), codegen
+
+
+@intrinsic
+def load_f32x8(typingctx, array, offset):
+    """8 float32 of a float32 array from item `offset` on."""
+    def codegen(context, builder, signature, args):
+        return builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1],
+                                         signature.args[1], _F8), align=4)
+    return float32x8(array, offset), codegen
+
+
+@intrinsic
+def store_f32x8(typingctx, array, offset, value):
+    def codegen(context, builder, signature, args):
+        builder.store(args[2], _element_ptr(context, builder, signature.args[0], args[0],
+                                            args[1], signature.args[1], _F8), align=4)
+        return context.get_dummy_value()
+    return types.void(array, offset, value), codegen
+
+
+@intrinsic
+def codes_f32x8(typingctx, codes, offset):
+    """8 int8 codes from item `offset` on, as float32."""
+    def codegen(context, builder, signature, args):
+        raw = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1],
+                                        signature.args[1], _vec(_I8, 8)), align=1)
+        return builder.sitofp(raw, _F8)
+    return float32x8(codes, offset), codegen
+
+
+@intrinsic
+def load_f16x8(typingctx, array, byte_offset):
+    """8 IEEE float16 values at byte `byte_offset` of a byte array, as float32 (F16C's
+    `vcvtph2ps` on x86)."""
+    def codegen(context, builder, signature, args):
+        raw = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1],
+                                        signature.args[1], _vec(_HALF, 8)), align=1)
+        return builder.fpext(raw, _F8)
+    return float32x8(array, byte_offset), codegen
+
+
+@intrinsic
+def load_bf16x8(typingctx, array, byte_offset):
+    """8 bfloat16 values at byte `byte_offset` of a byte array, as float32 (the bits
+    shifted into a float32's upper half: exact)."""
+    def codegen(context, builder, signature, args):
+        raw = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1],
+                                        signature.args[1], _vec(_I16, 8)), align=1)
+        wide = builder.shl(builder.zext(raw, _vec(_I32, 8)),
+                           _splat(builder, ir.Constant(_I32, 16), _vec(_I32, 8)))
+        return builder.bitcast(wide, _F8)
+    return float32x8(array, byte_offset), codegen
+
+
+# -- scalars of a block ---------------------------------------------------------------------------
+
+def _scalar_load(element: ir.Type, result: types.Type, convert):
+    @intrinsic
+    def load(typingctx, array, byte_offset):
+        def codegen(context, builder, signature, args):
+            ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+                               signature.args[1], element)
+            return convert(builder, builder.load(ptr, align=1))
+        return result(array, byte_offset), codegen
+    return load
+
+
+load_f16 = _scalar_load(_HALF, types.float32, lambda b, v: b.fpext(v, _F32))
+load_f16.__doc__ = "The float16 at a byte offset of a byte array, as float32."
+load_u16 = _scalar_load(_I16, types.int32, lambda b, v: b.zext(v, _I32))
+load_u16.__doc__ = "The little-endian uint16 at a byte offset, as int32."
+load_u32 = _scalar_load(_I32, types.int64, lambda b, v: b.zext(v, _I64))
+load_u32.__doc__ = "The little-endian uint32 at a byte offset, as int64."
+load_bf16 = _scalar_load(_I16, types.float32, lambda b, v: b.bitcast(
+    b.shl(b.zext(v, _I32), ir.Constant(_I32, 16)), _F32))
+load_bf16.__doc__ = "The bfloat16 at a byte offset of a byte array, as float32."
+
+
+@intrinsic
+def half_to_float(typingctx, bits):
+    """The float16 whose bits are the low 16 of `bits`, as float32."""
+    def codegen(context, builder, signature, args):
+        raw = builder.trunc(context.cast(builder, args[0], signature.args[0], types.int64), _I16)
+        return builder.fpext(builder.bitcast(raw, _HALF), _F32)
+    return types.float32(bits), codegen

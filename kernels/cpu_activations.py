@@ -30,12 +30,13 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     codes = np.empty((n, k), np.int16)
     scales = np.empty((n, k // GROUP), np.float32)
     sums = np.empty((n, k // 16), np.float32)
-    _quantize(x, codes, scales, sums)
+    quantize_into(x, codes, scales, sums)
     return codes, scales, sums
 
 
 @njit(**JIT_ORDERED)
-def _quantize(x, codes, scales, sums):
+def quantize_into(x, codes, scales, sums):
+    """`quantize_activations`'s kernel, into arrays of its shapes."""
     n, k = x.shape
     for j in range(n):
         xr, cr = x[j], codes[j]

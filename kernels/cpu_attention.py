@@ -189,6 +189,9 @@ def _addressable(kv: object) -> bool:
             and data.dtype == np.float32 and data.ndim == 5 and data.flags.c_contiguous)
 
 
+KERNELS = (_append, _attend_rows)  # for kernels/cpu_compile.py
+
+
 def warm_up() -> None:
     """Compile (or load from numba's disk cache) both kernels on a one-token cache."""
     from eagerlm.kernels.batch import SeqSlice

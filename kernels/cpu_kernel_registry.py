@@ -14,7 +14,7 @@ its code is made of (the template, the decoders, the SIMD operations, numba's op
 gguf-py's version for its tables), so an edit or an upgrade writes a new file and numba's
 cache, which checks only that file's time stamp, never serves stale code; an unchanged
 file is left as it is, so its kernels load from numba's cache. Only the types a model
-holds are ever built (`cpu_backend.compile_kernels`).
+holds are ever built (`cpu_compile.compile_kernels`).
 
 Files live beside numba's cache (`numba.config.CACHE_DIR` where set, else the kernels'
 `__pycache__`, else a temporary directory), in `eagerlm_kernels/`.

@@ -127,8 +127,8 @@ def _tiles(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: threading.lo
 
 def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> None:
     """Build and compile (or load from numba's disk cache) the kernels of `qtypes` and
-    nothing else, on tiny inputs (cpu_backend.compile_kernels times it with the others).
-    The first forward would otherwise pay it."""
+    nothing else, on tiny inputs (kernels/cpu_compile.py). The first forward would
+    otherwise pay it."""
     for qtype in sorted(set(qtypes), key=int):
         block, type_size = GGML_QUANT_SIZES[qtype]
         cols = max(block, 32)

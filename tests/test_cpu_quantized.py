@@ -26,8 +26,6 @@ Tolerances, derived:
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -223,62 +221,6 @@ def test_float16_and_bfloat16_weights_are_numpys_values(qtype):
 def test_every_supported_type_but_float32_has_cpu_kernels():
     """F32 matrices are kept as float32 arrays and multiplied by BLAS."""
     assert set(BLOCK_TYPES) == SUPPORTED_TYPES - {Q.F32}
-
-
-_COMPILES_ONLY_Q4_0 = """
-import json, sys
-from eagerlm.kernels import cpu_kernel_registry
-from eagerlm.kernels.cpu_backend import cpu_transformer
-from eagerlm.loader.model_file import ModelFile
-cpu_transformer(ModelFile.open(sys.argv[1]))
-built = cpu_kernel_registry._built
-stats = {q.name: [len(f.stats.cache_hits), len(f.stats.cache_misses)]
-         for q, m in built.items() for f in (m.gemv, m.dequant)}
-generated = [n for n in sys.modules if n.startswith("eagerlm_kernels_")]
-print(json.dumps({"built": sorted(q.name for q in built), "generated": generated}))
-"""
-
-
-@pytest.mark.slow
-def test_a_file_of_one_type_compiles_no_other_types_kernels(tmp_path):
-    """A fresh process loading a Q4_0 model (norms F32) builds the Q4_0 kernels and no
-    other type's: no other type's module is even generated."""
-    import json
-
-    spec = tiny_spec("llama", d_model=64, weight_type=Q.Q4_0)
-    path = write_synthetic_model(tmp_path / "q4_0.gguf", spec)
-    out = subprocess.run([sys.executable, "-c", _COMPILES_ONLY_Q4_0, str(path)],
-                         check=True, capture_output=True, text=True).stdout
-    result = json.loads(out.strip().splitlines()[-1])
-    assert result["built"] == ["Q4_0"]
-    assert len(result["generated"]) == 1 and "q4_0" in result["generated"][0]
-
-
-_CACHE_STATS = """
-import json
-from gguf import GGMLQuantizationType as Q
-from eagerlm.kernels.quantized import warm_up
-from eagerlm.kernels.cpu_kernel_registry import kernels
-warm_up([Q.Q8_0])
-m = kernels(Q.Q8_0)
-print(json.dumps([[len(f.stats.cache_hits), len(f.stats.cache_misses)]
-                  for f in (m.gemv, m.dequant)]))
-"""
-
-
-@pytest.mark.slow
-def test_a_types_kernels_load_from_numbas_disk_cache_in_a_new_process(tmp_path):
-    """The generated modules keep numba's cache working: in an empty NUMBA_CACHE_DIR the
-    first process compiles (cache misses), the second loads every kernel (hits only)."""
-    import json
-    import os
-
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    runs = [json.loads(subprocess.run([sys.executable, "-c", _CACHE_STATS], env=env,
-                                      check=True, capture_output=True, text=True
-                                      ).stdout.strip().splitlines()[-1]) for _ in range(2)]
-    assert all(misses == 1 and hits == 0 for hits, misses in runs[0])
-    assert all(misses == 0 and hits == 1 for hits, misses in runs[1])
 
 
 def test_core_workers_run_every_share_once_and_raise_what_a_share_raised():

@@ -1,16 +1,18 @@
 """Activations as 8-bit integers, for the integer dot products of the quantized kernels.
 
-A row of x is cut in groups of `GROUP` (32) values, each stored as int8 codes (held in
-int16, the width the dot product multiplies in) times one float32 scale: d = max |x| / 127,
-code = round(x / d). This is llama.cpp's Q8_0 activation format. The kernels then compute
-exactly sum(w * x~) with x~ = d * code, the activation rounded to the nearest of 255 levels
-of its group: |x~ - x| <= d / 2 = max |x of the group| / 254 per value. A matmul's error
-against the float32 activations is therefore at most sum_i |w_i| * max|x of i's group| / 254
-per output (the bound the tests hold the kernels to), plus float32 rounding.
+A row of x is cut in groups of `GROUP` (32) values, each stored as int8 codes times one
+float32 scale: d = max |x| / 127, code = round(x / d). This is llama.cpp's Q8_0 activation
+format. The kernels then compute exactly sum(w * x~) with x~ = d * code, the activation
+rounded to the nearest of 255 levels of its group: |x~ - x| <= d / 2 = max |x of the
+group| / 254 per value. A matmul's error against the float32 activations is therefore at
+most sum_i |w_i| * max|x of i's group| / 254 per output (the bound the tests hold the
+kernels to), plus float32 rounding.
 
-`xsum[j, h]` is d * the sum of the codes of values 16h .. 16h + 15 of row j: what a block
-type with per-group offsets (value = scale * q + offset) needs, offset times the sum of
-the (quantized) activations it multiplies, so offsets cost one multiply per group.
+Per group of `sub` values (16 or 32: a weight type's scale group, kernels/
+cpu_kernel_registry.py) the kernels also get the activations' scale (a 32-group's, for
+both its 16-halves) and the sum of the quantized activations, d * sum(codes): what a
+block type whose values are scale * (q - offset) + min needs for its offset and min, one
+multiply per group.
 """
 
 from __future__ import annotations
@@ -23,21 +25,23 @@ from eagerlm.kernels.numba_settings import JIT_ORDERED
 GROUP = 32  # activation values per scale
 
 
-def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x float32 `[n, k]` (k a multiple of `GROUP`) as (codes int16 `[n, k]`, scales float32
-    `[n, k / 32]`, sums of 16 float32 `[n, k / 16]`)."""
+def quantize_activations(x: np.ndarray, sub: int = GROUP
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 `[n, k]` (k a multiple of `GROUP`) as (codes int8 `[n, k]`, scales and
+    sums float32 `[n, k / sub]`), `sub` 16 or 32."""
     n, k = x.shape
-    codes = np.empty((n, k), np.int16)
-    scales = np.empty((n, k // GROUP), np.float32)
-    sums = np.empty((n, k // 16), np.float32)
+    codes = np.empty((n, k), np.int8)
+    scales = np.empty((n, k // sub), np.float32)
+    sums = np.empty((n, k // sub), np.float32)
     quantize_into(x, codes, scales, sums)
     return codes, scales, sums
 
 
 @njit(**JIT_ORDERED)
 def quantize_into(x, codes, scales, sums):
-    """`quantize_activations`'s kernel, into arrays of its shapes."""
+    """`quantize_activations`' kernel, into arrays of its shapes (`sub` from theirs)."""
     n, k = x.shape
+    per_group = GROUP * scales.shape[1] // k  # 1, or 2 halves of 16
     for j in range(n):
         xr, cr = x[j], codes[j]
         for g in range(k // GROUP):
@@ -50,12 +54,17 @@ def quantize_into(x, codes, scales, sums):
             s0 = 0
             s1 = 0
             for i in range(16):
-                c0 = np.int16(np.rint(xr[o + i] * inv))
-                c1 = np.int16(np.rint(xr[o + 16 + i] * inv))
+                c0 = np.int8(np.rint(xr[o + i] * inv))
+                c1 = np.int8(np.rint(xr[o + 16 + i] * inv))
                 cr[o + i] = c0
                 cr[o + 16 + i] = c1
                 s0 += c0
                 s1 += c1
-            scales[j, g] = d
-            sums[j, 2 * g] = d * np.float32(s0)
-            sums[j, 2 * g + 1] = d * np.float32(s1)
+            if per_group == 1:
+                scales[j, g] = d
+                sums[j, g] = d * np.float32(s0 + s1)
+            else:
+                scales[j, 2 * g] = d
+                scales[j, 2 * g + 1] = d
+                sums[j, 2 * g] = d * np.float32(s0)
+                sums[j, 2 * g + 1] = d * np.float32(s1)

@@ -1,19 +1,25 @@
 """One decoder per GGUF block type, for the cpu kernels (kernels/cpu_quant_loops.py).
 
 Every quantized type of ggml is, block by block, small integers times a scale per group of
-16 or 32 values, plus for some a per-group offset: `value = sc[s] * q + mn[s]`. A decoder
-turns one block into exactly that:
+16 or 32 values, for some plus a per-group minimum: `value = sc[s] * (q - OFFSET) + mn[s]`,
+with a constant `OFFSET` per type (the registry's `code_offset`: 8 for Q4_0's nibbles, 32
+for Q6_K's 6-bit codes, ...). A decoder turns one block into exactly that:
 
     decode_<type>(row, o, q, sc, mn)
 
-reads the block at byte `o` of `row` (uint8), writes its codes as int8 to `q[0:BLOCK]`,
-the scale of each group of `SUB` values to `sc[0:BLOCK // SUB]` and, for the types with an
-offset (`has_min` in the registry), the offset to `mn[...]`. The loops do the rest: an
-integer dot product of the codes with 8-bit activations per group, times the group's
-scale (the one-row and few-rows kernels), or the values themselves (the tiles BLAS
-multiplies). Codes are exact, so the decoders lose nothing: `sc * q + mn` is gguf-py's
-value to float32 rounding (the IQ1 types' codes are 8 * grid +- 1 and their scale an
-eighth of gguf-py's, the same value exactly).
+reads the block at byte `o` of `row` (uint8), writes its codes as bytes to `q[0:BLOCK]`
+(0..127; -128..127 for the `signed` types), the scale of each group of `SUB` values to
+`sc[0:BLOCK // SUB]` and, for the types with a minimum (`has_min`), the minimum to `mn`.
+The loops do the rest: an integer dot product of the codes with 8-bit activations per 32
+values, times the group's scale, the offset and minimum as one multiply by the group's
+activation sum (the one-row and few-rows kernels), or the values themselves (the tiles
+BLAS multiplies). Codes are exact, so the decoders lose nothing: `sc * (q - OFFSET) + mn`
+is gguf-py's value to float32 rounding (the IQ1 types' codes are 8 * grid +- 1 and their
+scale an eighth of gguf-py's, the same value exactly).
+
+Codes are unsigned wherever the type allows (`vpmaddubsw` multiplies unsigned by signed
+bytes; a signed code costs a sign transfer): nibbles and bit fields as they are, the IQ
+types' signed grid values shifted up by their largest magnitude.
 
 Block layouts are ggml's, as gguf-py's `gguf/quants.py` dequantizes them (the reference
 the tests hold these to). Codes are unpacked 32 at a time as `Bytes32` vectors
@@ -34,6 +40,7 @@ from eagerlm.kernels.cpu_simd import (
     gather_u64x4,
     half_to_float,
     load_bytes,
+    load_bytes16,
     load_f16,
     load_nibbles,
     load_nibbles_by8,
@@ -42,8 +49,11 @@ from eagerlm.kernels.cpu_simd import (
     lut16,
     mul_high,
     negate_where,
+    sbytes_f32x8,
     splat_bytes,
     store_bytes,
+    store_f32x8,
+    ubytes_f32x8,
 )
 from eagerlm.kernels.iq_tables import grid_words, iq4_codebook, sign_patterns
 from eagerlm.kernels.numba_settings import JIT_ORDERED
@@ -59,7 +69,8 @@ def _table32(values) -> np.ndarray:
 
 
 _IQ4_VALUES = _table32(iq4_codebook())
-_FP4_VALUES = _table32(np.array(quants.MXFP4.kvalues, np.int8))  # e2m1, doubled
+# e2m1 values doubled (gguf-py's), shifted up by 12: codes 0..24 (code offset 12)
+_FP4_CODES = _table32(np.array(quants.MXFP4.kvalues, np.int8) + 12)
 _SIGNS = sign_patterns()
 _IQ2_XXS_GRID = grid_words(quants.IQ2_XXS, 8)
 _IQ2_XS_GRID = grid_words(quants.IQ2_XS, 8)
@@ -74,13 +85,47 @@ _UE4M3_HALF = quants.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8)).astype(
 _POW3 = np.array([1, 3, 9, 27, 81], np.uint8)
 
 
+def _lanes(*groups: tuple[int, ...]) -> np.ndarray:
+    """32 byte lanes from their first values (the rest 0): shuffle indices and masks for
+    unpacking a block's packed scales with a few vector operations (`lut16`, `&`)."""
+    out = np.zeros(32, np.uint8)
+    values = [v for g in groups for v in g]
+    out[:len(values)] = values
+    return out
+
+
+# Q4_K / Q5_K: 8 6-bit scales (lanes 0-7) and mins (8-15) from the 12 bytes b[0..11]:
+# j < 4: scale b[j] & 63, min b[j + 4] & 63; j >= 4: scale b[j + 4] & 15 | (b[j - 4] >> 6)
+# << 4, min b[j + 4] >> 4 | (b[j] >> 6) << 4 (ggml's get_scale_min_k4)
+_K4_LOW = _lanes((0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11))
+_K4_HIGH = _lanes((0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7))
+_K4_MASK = _lanes((63,) * 4, (15,) * 4, (63,) * 4, (0,) * 4)
+_K4_MASK_UPPER = _lanes((0,) * 12, (15,) * 4)
+_K4_MASK_TOP = _lanes((0,) * 4, (0x30,) * 4, (0,) * 4, (0x30,) * 4)
+# Q3_K: 16 6-bit scales from 12 bytes: low nibble of b[s] (s < 8) or high nibble of
+# b[s - 8], two high bits (b[8 + s % 4] >> 2 (s // 4)) & 3
+_Q3_LOW = _lanes(tuple(range(8)) * 2)
+_Q3_HIGH = _lanes((8, 9, 10, 11) * 4)
+_MASK_LOW8 = _lanes((15,) * 8)
+_MASK_HIGH8 = _lanes((0,) * 8, (15,) * 8)
+_Q3_PAIRS = np.stack([_lanes((0,) * 4 * k, (3,) * 4) for k in range(4)]).reshape(-1)
+# nibble pairs (IQ scales): lane 2i low nibble of byte i, 2i + 1 its high nibble
+_NIBBLE_PAIRS = _lanes(tuple(i // 2 for i in range(16)))
+_MASK_EVEN = _lanes((15, 0) * 8)
+_MASK_ODD = _lanes((0, 15) * 8)
+# the IQ types' signed codes shifted up by their largest magnitude (the registry's
+# code_offset): IQ2 grids hold 8, 25, 43; IQ3_XXS's 4 .. 62; IQ3_S's 1 .. 15; IQ1's codes
+# 8 * grid +- 1 reach 9
+_IQ2_OFFSET, _IQ3_XXS_OFFSET, _IQ3_S_OFFSET, _IQ1_OFFSET = 43, 62, 15, 9
+
+
 # -- 32-value blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4 ------------------------------
 
 @njit(**_INLINE)
 def decode_q4_0(row, o, q, sc, mn):
-    """18 bytes: float16 d, 16 bytes of nibbles; value = d * (nibble - 8)."""
+    """18 bytes: float16 d, 16 bytes of nibbles; value = d * (nibble - 8) (offset 8)."""
     sc[0] = load_f16(row, o)
-    store_bytes(q, 0, load_nibbles(row, o + 2) - 8)
+    store_bytes(q, 0, load_nibbles(row, o + 2))
 
 
 @njit(**_INLINE)
@@ -94,10 +139,10 @@ def decode_q4_1(row, o, q, sc, mn):
 @njit(**_INLINE)
 def decode_q5_0(row, o, q, sc, mn):
     """22 bytes: float16 d, 32 fifth bits (bit i for value i), nibbles as Q4_0's;
-    value = d * (q - 16)."""
+    value = d * (q - 16) (offset 16)."""
     sc[0] = load_f16(row, o)
     high = bit_lanes(load_u32(row, o + 2)) << 4
-    store_bytes(q, 0, (load_nibbles(row, o + 6) | high) - 16)
+    store_bytes(q, 0, load_nibbles(row, o + 6) | high)
 
 
 @njit(**_INLINE)
@@ -124,18 +169,19 @@ def decode_iq4_nl(row, o, q, sc, mn):
 
 @njit(**_INLINE)
 def decode_mxfp4(row, o, q, sc, mn):
-    """17 bytes: an e8m0 exponent, 16 bytes of e2m1 nibbles (codes: the values doubled)."""
+    """17 bytes: an e8m0 exponent, 16 bytes of e2m1 nibbles (codes: the values doubled,
+    offset 12)."""
     sc[0] = _E8M0_HALF[row[o]]
-    store_bytes(q, 0, lut16(load_bytes(_FP4_VALUES, 0), load_nibbles(row, o + 1)))
+    store_bytes(q, 0, lut16(load_bytes(_FP4_CODES, 0), load_nibbles(row, o + 1)))
 
 
 @njit(**_INLINE)
 def decode_nvfp4(row, o, q, sc, mn):
     """36 bytes per 64 values: four unsigned e4m3 scales (one per 16 values), then 8 bytes
-    of e2m1 nibbles per 16 values (low nibbles first)."""
+    of e2m1 nibbles per 16 values (low nibbles first); codes as MXFP4's."""
     for s in range(4):
         sc[s] = _UE4M3_HALF[row[o + s]]
-    table = load_bytes(_FP4_VALUES, 0)
+    table = load_bytes(_FP4_CODES, 0)
     for c in range(2):
         store_bytes(q, 32 * c, lut16(table, load_nibbles_by8(row, o + 4 + 16 * c)))
 
@@ -149,10 +195,12 @@ def decode_q2_k(row, o, q, sc, mn):
     value = d * scale * q - dmin * min."""
     d = load_f16(row, o + 80)
     dmin = load_f16(row, o + 82)
-    for s in range(16):
-        b = np.int32(row[o + s])
-        sc[s] = d * np.float32(b & 15)
-        mn[s] = -dmin * np.float32(b >> 4)
+    packed = load_bytes16(row, o)
+    low, high = packed & 15, packed >> 4
+    store_f32x8(sc, 0, ubytes_f32x8(low, 0) * d)
+    store_f32x8(sc, 8, ubytes_f32x8(low, 1) * d)
+    store_f32x8(mn, 0, ubytes_f32x8(high, 0) * -dmin)
+    store_f32x8(mn, 8, ubytes_f32x8(high, 1) * -dmin)
     for c in range(8):
         store_bytes(q, 32 * c, (load_bytes(row, o + 16 + 32 * (c // 4)) >> (2 * (c % 4))) & 3)
 
@@ -160,36 +208,36 @@ def decode_q2_k(row, o, q, sc, mn):
 @njit(**_INLINE)
 def decode_q3_k(row, o, q, sc, mn):
     """110 bytes: 32 bytes of high bits (hmask), 64 bytes of 2-bit codes (as Q2_K's), 12
-    bytes of 6-bit scales, float16 d; value = d * (scale - 32) * (q - 4 * !high)."""
+    bytes of 6-bit scales, float16 d; value = d * (scale - 32) * (q - 4 * !high): code
+    low | high << 2, offset 4."""
     d = load_f16(row, o + 108)
-    for s in range(16):
-        low = (np.int32(row[o + 96 + s % 8]) >> (4 * (s // 8))) & 15
-        high = (np.int32(row[o + 104 + s % 4]) >> (2 * (s // 4))) & 3
-        sc[s] = d * np.float32((low | (high << 4)) - 32)
+    packed = load_bytes16(row, o + 94)  # the block's last 16 bytes: scales at lanes 2-13
+    low = lut16(packed, load_bytes(_Q3_LOW, 0) + 2)
+    low = (low & load_bytes(_MASK_LOW8, 0)) | ((low >> 4) & load_bytes(_MASK_HIGH8, 0))
+    high = lut16(packed, load_bytes(_Q3_HIGH, 0) + 2)
+    high = ((high & load_bytes(_Q3_PAIRS, 0)) | ((high >> 2) & load_bytes(_Q3_PAIRS, 32))
+            | ((high >> 4) & load_bytes(_Q3_PAIRS, 64)) | ((high >> 6) & load_bytes(_Q3_PAIRS, 96)))
+    scales = (low | (high << 4)) - 32
+    store_f32x8(sc, 0, sbytes_f32x8(scales, 0) * d)
+    store_f32x8(sc, 8, sbytes_f32x8(scales, 1) * d)
     hmask = load_bytes(row, o)
     for c in range(8):
         low = (load_bytes(row, o + 32 + 32 * (c // 4)) >> (2 * (c % 4))) & 3
-        store_bytes(q, 32 * c, (low | (((hmask >> c) & 1) << 2)) - 4)
-
-
-@njit(**_INLINE)
-def _k4_scale_min(row, o, j):
-    """Sub-block j's 6-bit scale and min of the 12 bytes at row[o:] (Q4_K, Q5_K)."""
-    if j < 4:
-        return np.int32(row[o + j]) & 63, np.int32(row[o + j + 4]) & 63
-    sc = (np.int32(row[o + j + 4]) & 15) | ((np.int32(row[o + j - 4]) >> 6) << 4)
-    mn = (np.int32(row[o + j + 4]) >> 4) | ((np.int32(row[o + j]) >> 6) << 4)
-    return sc, mn
+        store_bytes(q, 32 * c, low | (((hmask >> c) & 1) << 2))
 
 
 @njit(**_INLINE)
 def _k4_scales(row, o, sc, mn):
+    """The 8 scales and mins of a Q4_K / Q5_K superblock, d * scale and -dmin * min."""
     d = load_f16(row, o)
     dmin = load_f16(row, o + 2)
-    for j in range(8):
-        s, m = _k4_scale_min(row, o + 4, j)
-        sc[j] = d * np.float32(s)
-        mn[j] = -dmin * np.float32(m)
+    packed = load_bytes16(row, o + 4)
+    low = lut16(packed, load_bytes(_K4_LOW, 0))
+    high = lut16(packed, load_bytes(_K4_HIGH, 0))
+    both = ((low & load_bytes(_K4_MASK, 0)) | ((low >> 4) & load_bytes(_K4_MASK_UPPER, 0))
+            | (((high >> 6) << 4) & load_bytes(_K4_MASK_TOP, 0)))
+    store_f32x8(sc, 0, ubytes_f32x8(both, 0) * d)
+    store_f32x8(mn, 0, ubytes_f32x8(both, 1) * -dmin)
 
 
 @njit(**_INLINE)
@@ -219,17 +267,18 @@ def decode_q5_k(row, o, q, sc, mn):
 @njit(**_INLINE)
 def decode_q6_k(row, o, q, sc, mn):
     """210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales
-    (one per 16 values), float16 d; value = d * scale * (q - 32). In half h, values 32g.. :
-    nibble g // 2 of bytes 64h + 32(g % 2).., bits 2g of bytes 128 + 32h.."""
+    (one per 16 values), float16 d; value = d * scale * (q - 32) (offset 32). In half h,
+    values 32g.. : nibble g // 2 of bytes 64h + 32(g % 2).., bits 2g of bytes 128 + 32h.."""
     d = load_f16(row, o + 208)
-    for s in range(16):
-        sc[s] = d * np.float32(np.int8(row[o + 192 + s]))
+    scales = load_bytes16(row, o + 192)
+    store_f32x8(sc, 0, sbytes_f32x8(scales, 0) * d)
+    store_f32x8(sc, 8, sbytes_f32x8(scales, 1) * d)
     for h in range(2):
         high = load_bytes(row, o + 128 + 32 * h)
         for g in range(4):
             low = load_bytes(row, o + 64 * h + 32 * (g % 2)) >> (4 * (g // 2))
             code = (low & 15) | (((high >> (2 * g)) & 3) << 4)
-            store_bytes(q, 128 * h + 32 * g, code - 32)
+            store_bytes(q, 128 * h + 32 * g, code)
 
 
 # -- ternary: TQ1_0, TQ2_0 --------------------------------------------------------------------
@@ -237,20 +286,20 @@ def decode_q6_k(row, o, q, sc, mn):
 @njit(**_INLINE)
 def _trit(byte, power):
     """Base-3 digit `power` of a TQ1_0 byte (ggml's fixed-point packing)."""
-    return ((np.int32(np.uint8(byte * _POW3[power])) * 3) >> 8) - 1
+    return (np.int32(np.uint8(byte * _POW3[power])) * 3) >> 8
 
 
 @njit(**_INLINE)
 def decode_tq1_0(row, o, q, sc, mn):
     """54 bytes: 48 bytes of five base-3 digits each (bytes 0-31: values 32k + i, bytes
     32-47: values 160 + 16k + i), 4 bytes of four digits (values 240 + 4k + i), float16 d;
-    value = d * (digit - 1)."""
+    value = d * (digit - 1) (offset 1)."""
     d = load_f16(row, o + 52)
     for s in range(8):
         sc[s] = d
     first = load_bytes(row, o)
     for k in range(5):
-        store_bytes(q, 32 * k, mul_high(first * _POW3[k], 3) - 1)
+        store_bytes(q, 32 * k, mul_high(first * _POW3[k], 3))
     for k in range(5):
         for i in range(16):
             q[160 + 16 * k + i] = _trit(row[o + 32 + i], k)
@@ -261,12 +310,13 @@ def decode_tq1_0(row, o, q, sc, mn):
 
 @njit(**_INLINE)
 def decode_tq2_0(row, o, q, sc, mn):
-    """66 bytes: 64 bytes of 2-bit codes (as Q2_K's), float16 d; value = d * (q - 1)."""
+    """66 bytes: 64 bytes of 2-bit codes (as Q2_K's), float16 d; value = d * (q - 1)
+    (offset 1)."""
     d = load_f16(row, o + 64)
     for s in range(8):
         sc[s] = d
     for c in range(8):
-        store_bytes(q, 32 * c, ((load_bytes(row, o + 32 * (c // 4)) >> (2 * (c % 4))) & 3) - 1)
+        store_bytes(q, 32 * c, (load_bytes(row, o + 32 * (c // 4)) >> (2 * (c % 4))) & 3)
 
 
 # -- IQ4_XS ----------------------------------------------------------------------------------
@@ -304,24 +354,33 @@ def decode_iq2_xxs(row, o, q, sc, mn):
         sc[s] = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.25)
         grid = gather_u64x4(_IQ2_XXS_GRID, row[at], row[at + 1], row[at + 2], row[at + 3])
         signs = _signs4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
-        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs)))
+        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs)) + _IQ2_OFFSET)
+
+
+@njit(**_INLINE)
+def _iq2_scales(row, o, tail, sc):
+    """IQ2_XS / IQ2_S: 16 4-bit scales s, the nibbles of bytes 8-15 of the 16 at `tail`
+    (low nibble first): d * (0.5 + s) / 4."""
+    d = load_f16(row, o)
+    pairs = lut16(load_bytes16(row, tail), load_bytes(_NIBBLE_PAIRS, 0) + 8)
+    nibbles = (pairs & load_bytes(_MASK_EVEN, 0)) | ((pairs >> 4) & load_bytes(_MASK_ODD, 0))
+    quarter = np.float32(0.25)
+    store_f32x8(sc, 0, (ubytes_f32x8(nibbles, 0) + np.float32(0.5)) * d * quarter)
+    store_f32x8(sc, 8, (ubytes_f32x8(nibbles, 1) + np.float32(0.5)) * d * quarter)
 
 
 @njit(**_INLINE)
 def decode_iq2_xs(row, o, q, sc, mn):
     """74 bytes: float16 d, 32 uint16 (9-bit grid index, 7-bit sign index per 8 values),
     8 bytes of 4-bit scales (one per 16 values): d * (0.5 + s) / 4."""
-    d = load_f16(row, o)
-    for s in range(16):
-        nib = (np.int32(row[o + 66 + s // 2]) >> (4 * (s % 2))) & 15
-        sc[s] = d * (np.float32(0.5) + np.float32(nib)) * np.float32(0.25)
+    _iq2_scales(row, o, o + 58, sc)  # the block's last 16 bytes: scales at lanes 8-15
     for c in range(8):
         at = o + 2 + 8 * c
         e0, e1 = load_u16(row, at), load_u16(row, at + 2)
         e2, e3 = load_u16(row, at + 4), load_u16(row, at + 6)
         grid = gather_u64x4(_IQ2_XS_GRID, e0 & 511, e1 & 511, e2 & 511, e3 & 511)
         signs = _signs4(e0 >> 9, e1 >> 9, e2 >> 9, e3 >> 9)
-        store_bytes(q, 32 * c, negate_where(grid, bit_lanes(signs)))
+        store_bytes(q, 32 * c, negate_where(grid, bit_lanes(signs)) + _IQ2_OFFSET)
 
 
 @njit(**_INLINE)
@@ -329,10 +388,7 @@ def decode_iq2_s(row, o, q, sc, mn):
     """82 bytes: float16 d, 32 low bytes of 10-bit grid indices, 32 sign bytes (bit k:
     value k of an 8-value group), 8 bytes of the indices' high bit pairs, 8 bytes of 4-bit
     scales (one per 16 values): d * (0.5 + s) / 4."""
-    d = load_f16(row, o)
-    for s in range(16):
-        nib = (np.int32(row[o + 74 + s // 2]) >> (4 * (s % 2))) & 15
-        sc[s] = d * (np.float32(0.5) + np.float32(nib)) * np.float32(0.25)
+    _iq2_scales(row, o, o + 66, sc)  # the block's last 16 bytes: scales at lanes 8-15
     for c in range(8):
         high = np.int32(row[o + 66 + c])
         at = o + 2 + 4 * c
@@ -341,7 +397,8 @@ def decode_iq2_s(row, o, q, sc, mn):
                             np.int32(row[at + 1]) | (((high >> 2) & 3) << 8),
                             np.int32(row[at + 2]) | (((high >> 4) & 3) << 8),
                             np.int32(row[at + 3]) | (((high >> 6) & 3) << 8))
-        store_bytes(q, 32 * c, negate_where(grid, bit_lanes(load_u32(row, o + 34 + 4 * c))))
+        store_bytes(q, 32 * c, negate_where(grid, bit_lanes(load_u32(row, o + 34 + 4 * c)))
+                    + _IQ2_OFFSET)
 
 
 @njit(**_INLINE)
@@ -356,7 +413,7 @@ def decode_iq3_xxs(row, o, q, sc, mn):
         grid = gather_u32x8(_IQ3_XXS_GRID, row[at], row[at + 1], row[at + 2], row[at + 3],
                             row[at + 4], row[at + 5], row[at + 6], row[at + 7])
         signs = _signs4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
-        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs)))
+        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs)) + _IQ3_XXS_OFFSET)
 
 
 @njit(**_INLINE)
@@ -379,7 +436,8 @@ def decode_iq3_s(row, o, q, sc, mn):
                             np.int32(row[at + 5]) | (((high >> 5) & 1) << 8),
                             np.int32(row[at + 6]) | (((high >> 6) & 1) << 8),
                             np.int32(row[at + 7]) | (((high >> 7) & 1) << 8))
-        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(load_u32(row, o + 74 + 4 * s))))
+        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(load_u32(row, o + 74 + 4 * s)))
+                    + _IQ3_S_OFFSET)
 
 
 # -- IQ1: grid entries of -1, 0, 1 plus a shift of an eighth ----------------------------------
@@ -401,7 +459,7 @@ def decode_iq1_s(row, o, q, sc, mn):
                             np.int32(row[at + 2]) | (((h >> 6) & 7) << 8),
                             np.int32(row[at + 3]) | (((h >> 9) & 7) << 8))
         shift = -1 if h & 0x8000 else 1
-        store_bytes(q, 32 * s, (grid << 3) + splat_bytes(shift))
+        store_bytes(q, 32 * s, (grid << 3) + splat_bytes(shift + _IQ1_OFFSET))
 
 
 @njit(**_INLINE)
@@ -426,4 +484,4 @@ def decode_iq1_m(row, o, q, sc, mn):
                             np.int32(row[at + 3]) | (((n1 >> 4) & 7) << 8))
         negative = (((n0 >> 3) & 1) * 0xFF | ((n0 >> 7) & 1) * 0xFF00
                     | ((n1 >> 3) & 1) * 0xFF0000 | ((n1 >> 7) & 1) * 0xFF000000)
-        store_bytes(q, 32 * c, (grid << 3) + 1 - (bit_lanes(negative) << 1))
+        store_bytes(q, 32 * c, (grid << 3) + (1 + _IQ1_OFFSET) - (bit_lanes(negative) << 1))

@@ -47,23 +47,27 @@ _INGREDIENTS = ("cpu_block_decoders.py", "cpu_simd.py", "numba_settings.py", "iq
 class BlockType:
     """How the cpu kernels compute with one GGUF type: `loops`, the template module
     (in eagerlm.kernels), and `binding`, the lines binding its names for this type;
-    `quantized_activations`: whether its `gemv` takes x as 8-bit codes
-    (kernels/cpu_activations.py) or as float32."""
+    `activation_group`: 16 or 32 for the types whose `gemv` takes x as 8-bit codes with a
+    scale and a sum per that many values (kernels/cpu_activations.py), 0 for those taking
+    it as float32."""
 
     qtype: GGMLQuantizationType
     loops: str
     binding: str
-    quantized_activations: bool
+    activation_group: int
 
 
-def _blocks(qtype: GGMLQuantizationType, sub: int, *, has_min: bool = False) -> BlockType:
-    """A block type: codes times a scale per `sub` values (plus an offset, `has_min`),
-    decoded by `cpu_block_decoders.decode_<type>`."""
+def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: bool = False,
+            signed: bool = False) -> BlockType:
+    """A block type, decoded by `cpu_block_decoders.decode_<type>`: codes (0..127, or
+    -128..127 if `signed`) q per value and a scale sc per `sub` values, plus a minimum mn
+    per `sub` values if `has_min`: value = sc * (q - offset) + mn."""
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     binding = (f"from eagerlm.kernels.cpu_block_decoders import decode_{qtype.name.lower()} "
                f"as decode_block\n\n"
-               f"BLOCK, BLOCK_BYTES, SUB, HAS_MIN = {block}, {block_bytes}, {sub}, {has_min}\n")
-    return BlockType(qtype, "cpu_quant_loops", binding, True)
+               f"BLOCK, BLOCK_BYTES, SUB, HAS_MIN, CODE_OFFSET, SIGNED_CODES = "
+               f"{block}, {block_bytes}, {sub}, {has_min}, {offset}, {signed}\n")
+    return BlockType(qtype, "cpu_quant_loops", binding, sub)
 
 
 def _floats(qtype: GGMLQuantizationType, name: str) -> BlockType:
@@ -71,35 +75,35 @@ def _floats(qtype: GGMLQuantizationType, name: str) -> BlockType:
     binding = (f"from eagerlm.kernels.cpu_simd import load_{name} as load_value\n"
                f"from eagerlm.kernels.cpu_simd import load_{name}x8 as load_values\n\n"
                f"VALUE_BYTES = 2\n")
-    return BlockType(qtype, "cpu_float_loops", binding, False)
+    return BlockType(qtype, "cpu_float_loops", binding, 0)
 
 
 BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (
     _floats(Q.F16, "f16"),
     _floats(Q.BF16, "bf16"),
-    _blocks(Q.Q4_0, 32),
+    _blocks(Q.Q4_0, 32, offset=8),
     _blocks(Q.Q4_1, 32, has_min=True),
-    _blocks(Q.Q5_0, 32),
+    _blocks(Q.Q5_0, 32, offset=16),
     _blocks(Q.Q5_1, 32, has_min=True),
-    _blocks(Q.Q8_0, 32),
+    _blocks(Q.Q8_0, 32, signed=True),
     _blocks(Q.Q2_K, 16, has_min=True),
-    _blocks(Q.Q3_K, 16),
+    _blocks(Q.Q3_K, 16, offset=4),
     _blocks(Q.Q4_K, 32, has_min=True),
     _blocks(Q.Q5_K, 32, has_min=True),
-    _blocks(Q.Q6_K, 16),
-    _blocks(Q.IQ1_S, 32),
-    _blocks(Q.IQ1_M, 16),
-    _blocks(Q.IQ2_XXS, 32),
-    _blocks(Q.IQ2_XS, 16),
-    _blocks(Q.IQ2_S, 16),
-    _blocks(Q.IQ3_XXS, 32),
-    _blocks(Q.IQ3_S, 32),
-    _blocks(Q.IQ4_NL, 32),
-    _blocks(Q.IQ4_XS, 32),
-    _blocks(Q.TQ1_0, 32),
-    _blocks(Q.TQ2_0, 32),
-    _blocks(Q.MXFP4, 32),
-    _blocks(Q.NVFP4, 16),
+    _blocks(Q.Q6_K, 16, offset=32),
+    _blocks(Q.IQ1_S, 32, offset=9),
+    _blocks(Q.IQ1_M, 16, offset=9),
+    _blocks(Q.IQ2_XXS, 32, offset=43),
+    _blocks(Q.IQ2_XS, 16, offset=43),
+    _blocks(Q.IQ2_S, 16, offset=43),
+    _blocks(Q.IQ3_XXS, 32, offset=62),
+    _blocks(Q.IQ3_S, 32, offset=15),
+    _blocks(Q.IQ4_NL, 32, signed=True),
+    _blocks(Q.IQ4_XS, 32, signed=True),
+    _blocks(Q.TQ1_0, 32, offset=1),
+    _blocks(Q.TQ2_0, 32, offset=1),
+    _blocks(Q.MXFP4, 32, offset=12),
+    _blocks(Q.NVFP4, 16, offset=12),
 )}
 
 _built: dict[GGMLQuantizationType, ModuleType] = {}

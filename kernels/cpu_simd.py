@@ -10,20 +10,21 @@ vectors instead, so what runs is what is written:
 - `Bytes32` (`<32 x i8>`): 32 byte lanes: a block's codes as they are unpacked (nibbles,
   bit planes, grid entries, signs). Operators `& | ^ + - * << >>` work lane-wise with
   wrap-around; `>>` is logical; a scalar operand is broadcast.
-- `Int32x8` (`<8 x i32>`): integer dot-product partial sums, from `dot16` / `dot32`
-  (pairs of int8 codes times int16 activations summed into 32-bit lanes, the `pmaddwd`
-  pattern).
+- `Int32x8` (`<8 x i32>`): integer dot-product partial sums, from `dot_unsigned` /
+  `dot_signed` (32 codes times 32 int8 activations, four products per 32-bit lane:
+  llama.cpp's `vpmaddubsw` + `vpmaddwd`).
 - `Float32x8` (`<8 x float>`): float32 partial sums and values (`+ - *`, scalars
   broadcast, `muladd`), computed in the order written (numba_settings.JIT_ORDERED).
 
 The vectors are generic LLVM IR, lowered by LLVM for whatever the machine has (AVX2 as
 two or one 256-bit registers, AVX-512, SSE, NEON): no kernel assumes an instruction set.
-Two operations use an x86 instruction where the compiling machine has it, with a generic
-fallback otherwise: `dot16` (`vpmaddwd` on AVX2; LLVM's own instruction selection found it
-in isolation but lost it once the loads were folded in) and `lut16` (a 16-entry byte
-table lookup, `vpshufb`; LLVM has no variable shuffle). numba's cache keys every compiled
-kernel on the host CPU's name and features, so a kernel compiled with them is never
-loaded on a machine without them.
+Three operations use x86 instructions where the compiling machine has them, with a generic
+fallback otherwise: the dot products (`vpmaddubsw`, `vpmaddwd`, `vpsignb` on AVX2; LLVM's
+own instruction selection found `vpmaddwd` in isolation but lost it once the loads were
+folded in, and has no saturating pair sum to match `vpmaddubsw` from) and `lut16` (a
+16-entry byte table lookup, `vpshufb`; LLVM has no variable shuffle). numba's cache keys
+every compiled kernel on the host CPU's name and features, so a kernel compiled with them
+is never loaded on a machine without them.
 """
 
 from __future__ import annotations
@@ -160,6 +161,19 @@ def load_bytes(typingctx, array, offset):
         ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
                            signature.args[1], _V32)
         return builder.load(ptr, align=1)
+    return bytes32(array, offset), codegen
+
+
+@intrinsic
+def load_bytes16(typingctx, array, offset):
+    """16 bytes of a byte array from item `offset` on, in lanes 0-15 (16-31 zero): a
+    block's header, without reading past the block."""
+    def codegen(context, builder, signature, args):
+        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+                           signature.args[1], _vec(_I8, 16))
+        half = builder.load(ptr, align=1)
+        return builder.shuffle_vector(half, ir.Constant(_vec(_I8, 16), None),
+                                      _constant_lanes(_vec(_I32, 32), range(32)))
     return bytes32(array, offset), codegen
 
 
@@ -355,45 +369,67 @@ def _pmaddwd(builder, a: ir.Value, b: ir.Value) -> ir.Value:
             "llvm.x86.avx2.pmadd.wd",
             fnty=ir.FunctionType(_vec(_I32, 8), [_vec(_I16, 16), _vec(_I16, 16)]))
         return builder.call(fn, [a, b])
-    wide = _vec(_I32, 8)
-    even = _constant_lanes(_vec(_I32, 8), range(0, 16, 2))
-    odd = _constant_lanes(_vec(_I32, 8), range(1, 16, 2))
-    parts = [builder.mul(builder.sext(builder.shuffle_vector(a, a, lanes), wide),
+    return _pairs(builder, a, b, _vec(_I32, 8), builder.sext)
+
+
+def _pairs(builder, a: ir.Value, b: ir.Value, wide: ir.VectorType, extend_a) -> ir.Value:
+    """Adjacent products of a (extended by `extend_a`) and b (sign-extended) summed, in
+    `wide` lanes: generic IR for the x86 instructions above and below."""
+    n = wide.count
+    parts = [builder.mul(extend_a(builder.shuffle_vector(a, a, lanes), wide),
                          builder.sext(builder.shuffle_vector(b, b, lanes), wide))
-             for lanes in (even, odd)]
+             for lanes in (_constant_lanes(_vec(_I32, n), range(0, 2 * n, 2)),
+                           _constant_lanes(_vec(_I32, n), range(1, 2 * n, 2)))]
     return builder.add(parts[0], parts[1])
 
 
-def _dot16(context, builder, signature, args, q_at: int, x_at: int) -> ir.Value:
-    codes = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1],
-                                      signature.args[1], _vec(_I8, 16)), align=1)
-    acts = builder.load(_element_ptr(context, builder, signature.args[2], args[2], args[3],
-                                     signature.args[3], _vec(_I16, 16)), align=2)
-    return _pmaddwd(builder, builder.sext(codes, _vec(_I16, 16)), acts)
+def _pmaddubsw(builder, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+    """Two `<32 x i8>`, the first unsigned: adjacent products summed into `<16 x i16>`
+    (saturating on x86; the callers' codes keep every pair sum within int16)."""
+    if _X86_AVX2:
+        fn = builder.module.declare_intrinsic(
+            "llvm.x86.avx2.pmadd.ub.sw", fnty=ir.FunctionType(_vec(_I16, 16), [_V32, _V32]))
+        return builder.call(fn, [unsigned, signed])
+    return _pairs(builder, unsigned, signed, _vec(_I16, 16), builder.zext)
 
 
-@intrinsic
-def dot16(typingctx, codes, q_offset, acts, x_offset):
-    """Lane l = c[2l] * a[2l] + c[2l+1] * a[2l+1] over the 16 int8 codes at
-    codes[q_offset:] and the 16 int16 activations at acts[x_offset:]."""
-    def codegen(context, builder, signature, args):
-        return _dot16(context, builder, signature, args, 0, 0)
-    return int32x8(codes, q_offset, acts, x_offset), codegen
+def _abs_and_sign(builder, codes: ir.Value, acts: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """|codes| and acts with the codes' signs (zero where a code is 0): their products are
+    codes * acts with the codes unsigned, as `vpmaddubsw` wants them."""
+    if _X86_AVX2:
+        fn = builder.module.declare_intrinsic(
+            "llvm.x86.avx2.psign.b", fnty=ir.FunctionType(_V32, [_V32, _V32]))
+        magnitude = builder.call(fn, [codes, codes])
+        return magnitude, builder.call(fn, [acts, codes])
+    zero = ir.Constant(_V32, None)
+    negative = builder.icmp_signed("<", codes, zero)
+    magnitude = builder.select(negative, builder.sub(zero, codes), codes)
+    signed = builder.select(negative, builder.sub(zero, acts), acts)
+    return magnitude, builder.select(builder.icmp_signed("==", codes, zero), zero, signed)
 
 
-@intrinsic
-def dot32(typingctx, codes, q_offset, acts, x_offset):
-    """`dot16` over 32 codes and activations, the two halves' lanes added."""
-    def codegen(context, builder, signature, args):
-        first = _dot16(context, builder, signature, args, 0, 0)
-        shifted = list(args)
-        shifted[1] = builder.add(context.cast(builder, args[1], signature.args[1], types.intp),
-                                 ir.Constant(_I64, 16))
-        shifted[3] = builder.add(context.cast(builder, args[3], signature.args[3], types.intp),
-                                 ir.Constant(_I64, 16))
-        sig = signature.return_type(signature.args[0], types.intp, signature.args[2], types.intp)
-        return builder.add(first, _dot16(context, builder, sig, shifted, 0, 0))
-    return int32x8(codes, q_offset, acts, x_offset), codegen
+def _dot(signed_codes: bool):
+    @intrinsic
+    def dot(typingctx, codes, acts, offset):
+        def codegen(context, builder, signature, args):
+            x = builder.load(_element_ptr(context, builder, signature.args[1], args[1], args[2],
+                                          signature.args[2], _V32), align=1)
+            q = args[0]
+            if signed_codes:
+                q, x = _abs_and_sign(builder, q, x)
+            pairs = _pmaddubsw(builder, q, x)
+            return _pmaddwd(builder, pairs, ir.Constant(_vec(_I16, 16), [1] * 16))
+        return int32x8(codes, acts, offset), codegen
+    return dot
+
+
+dot_unsigned = _dot(False)
+dot_unsigned.__doc__ = """Lane l = the sum of codes[4l .. 4l + 3] * acts[offset + 4l ..]: 32
+codes 0..127 (a `Bytes32`) times 32 int8 activations (`vpmaddubsw` then `vpmaddwd` on x86:
+llama.cpp's dot product; the pair sums stay within int16)."""
+dot_signed = _dot(True)
+dot_signed.__doc__ = """`dot_unsigned` for codes -128..127: their magnitudes times the
+activations with the codes' signs."""
 
 
 # -- float vectors --------------------------------------------------------------------------------
@@ -426,11 +462,48 @@ def muladd(typingctx, a, b, c):
 
 @intrinsic
 def scaled_add(typingctx, acc, sums, scale):
-    """float(sums) * scale + acc: an integer dot's lanes into float32 partial sums."""
+    """float(sums) * scale + acc: an integer dot's lanes into float32 partial sums;
+    `scale` a scalar (every lane) or a Float32x8 (one per lane)."""
     def codegen(context, builder, signature, args):
-        s = _scalar_to(context, builder, args[2], signature.args[2], _F8)
+        s = args[2]
+        if not isinstance(signature.args[2], _VectorType):
+            s = _scalar_to(context, builder, s, signature.args[2], _F8)
         return _muladd(builder, builder.sitofp(args[1], _F8), s, args[0])
     return float32x8(acc, sums, scale), codegen
+
+
+@intrinsic
+def pair_lanes(typingctx, array, index):
+    """[a[i]] * 4 + [a[i + 1]] * 4 of a float32 array: the scales of two 16-value groups
+    for the lanes of a 32-value `dot_unsigned` (lanes 0-3 sum values 0-15)."""
+    def codegen(context, builder, signature, args):
+        two = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1],
+                                        signature.args[1], _vec(_F32, 2)), align=4)
+        return builder.shuffle_vector(two, two, _constant_lanes(_vec(_I32, 8),
+                                                                [0] * 4 + [1] * 4))
+    return float32x8(array, index), codegen
+
+
+def _bytes_to_floats(signed: bool):
+    @intrinsic
+    def convert(typingctx, value, part):
+        if not isinstance(part, types.IntegerLiteral):
+            return None
+        first = 8 * part.literal_value
+
+        def codegen(context, builder, signature, args):
+            eight = builder.shuffle_vector(args[0], args[0], _constant_lanes(
+                _vec(_I32, 8), range(first, first + 8)))
+            return (builder.sitofp if signed else builder.uitofp)(eight, _F8)
+        return float32x8(value, part), codegen
+    return convert
+
+
+ubytes_f32x8 = _bytes_to_floats(False)
+ubytes_f32x8.__doc__ = """Lanes 8p .. 8p + 7 of a `Bytes32` (p a constant), unsigned, as
+float32 (a block's scales unpacked as bytes)."""
+sbytes_f32x8 = _bytes_to_floats(True)
+sbytes_f32x8.__doc__ = """`ubytes_f32x8` for signed bytes."""
 
 
 @intrinsic

@@ -100,7 +100,8 @@ def quantized_linear(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
     y = np.empty((n, out_features), np.float32)
     if n <= FEW_ROWS:
         gemv = w.kernels.gemv
-        acts = quantize_activations(x) if BLOCK_TYPES[w.qtype].quantized_activations else (x,)
+        group = BLOCK_TYPES[w.qtype].activation_group
+        acts = quantize_activations(x, group) if group else (x,)
         by_output_features(n * out_features * in_features, out_features,
                            lambda start, stop: gemv(w.blocks, *acts, y, start, stop))
         return y

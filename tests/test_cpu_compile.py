@@ -88,10 +88,11 @@ def test_a_cold_cache_is_filled_by_a_helper_process_and_this_one_together(tmp_pa
     helper = {g.name for g in cpu_compile._helper_share(cold)}
     assert helper and helper != set(stats)
     for name, kernels in stats.items():
-        if name in helper:
-            assert all(misses == 0 and hits == 1 for hits, misses in kernels), name
+        own = kernels if name in ("row_ops", "attention") else kernels[:2]  # gemv, dequant
+        if name in helper:  # (the activations' quantizer every type shares compiles here)
+            assert all(misses == 0 and hits == 1 for hits, misses in own), name
         else:
-            assert any(misses == 1 for hits, misses in kernels), name
+            assert all(misses == 1 for hits, misses in own), name
 
 
 def test_the_helpers_share_balances_the_compile_times():

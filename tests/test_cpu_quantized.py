@@ -113,7 +113,7 @@ def assert_within_derived_bounds(y: np.ndarray, x: np.ndarray, w: QuantizedMatri
         bound = k * EPS32 * (np.abs(x) @ np.abs(ref).T)
         assert np.all(np.abs(y - exact) <= bound), np.max(np.abs(y - exact) / bound)
         return
-    if BLOCK_TYPES[w.qtype].quantized_activations:
+    if BLOCK_TYPES[w.qtype].activation_group:
         xt, d = dequantized_activations(x)
     else:
         xt, d = x.astype(np.float64), np.zeros(x.shape)
@@ -126,20 +126,23 @@ def assert_within_derived_bounds(y: np.ndarray, x: np.ndarray, w: QuantizedMatri
 
 def test_activations_are_8_bit_codes_within_half_a_step_of_x():
     """llama.cpp's Q8_0 activations: per 32 values, d = max |x| / 127 and codes in
-    -127..127 with |d * code - x| <= d / 2; the sums per 16 are d * the codes' sum; an
-    all-zero group has d = 0 and zero codes."""
+    -127..127 with |d * code - x| <= d / 2; per group of 16 or 32 the scale (a 32-group's
+    for both its halves) and d * the codes' sum; an all-zero group has d = 0 and zero
+    codes."""
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((3, 256)) * rng.uniform(0.01, 100, (3, 1))).astype(np.float32)
     x[1, 32:64] = 0
-    codes, scales, sums = quantize_activations(x)
-    assert codes.dtype == np.int16 and np.abs(codes).max() == 127
     groups = np.abs(x.astype(np.float64)).reshape(3, -1, GROUP).max(axis=2)
-    np.testing.assert_allclose(scales, groups / 127, rtol=1e-6)
-    assert scales[1, 1] == 0 and not codes[1, 32:64].any()
+    for sub in (32, 16):
+        codes, scales, sums = quantize_activations(x, sub)
+        assert codes.dtype == np.int8 and np.abs(codes.astype(int)).max() == 127
+        np.testing.assert_allclose(scales, np.repeat(groups, GROUP // sub, axis=1) / 127,
+                                   rtol=1e-6)
+        assert scales[1, GROUP // sub] == 0 and not codes[1, 32:64].any()
+        np.testing.assert_allclose(sums, codes.reshape(3, -1, sub).sum(axis=2) * scales,
+                                   rtol=1e-6, atol=1e-30)
     xt, d = dequantized_activations(x)
     assert np.all(np.abs(xt - x) <= d / 2 * (1 + 1e-6))
-    np.testing.assert_allclose(sums, codes.reshape(3, -1, 16).sum(axis=2)
-                               * np.repeat(scales, 2, axis=1), rtol=1e-6)
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
@@ -155,7 +158,8 @@ def test_each_types_kernels_equal_float64_dequantize_then_matmul(qtype, monkeypa
         assert_within_derived_bounds(quantized_linear(x, w), x, w)
     x = rng.standard_normal((2, IN_FEATURES)).astype(np.float32)
     y = np.full((2, OUT_FEATURES), np.nan, np.float32)
-    acts = quantize_activations(x) if BLOCK_TYPES[qtype].quantized_activations else (x,)
+    group = BLOCK_TYPES[qtype].activation_group
+    acts = quantize_activations(x, group) if group else (x,)
     w.kernels.gemv(w.blocks, *acts, y, 5, 30)
     assert np.isnan(y[:, :5]).all() and np.isnan(y[:, 30:]).all()
     full = quantized_linear(x, w)

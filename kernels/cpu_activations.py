@@ -23,25 +23,30 @@ from numba import njit
 from eagerlm.kernels.numba_settings import JIT_ORDERED
 
 GROUP = 32  # activation values per scale
+PAD = 256  # rows padded with zeros to a multiple of this: the kernels' chunks of 256 values
 
 
 def quantize_activations(x: np.ndarray, sub: int = GROUP
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x float32 `[n, k]` (k a multiple of `GROUP`) as (codes int8 `[n, k]`, scales and
-    sums float32 `[n, k / sub]`), `sub` 16 or 32."""
+    """x float32 `[n, k]` (k a multiple of `GROUP`) as (codes int8 `[n, k']`, scales and
+    sums float32 `[n, k' / sub]`), `sub` 16 or 32, k' = k rounded up to a multiple of
+    `PAD` (codes, scales and sums 0 past k: the kernels read whole chunks)."""
     n, k = x.shape
-    codes = np.empty((n, k), np.int8)
-    scales = np.empty((n, k // sub), np.float32)
-    sums = np.empty((n, k // sub), np.float32)
+    padded = -(-k // PAD) * PAD
+    codes = np.empty((n, padded), np.int8)
+    scales = np.empty((n, padded // sub), np.float32)
+    sums = np.empty((n, padded // sub), np.float32)
     quantize_into(x, codes, scales, sums)
     return codes, scales, sums
 
 
 @njit(**JIT_ORDERED)
 def quantize_into(x, codes, scales, sums):
-    """`quantize_activations`' kernel, into arrays of its shapes (`sub` from theirs)."""
+    """`quantize_activations`' kernel, into arrays of its shapes (`sub` and the padding
+    from theirs)."""
     n, k = x.shape
-    per_group = GROUP * scales.shape[1] // k  # 1, or 2 halves of 16
+    padded = codes.shape[1]
+    per_group = GROUP * scales.shape[1] // padded  # 1, or 2 halves of 16
     for j in range(n):
         xr, cr = x[j], codes[j]
         for g in range(k // GROUP):
@@ -68,3 +73,6 @@ def quantize_into(x, codes, scales, sums):
                 scales[j, 2 * g + 1] = d
                 sums[j, 2 * g] = d * np.float32(s0)
                 sums[j, 2 * g + 1] = d * np.float32(s1)
+        cr[k:] = 0
+        scales[j, k * per_group // GROUP:] = 0.0
+        sums[j, k * per_group // GROUP:] = 0.0

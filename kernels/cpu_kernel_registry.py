@@ -49,12 +49,14 @@ class BlockType:
     (in eagerlm.kernels), and `binding`, the lines binding its names for this type;
     `activation_group`: 16 or 32 for the types whose `gemv` takes x as 8-bit codes with a
     scale and a sum per that many values (kernels/cpu_activations.py), 0 for those taking
-    it as float32."""
+    it as float32; `gemv_rows`: up to how many rows of x its `gemv` beats float32 tiles
+    times BLAS (kernels/quantized.py; measured, docs/performance.md)."""
 
     qtype: GGMLQuantizationType
     loops: str
     binding: str
     activation_group: int
+    gemv_rows: int
 
 
 def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: bool = False,
@@ -67,7 +69,7 @@ def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: 
                f"as decode_block\n\n"
                f"BLOCK, BLOCK_BYTES, SUB, HAS_MIN, CODE_OFFSET, SIGNED_CODES = "
                f"{block}, {block_bytes}, {sub}, {has_min}, {offset}, {signed}\n")
-    return BlockType(qtype, "cpu_quant_loops", binding, sub)
+    return BlockType(qtype, "cpu_quant_loops", binding, sub, 24)
 
 
 def _floats(qtype: GGMLQuantizationType, name: str) -> BlockType:
@@ -75,7 +77,7 @@ def _floats(qtype: GGMLQuantizationType, name: str) -> BlockType:
     binding = (f"from eagerlm.kernels.cpu_simd import load_{name} as load_value\n"
                f"from eagerlm.kernels.cpu_simd import load_{name}x8 as load_values\n\n"
                f"VALUE_BYTES = 2\n")
-    return BlockType(qtype, "cpu_float_loops", binding, 0)
+    return BlockType(qtype, "cpu_float_loops", binding, 0, 8)
 
 
 BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (

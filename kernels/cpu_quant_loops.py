@@ -65,16 +65,38 @@ CHUNK = max(1, 256 // BLOCK)  # blocks decoded together: 256 values
 CHUNK_GROUPS = CHUNK * NSUB  # 8 or 16 scale groups: their products eight at a time
 CHUNK_VALUES = CHUNK * BLOCK
 HAS_OFFSET = HAS_MIN or CODE_OFFSET != 0
+# the conditions the kernels branch on, as boolean constants: numba drops the untaken
+# branch before typing it (a comparison it would type and compile both ways)
+_HAS_CODE_OFFSET = CODE_OFFSET != 0
+_SUB32 = SUB == 32
+_ONE_BLOCK_CHUNKS = CHUNK == 1
 _CODE_OFFSET = np.float32(CODE_OFFSET)
 MAX_ROWS = 64  # rows of x `gemv` takes at most (its stack buffer of partial sums)
+assert CHUNK_VALUES == 256  # the activations' padding (kernels/cpu_activations.PAD)
 _ACC_LANES = 16 * MAX_ROWS  # two Float32x8 per row
 
 
 @njit(inline="always", **JIT_ORDERED)
-def _decode_chunk(wr, b0, q, sc, mn):
-    """The `CHUNK` blocks from b0 on of a row into q, sc, mn."""
+def _decode_chunk(wr, b0, n_blocks, q, sc, mn):
+    """Blocks b0 .. of a row, `CHUNK` of them or the row's last `n_blocks`, into q, sc,
+    mn; a short chunk's missing blocks get scale and minimum 0, so they add exactly 0
+    (the activations are zero-padded to whole chunks too, kernels/cpu_activations.py)."""
+    if _ONE_BLOCK_CHUNKS:
+        decode_block(wr, b0 * BLOCK_BYTES, q, sc, mn)
+        return
+    if n_blocks >= CHUNK:  # straight code: LLVM keeps q, sc, mn in registers
+        for t in range(CHUNK):
+            decode_block(wr, (b0 + t) * BLOCK_BYTES, q[t * BLOCK:], sc[t * NSUB:],
+                         mn[t * NSUB:])
+        return
     for t in range(CHUNK):
-        decode_block(wr, (b0 + t) * BLOCK_BYTES, q[t * BLOCK:], sc[t * NSUB:], mn[t * NSUB:])
+        if t < n_blocks:
+            decode_block(wr, (b0 + t) * BLOCK_BYTES, q[t * BLOCK:], sc[t * NSUB:],
+                         mn[t * NSUB:])
+        else:
+            for s in range(t * NSUB, (t + 1) * NSUB):
+                sc[s] = 0.0
+                mn[s] = 0.0
 
 
 @njit(inline="always", **JIT_ORDERED)
@@ -85,61 +107,40 @@ def _unit(q, comb, codes, e0, u, acc):
         part = dot_signed(load_bytes(q, 32 * u), codes, e0 + 32 * u)
     else:
         part = dot_unsigned(load_bytes(q, 32 * u), codes, e0 + 32 * u)
-    if SUB == 32:
+    if _SUB32:
         return scaled_add(acc, part, comb[u])
     return scaled_add(acc, part, pair_lanes(comb, 2 * u))
 
 
 @njit(inline="always", **JIT_ORDERED)
-def _units(q, comb, codes, e0, n_units, acc):
-    """acc + the scaled dot products of q's first `n_units` units with codes[e0:], even
-    and odd units in two sums (one chain of multiply-adds would wait on each other's
-    latency)."""
-    if n_units == 1:
-        return _unit(q, comb, codes, e0, 0, acc)
-    even = zeros_f32x8()
-    odd = zeros_f32x8()
-    for u in range(0, n_units, 2):
-        even = _unit(q, comb, codes, e0, u, even)
-        odd = _unit(q, comb, codes, e0, u + 1, odd)
-    return acc + (even + odd)
-
-
-@njit(inline="always", **JIT_ORDERED)
-def _chunk_dot(q, sc, mn, comb, codes, scales, sums, b0, acc, offsets):
-    """A decoded chunk (blocks b0 ..) times one row of x: `acc` (Float32x8) gains the
-    scaled dot products, `offsets` (Float32x8) the code offsets and minimums times the
-    groups' activation sums, the groups' products eight at a time."""
-    g0 = b0 * NSUB
+def _chunk_dot(q, sc, mn, comb, codes, scales, sums, c, acc, offsets):
+    """Decoded chunk c times one row of x: `acc` (Float32x8) gains the chunk's scaled dot
+    products (even and odd units in two sums: one chain of multiply-adds would wait on
+    its own latency), `offsets` (Float32x8) the code offsets and minimums times the
+    groups' activation sums, the groups' scale products eight at a time."""
+    g0 = c * CHUNK_GROUPS
     for v in range(CHUNK_GROUPS // 8):
         s = load_f32x8(sc, 8 * v)
         store_f32x8(comb, 8 * v, s * load_f32x8(scales, g0 + 8 * v))
         if HAS_OFFSET:
             m = load_f32x8(mn, 8 * v) if HAS_MIN else zeros_f32x8()
-            if CODE_OFFSET != 0:
+            if _HAS_CODE_OFFSET:
                 m = m - s * _CODE_OFFSET
             offsets = muladd(m, load_f32x8(sums, g0 + 8 * v), offsets)
-    return _units(q, comb, codes, b0 * BLOCK, CHUNK_VALUES // 32, acc), offsets
-
-
-@njit(inline="always", **JIT_ORDERED)
-def _block_dot(q, sc, mn, comb, codes, scales, sums, b, acc, offset):
-    """One decoded block (a row's last blocks, after its whole chunks) times one row of
-    x, its groups one at a time (the offsets and minimums into the scalar `offset`)."""
-    g0 = b * NSUB
-    for s in range(NSUB):
-        comb[s] = sc[s] * scales[g0 + s]
-        if HAS_OFFSET:
-            m = (mn[s] if HAS_MIN else np.float32(0.0)) - sc[s] * _CODE_OFFSET
-            offset += m * sums[g0 + s]
-    return _units(q, comb, codes, b * BLOCK, BLOCK // 32, acc), offset
+    even = zeros_f32x8()
+    odd = zeros_f32x8()
+    e0 = c * CHUNK_VALUES
+    for u in range(0, CHUNK_VALUES // 32, 2):
+        even = _unit(q, comb, codes, e0, u, even)
+        odd = _unit(q, comb, codes, e0, u + 1, odd)
+    return acc + (even + odd), offsets
 
 
 @njit(**JIT_ORDERED)
 def gemv(w, codes, scales, sums, y, r0, r1):
-    n, k = codes.shape
-    n_blocks = k // BLOCK
-    whole = n_blocks // CHUNK * CHUNK  # blocks in whole chunks
+    n = codes.shape[0]
+    n_blocks = w.shape[1] // BLOCK_BYTES
+    n_chunks = -(-n_blocks // CHUNK)
     q = stack_empty(CHUNK_VALUES, np.int8)
     sc = stack_empty(CHUNK_GROUPS, np.float32)
     mn = stack_empty(CHUNK_GROUPS, np.float32)
@@ -150,41 +151,26 @@ def gemv(w, codes, scales, sums, y, r0, r1):
             wr = w[r]
             acc = zeros_f32x8()
             offsets = zeros_f32x8()
-            offset = np.float32(0.0)
-            for b0 in range(0, whole, CHUNK):
-                _decode_chunk(wr, b0, q, sc, mn)
-                acc, offsets = _chunk_dot(q, sc, mn, comb, c0, s0, m0, b0, acc, offsets)
-            for b in range(whole, n_blocks):
-                decode_block(wr, b * BLOCK_BYTES, q, sc, mn)
-                acc, offset = _block_dot(q, sc, mn, comb, c0, s0, m0, b, acc, offset)
-            y[0, r] = lane_sum(acc) + (lane_sum(offsets) + offset)
+            for c in range(n_chunks):
+                _decode_chunk(wr, c * CHUNK, n_blocks - c * CHUNK, q, sc, mn)
+                acc, offsets = _chunk_dot(q, sc, mn, comb, c0, s0, m0, c, acc, offsets)
+            y[0, r] = lane_sum(acc) + lane_sum(offsets)
         return
     accs = stack_empty(_ACC_LANES, np.float32)
-    others = stack_empty(MAX_ROWS, np.float32)
     for r in range(r0, r1):
         wr = w[r]
         for j in range(2 * n):
             store_f32x8(accs, 8 * j, zeros_f32x8())
-        for j in range(n):
-            others[j] = 0.0
-        for b0 in range(0, whole, CHUNK):
-            _decode_chunk(wr, b0, q, sc, mn)
+        for c in range(n_chunks):
+            _decode_chunk(wr, c * CHUNK, n_blocks - c * CHUNK, q, sc, mn)
             for j in range(n):
-                acc, offsets = _chunk_dot(q, sc, mn, comb, codes[j], scales[j], sums[j], b0,
+                acc, offsets = _chunk_dot(q, sc, mn, comb, codes[j], scales[j], sums[j], c,
                                           load_f32x8(accs, 16 * j),
                                           load_f32x8(accs, 16 * j + 8))
                 store_f32x8(accs, 16 * j, acc)
                 store_f32x8(accs, 16 * j + 8, offsets)
-        for b in range(whole, n_blocks):
-            decode_block(wr, b * BLOCK_BYTES, q, sc, mn)
-            for j in range(n):
-                acc, offset = _block_dot(q, sc, mn, comb, codes[j], scales[j], sums[j], b,
-                                         load_f32x8(accs, 16 * j), others[j])
-                store_f32x8(accs, 16 * j, acc)
-                others[j] = offset
         for j in range(n):
-            y[j, r] = lane_sum(load_f32x8(accs, 16 * j)) + (
-                lane_sum(load_f32x8(accs, 16 * j + 8)) + others[j])
+            y[j, r] = lane_sum(load_f32x8(accs, 16 * j)) + lane_sum(load_f32x8(accs, 16 * j + 8))
 
 
 @njit(**JIT_ORDERED)

@@ -86,11 +86,12 @@ SERIAL_MAX_VALUES = 1 << 18
 
 
 def by_output_features(n_values: int, out_features: int,
-                       part: Callable[[int, int], None]) -> None:
+                       part: Callable[[int, int], None], *,
+                       serial_max: int = SERIAL_MAX_VALUES) -> None:
     """`part(start, stop)` over one contiguous share of a product's `out_features` per
     core, or over all of them on the calling thread when the product (`n_values`
-    multiply-adds) is too small to pay for the hand-off."""
-    workers = core_workers() if n_values >= SERIAL_MAX_VALUES else None
+    multiply-adds) is too small to pay for the hand-off (below `serial_max`)."""
+    workers = core_workers() if n_values >= serial_max else None
     if workers is None or workers.parts == 1:
         part(0, out_features)
         return

@@ -6,11 +6,13 @@ matrix: the file's bytes, `[rows, row_bytes]`, so it takes what the file takes. 
 
 - `quantized_linear(x, w)`: x @ w^T, by the compiled kernels of w's type
   (kernels/cpu_kernel_registry.py; every type gguf-py knows but the float32 ones, which
-  the backend keeps as float32 arrays). Up to `FEW_ROWS` rows of x (decode) take the
-  type's `gemv`: x quantized to 8-bit codes per 32 values once (kernels/cpu_activations.py;
-  F16 / BF16 keep x float32), then each block decoded in registers and multiplied with
-  every row of x, nothing dequantized to memory; the output rows are split over the cores
-  (kernels/cpu_threads.py), or run on the calling thread when the product is small.
+  the backend keeps as float32 arrays). Up to the type's `gemv_rows` rows of x (decode,
+  decode batches: 24 for the block types, 8 for F16 / BF16) take the type's `gemv`: x
+  quantized to 8-bit codes per 32 values once (kernels/cpu_activations.py; F16 / BF16
+  keep x float32), then each block decoded in registers and multiplied with every row of
+  x, nothing dequantized to memory; the output rows are split over the cores
+  (kernels/cpu_threads.py), or run on the calling thread under `GEMV_SERIAL_MAX_VALUES`
+  multiply-adds.
   Beyond that (prefill, big batches), `TILE_ELEMENTS` worth of weight rows at a time is
   dequantized into a reused float32 buffer and multiplied by BLAS, one share of the
   output rows per core: a tile per core is all the extra memory.
@@ -30,14 +32,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from eagerlm.kernels.cpu_activations import quantize_activations
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
-from eagerlm.kernels.cpu_quant_loops import MAX_ROWS
 from eagerlm.kernels.cpu_threads import by_output_features, core_workers
 
-# How a product is computed, by the rows of x: up to `FEW_ROWS`, the type's `gemv` (each
-# block decoded once, multiplied with every row); beyond, tiles dequantized and
-# multiplied by BLAS.
-FEW_ROWS = MAX_ROWS
 TILE_ELEMENTS = 1 << 18  # weights per tile: 1 MiB of float32, cache-sized
+# Below this many multiply-adds a `gemv` runs on the calling thread: at ~30 G multiply-adds
+# a second per core (8-bit dot products) 2M take ~70 us alone, ~35 us on two cores plus the
+# ~25-30 us a hand-off to the other core's worker costs (measured, docs/performance.md).
+GEMV_SERIAL_MAX_VALUES = 1 << 21
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,12 +99,14 @@ def quantized_linear(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
     n = x.shape[0]
     out_features, in_features = w.shape
     y = np.empty((n, out_features), np.float32)
-    if n <= FEW_ROWS:
+    block_type = BLOCK_TYPES[w.qtype]
+    if n <= block_type.gemv_rows:
         gemv = w.kernels.gemv
-        group = BLOCK_TYPES[w.qtype].activation_group
+        group = block_type.activation_group
         acts = quantize_activations(x, group) if group else (x,)
         by_output_features(n * out_features * in_features, out_features,
-                           lambda start, stop: gemv(w.blocks, *acts, y, start, stop))
+                           lambda start, stop: gemv(w.blocks, *acts, y, start, stop),
+                           serial_max=GEMV_SERIAL_MAX_VALUES)
         return y
     by_output_features(n * out_features * in_features, out_features,
                        partial(_tiles, x, w, y, core_workers().local))

@@ -25,6 +25,7 @@ Tolerances, derived:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 
@@ -38,9 +39,10 @@ from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_activations import GROUP, quantize_activations
 from eagerlm.kernels.cpu_backend import cpu_transformer, held_bytes
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES
+from eagerlm.kernels.cpu_quant_loops import MAX_ROWS
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, CoreWorkers
 from eagerlm.kernels.numpy_ops import NumpyOps
-from eagerlm.kernels.quantized import FEW_ROWS, QuantizedMatrix, quantized_linear
+from eagerlm.kernels.quantized import QuantizedMatrix, quantized_linear
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import (
     RANDOM_BYTE_TYPES,
@@ -56,6 +58,7 @@ Q = GGMLQuantizationType
 ALL_TYPES = sorted(BLOCK_TYPES, key=lambda q: q.name)
 FLOAT_TYPES = (Q.F16, Q.BF16)
 IN_FEATURES = 512  # two K-quant superblocks, sixteen 32-value blocks
+GEMV_ROWS = BLOCK_TYPES[Q.Q8_0].gemv_rows  # the block types' (they all have the same)
 OUT_FEATURES = 37  # shares of unequal size, partial tiles
 EPS32 = 2.0 ** -24
 
@@ -95,12 +98,13 @@ def offsets(w: QuantizedMatrix) -> np.ndarray:
 def dequantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x~ and each value's activation scale d, from `quantize_activations`."""
     codes, scales, _ = quantize_activations(x)
-    d = np.repeat(scales.astype(np.float64), GROUP, axis=1)
-    return codes * d, d
+    k = x.shape[1]
+    d = np.repeat(scales.astype(np.float64), GROUP, axis=1)[:, :k]
+    return codes[:, :k] * d, d
 
 
 def assert_within_derived_bounds(y: np.ndarray, x: np.ndarray, w: QuantizedMatrix) -> None:
-    """y against x @ w^T in float64. Up to `FEW_ROWS` rows (the types' own kernels): the
+    """y against x @ w^T in float64. Up to the type's `gemv_rows` rows (its `gemv`): the
     float32 rounding bound around x~ @ w^T (x~ the 8-bit activations, or x itself for the
     float types), and the 8-bit activations' bound around x @ w^T. More rows (float32
     tiles times BLAS, whose summation order is its own): k * 2^-24 * sum |x_i w_i|, the
@@ -109,7 +113,7 @@ def assert_within_derived_bounds(y: np.ndarray, x: np.ndarray, w: QuantizedMatri
     k = w.shape[1]
     assert y.dtype == np.float32 and y.shape == (len(x), w.shape[0])
     exact = x.astype(np.float64) @ ref.T
-    if len(x) > FEW_ROWS:
+    if len(x) > BLOCK_TYPES[w.qtype].gemv_rows:
         bound = k * EPS32 * (np.abs(x) @ np.abs(ref).T)
         assert np.all(np.abs(y - exact) <= bound), np.max(np.abs(y - exact) / bound)
         return
@@ -141,20 +145,29 @@ def test_activations_are_8_bit_codes_within_half_a_step_of_x():
         assert scales[1, GROUP // sub] == 0 and not codes[1, 32:64].any()
         np.testing.assert_allclose(sums, codes.reshape(3, -1, sub).sum(axis=2) * scales,
                                    rtol=1e-6, atol=1e-30)
+    codes, scales, sums = quantize_activations(x[:, :160], 16)  # padded to 256, zeros
+    assert codes.shape == (3, 256) and scales.shape == sums.shape == (3, 16)
+    assert not codes[:, 160:].any() and not scales[:, 10:].any() and not sums[:, 10:].any()
     xt, d = dequantized_activations(x)
     assert np.all(np.abs(xt - x) <= d / 2 * (1 + 1e-6))
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_each_types_kernels_equal_float64_dequantize_then_matmul(qtype, monkeypatch):
-    """Every regime through `quantized_linear`: one row, a few, `FEW_ROWS`, and beyond
-    (tiles of 8 rows here, so each core's share ends in a partial tile); then the `gemv`
-    kernel alone on a range of rows starting and ending mid-matrix, as one core's share."""
+    """Every regime through `quantized_linear`: one row, a few, the most `gemv` takes, 64
+    (its stack buffer's size) and more (tiles of 8 rows here, so each core's share ends
+    in a partial tile); then the `gemv` kernel alone on a range of rows starting and
+    ending mid-matrix, as one core's share."""
     monkeypatch.setattr(quantized, "TILE_ELEMENTS", 8 * IN_FEATURES)
     rng = np.random.default_rng(int(qtype))
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
-    for n_rows in (1, 3, FEW_ROWS, FEW_ROWS + 1):
+    gemv_rows = BLOCK_TYPES[qtype].gemv_rows
+    for n_rows in (1, 3, gemv_rows, gemv_rows + 1):
         x = rng.standard_normal((n_rows, IN_FEATURES)).astype(np.float32)
+        assert_within_derived_bounds(quantized_linear(x, w), x, w)
+    x = rng.standard_normal((MAX_ROWS, IN_FEATURES)).astype(np.float32)
+    with monkeypatch.context() as m:
+        m.setitem(BLOCK_TYPES, qtype, dataclasses.replace(BLOCK_TYPES[qtype], gemv_rows=MAX_ROWS))
         assert_within_derived_bounds(quantized_linear(x, w), x, w)
     x = rng.standard_normal((2, IN_FEATURES)).astype(np.float32)
     y = np.full((2, OUT_FEATURES), np.nan, np.float32)
@@ -168,7 +181,7 @@ def test_each_types_kernels_equal_float64_dequantize_then_matmul(qtype, monkeypa
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_a_row_gives_the_same_bits_alone_and_in_a_batch(qtype):
-    """Up to `FEW_ROWS` rows, each row of x is computed in the same order whatever else is
+    """Up to `gemv_rows` rows, each row of x is computed in the same order whatever else is
     in the batch (numba_settings.JIT_ORDERED): a batched request gets what it would alone."""
     rng = np.random.default_rng(int(qtype) + 2)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
@@ -215,7 +228,7 @@ def test_float16_and_bfloat16_weights_are_numpys_values(qtype):
     w = QuantizedMatrix.of(qtype, want.shape, raw.view(np.uint8))
     assert w.nbytes == 2 * want.size
     np.testing.assert_array_equal(w.dequantize(), want)
-    for n_rows in (1, 4, FEW_ROWS + 1):
+    for n_rows in (1, 4, BLOCK_TYPES[qtype].gemv_rows + 1):
         x = rng.standard_normal((n_rows, 45)).astype(np.float32)
         want_y = x.astype(np.float64) @ want.astype(np.float64).T
         bound = (45 / 16 + 8) * EPS32 * (np.abs(x) @ np.abs(want).T)
@@ -319,11 +332,11 @@ def eight_bit(x: np.ndarray) -> np.ndarray:
 
 class EightBitActivations(NumpyOps):
     """The float32 reference path with the activations of each product the quantized path
-    computes on 8-bit activations (up to `FEW_ROWS` rows; every matrix of these models is
+    computes on 8-bit activations (up to `gemv_rows` rows; every matrix of these models is
     of a block type) rounded the same way first."""
 
     def linear(self, x, w, bias=None):
-        return super().linear(eight_bit(x) if len(x) <= FEW_ROWS else x, w, bias)
+        return super().linear(eight_bit(x) if len(x) <= GEMV_ROWS else x, w, bias)
 
 
 def float_reference(float_):
@@ -351,7 +364,7 @@ def assert_within_eight_bit_noise(quant: list[np.ndarray], reference_: list[np.n
 
 def test_every_product_of_a_quantized_forward_is_its_input_in_8_bits_times_the_weights(
         synthetic, monkeypatch):
-    """Each product of a prefill (37 rows: the kernels; 70: float32 tiles) and of decode
+    """Each product of a prefill (20 rows: the kernels; 70: float32 tiles) and of decode
     steps, recorded at the model's own shapes and activations, against float64
     dequantize-then-matmul within the kernels' derived bounds."""
     seen: list[tuple[np.ndarray, QuantizedMatrix, np.ndarray]] = []
@@ -362,7 +375,7 @@ def test_every_product_of_a_quantized_forward_is_its_input_in_8_bits_times_the_w
         return y
     monkeypatch.setattr("eagerlm.kernels.numpy_ops.quantized_linear", recorded)
     tf = cpu_transformer(synthetic)
-    _logits(tf, synthetic, list(range(3, 40)))
+    _logits(tf, synthetic, list(range(3, 23)))
     _logits(tf, synthetic, list(range(3, 73)))
     assert len(seen) >= 2 * 4 * 7
     for x, w, y in seen:
@@ -371,7 +384,7 @@ def test_every_product_of_a_quantized_forward_is_its_input_in_8_bits_times_the_w
 
 def test_synthetic_models_logits_on_the_quantized_path_are_the_float_paths_to_8_bit_noise(
         synthetic):
-    """A prompt of 37 tokens (the kernels) and one of 70 (float32 tiles: no 8-bit noise in
+    """A prompt of 20 tokens (the kernels) and one of 70 (float32 tiles: no 8-bit noise in
     the prefill), then decode steps."""
     quant = cpu_transformer(synthetic, weights="quantized")
     assert all(isinstance(w, QuantizedMatrix) for w in
@@ -379,7 +392,7 @@ def test_synthetic_models_logits_on_the_quantized_path_are_the_float_paths_to_8_
                 quant.weights.layers[1].w_down))
     float_ = cpu_transformer(synthetic, weights="float")
     reference_ = float_reference(float_)
-    for tokens in (list(range(3, 40)), list(range(3, 73))):
+    for tokens in (list(range(3, 23)), list(range(3, 73))):
         assert_within_eight_bit_noise(_logits(quant, synthetic, tokens),
                                       _logits(reference_, synthetic, tokens),
                                       _logits(float_, synthetic, tokens))

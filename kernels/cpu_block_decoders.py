@@ -109,6 +109,21 @@ _Q3_HIGH = _lanes((8, 9, 10, 11) * 4)
 _MASK_LOW8 = _lanes((15,) * 8)
 _MASK_HIGH8 = _lanes((0,) * 8, (15,) * 8)
 _Q3_PAIRS = np.stack([_lanes((0,) * 4 * k, (3,) * 4) for k in range(4)]).reshape(-1)
+# TQ1_0's values 160-255: bytes 32-47 for values 160 + 16k + i (lanes 0-15, then again
+# 16-31), bytes 48-51 for values 240 + 4k + i; the powers of 3 each lane's digit needs
+_TQ1_TWICE = _lanes(tuple(range(16)) * 2)
+_TQ1_LOW_HALF = _lanes((0xFF,) * 16)
+_TQ1_HIGH_HALF = _lanes((0,) * 16, (0xFF,) * 16)
+_TQ1_LAST = _lanes((10,) * 16, (10, 11, 12, 13) * 4)
+_TQ1_POWERS = np.concatenate([_lanes((1,) * 16, (3,) * 16), _lanes((9,) * 16, (27,) * 16),
+                              _lanes((81,) * 16, (1,) * 4, (3,) * 4, (9,) * 4, (27,) * 4)])
+# IQ1_M's 16 3-bit scales: scale s is bits 3 (s % 4) .. of the uint16 s // 4, i.e. of
+# the byte pair from byte 2 (s // 4) + (3 (s % 4)) // 8, shifted right by (3 (s % 4)) % 8
+_IQ1M_BYTE = _lanes(tuple(8 + 2 * (s // 4) + (3 * (s % 4)) // 8 for s in range(16)))
+_IQ1M_SHIFT = np.concatenate([_lanes(tuple((3 * (s % 4)) % 8 for s in range(16))),
+                              # the next byte's share (a shift by 7 leaves none of it in
+                              # the low 3 bits: a byte shift by 8 is undefined in LLVM)
+                              _lanes(tuple(8 - (3 * (s % 4)) % 8 or 7 for s in range(16)))])
 # nibble pairs (IQ scales): lane 2i low nibble of byte i, 2i + 1 its high nibble
 _NIBBLE_PAIRS = _lanes(tuple(i // 2 for i in range(16)))
 _MASK_EVEN = _lanes((15, 0) * 8)
@@ -284,28 +299,25 @@ def decode_q6_k(row, o, q, sc, mn):
 # -- ternary: TQ1_0, TQ2_0 --------------------------------------------------------------------
 
 @njit(**_INLINE)
-def _trit(byte, power):
-    """Base-3 digit `power` of a TQ1_0 byte (ggml's fixed-point packing)."""
-    return (np.int32(np.uint8(byte * _POW3[power])) * 3) >> 8
-
-
-@njit(**_INLINE)
 def decode_tq1_0(row, o, q, sc, mn):
     """54 bytes: 48 bytes of five base-3 digits each (bytes 0-31: values 32k + i, bytes
     32-47: values 160 + 16k + i), 4 bytes of four digits (values 240 + 4k + i), float16 d;
-    value = d * (digit - 1) (offset 1)."""
+    value = d * (digit - 1) (offset 1). Digit k of byte b is ((b * 3^k mod 256) * 3) >> 8
+    (ggml's fixed-point packing)."""
     d = load_f16(row, o + 52)
     for s in range(8):
         sc[s] = d
     first = load_bytes(row, o)
     for k in range(5):
         store_bytes(q, 32 * k, mul_high(first * _POW3[k], 3))
-    for k in range(5):
-        for i in range(16):
-            q[160 + 16 * k + i] = _trit(row[o + 32 + i], k)
-    for k in range(4):
-        for i in range(4):
-            q[240 + 4 * k + i] = _trit(row[o + 48 + i], k)
+    second = load_bytes16(row, o + 32)  # bytes 32-47 in lanes 0-15
+    both = lut16(second, load_bytes(_TQ1_TWICE, 0))  # ... and again in lanes 16-31
+    store_bytes(q, 160, mul_high(both * load_bytes(_TQ1_POWERS, 0), 3))
+    store_bytes(q, 192, mul_high(both * load_bytes(_TQ1_POWERS, 32), 3))
+    last = load_bytes16(row, o + 38)  # bytes 48-51 in lanes 10-13
+    mixed = ((both & load_bytes(_TQ1_LOW_HALF, 0))
+             | (lut16(last, load_bytes(_TQ1_LAST, 0)) & load_bytes(_TQ1_HIGH_HALF, 0)))
+    store_bytes(q, 224, mul_high(mixed * load_bytes(_TQ1_POWERS, 64), 3))
 
 
 @njit(**_INLINE)
@@ -471,9 +483,13 @@ def decode_iq1_m(row, o, q, sc, mn):
     w0, w1 = load_u16(row, o + 48), load_u16(row, o + 50)
     w2, w3 = load_u16(row, o + 52), load_u16(row, o + 54)
     d = half_to_float((w0 >> 12) | ((w1 >> 8) & 0xF0) | ((w2 >> 4) & 0xF00) | (w3 & 0xF000))
-    for s in range(16):
-        w = (w0, w1, w2, w3)[s // 4]
-        sc[s] = d * np.float32(2 * ((w >> (3 * (s % 4))) & 7) + 1) * np.float32(0.125)
+    words = load_bytes16(row, o + 40)  # the block's last 16 bytes: the words at lanes 8-15
+    low = lut16(words, load_bytes(_IQ1M_BYTE, 0)) >> load_bytes(_IQ1M_SHIFT, 0)
+    high = lut16(words, load_bytes(_IQ1M_BYTE, 0) + 1) << load_bytes(_IQ1M_SHIFT, 32)
+    fields = ((low | high) & 7) << 1
+    eighth = d * np.float32(0.125)
+    store_f32x8(sc, 0, (ubytes_f32x8(fields, 0) + np.float32(1.0)) * eighth)
+    store_f32x8(sc, 8, (ubytes_f32x8(fields, 1) + np.float32(1.0)) * eighth)
     for c in range(8):
         n0, n1 = np.int32(row[o + 32 + 2 * c]), np.int32(row[o + 33 + 2 * c])
         at = o + 4 * c

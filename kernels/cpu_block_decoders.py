@@ -156,7 +156,7 @@ def decode_q5_0(row, o, q, sc, mn):
     """22 bytes: float16 d, 32 fifth bits (bit i for value i), nibbles as Q4_0's;
     value = d * (q - 16) (offset 16)."""
     sc[0] = load_f16(row, o)
-    high = bit_lanes(load_u32(row, o + 2)) << 4
+    high = bit_lanes(load_u32(row, o + 2), 16)
     store_bytes(q, 0, load_nibbles(row, o + 6) | high)
 
 
@@ -165,7 +165,7 @@ def decode_q5_1(row, o, q, sc, mn):
     """24 bytes: float16 d and m, fifth bits, nibbles; value = d * q + m."""
     sc[0] = load_f16(row, o)
     mn[0] = load_f16(row, o + 2)
-    store_bytes(q, 0, load_nibbles(row, o + 8) | (bit_lanes(load_u32(row, o + 4)) << 4))
+    store_bytes(q, 0, load_nibbles(row, o + 8) | bit_lanes(load_u32(row, o + 4), 16))
 
 
 @njit(**_INLINE)
@@ -366,7 +366,7 @@ def decode_iq2_xxs(row, o, q, sc, mn):
         sc[s] = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.25)
         grid = gather_u64x4(_IQ2_XXS_GRID, row[at], row[at + 1], row[at + 2], row[at + 3])
         signs = _signs4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
-        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs)) + _IQ2_OFFSET)
+        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs, 0xFF)) + _IQ2_OFFSET)
 
 
 @njit(**_INLINE)
@@ -392,7 +392,7 @@ def decode_iq2_xs(row, o, q, sc, mn):
         e2, e3 = load_u16(row, at + 4), load_u16(row, at + 6)
         grid = gather_u64x4(_IQ2_XS_GRID, e0 & 511, e1 & 511, e2 & 511, e3 & 511)
         signs = _signs4(e0 >> 9, e1 >> 9, e2 >> 9, e3 >> 9)
-        store_bytes(q, 32 * c, negate_where(grid, bit_lanes(signs)) + _IQ2_OFFSET)
+        store_bytes(q, 32 * c, negate_where(grid, bit_lanes(signs, 0xFF)) + _IQ2_OFFSET)
 
 
 @njit(**_INLINE)
@@ -409,7 +409,7 @@ def decode_iq2_s(row, o, q, sc, mn):
                             np.int32(row[at + 1]) | (((high >> 2) & 3) << 8),
                             np.int32(row[at + 2]) | (((high >> 4) & 3) << 8),
                             np.int32(row[at + 3]) | (((high >> 6) & 3) << 8))
-        store_bytes(q, 32 * c, negate_where(grid, bit_lanes(load_u32(row, o + 34 + 4 * c)))
+        store_bytes(q, 32 * c, negate_where(grid, bit_lanes(load_u32(row, o + 34 + 4 * c), 0xFF))
                     + _IQ2_OFFSET)
 
 
@@ -425,7 +425,7 @@ def decode_iq3_xxs(row, o, q, sc, mn):
         grid = gather_u32x8(_IQ3_XXS_GRID, row[at], row[at + 1], row[at + 2], row[at + 3],
                             row[at + 4], row[at + 5], row[at + 6], row[at + 7])
         signs = _signs4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
-        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs)) + _IQ3_XXS_OFFSET)
+        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs, 0xFF)) + _IQ3_XXS_OFFSET)
 
 
 @njit(**_INLINE)
@@ -448,7 +448,7 @@ def decode_iq3_s(row, o, q, sc, mn):
                             np.int32(row[at + 5]) | (((high >> 5) & 1) << 8),
                             np.int32(row[at + 6]) | (((high >> 6) & 1) << 8),
                             np.int32(row[at + 7]) | (((high >> 7) & 1) << 8))
-        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(load_u32(row, o + 74 + 4 * s)))
+        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(load_u32(row, o + 74 + 4 * s), 0xFF))
                     + _IQ3_S_OFFSET)
 
 
@@ -500,4 +500,4 @@ def decode_iq1_m(row, o, q, sc, mn):
                             np.int32(row[at + 3]) | (((n1 >> 4) & 7) << 8))
         negative = (((n0 >> 3) & 1) * 0xFF | ((n0 >> 7) & 1) * 0xFF00
                     | ((n1 >> 3) & 1) * 0xFF0000 | ((n1 >> 7) & 1) * 0xFF000000)
-        store_bytes(q, 32 * c, (grid << 3) + (1 + _IQ1_OFFSET) - (bit_lanes(negative) << 1))
+        store_bytes(q, 32 * c, (grid << 3) + (1 + _IQ1_OFFSET) - bit_lanes(negative, 2))

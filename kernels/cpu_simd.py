@@ -214,17 +214,19 @@ the low nibbles of bytes 0-7, 8-15 their high nibbles, then the same for bytes 8
 
 
 @intrinsic
-def bit_lanes(typingctx, word):
-    """Lane i = bit i of the 32-bit integer `word` (0 or 1)."""
+def bit_lanes(typingctx, word, value):
+    """Lane i = `value` (truncated to a byte) where bit i of the 32-bit integer `word` is
+    set, else 0."""
     def codegen(context, builder, signature, args):
         w = builder.trunc(context.cast(builder, args[0], signature.args[0], types.int64), _I32)
         as_bytes = builder.bitcast(w, _vec(_I8, 4))
         spread = builder.shuffle_vector(as_bytes, as_bytes, _constant_lanes(
             _vec(_I32, 32), [i // 8 for i in range(32)]))
         bits = _constant_lanes(_V32, [1 << (i % 8) for i in range(32)])
-        hit = builder.icmp_unsigned("!=", builder.and_(spread, bits), ir.Constant(_V32, None))
-        return builder.zext(hit, _V32)
-    return bytes32(word), codegen
+        hit = builder.icmp_unsigned("==", builder.and_(spread, bits), bits)
+        lanes = _scalar_to(context, builder, args[1], signature.args[1], _V32)
+        return builder.and_(builder.sext(hit, _V32), lanes)
+    return bytes32(word, value), codegen
 
 
 @intrinsic
@@ -236,12 +238,12 @@ def splat_bytes(typingctx, value):
 
 
 @intrinsic
-def negate_where(typingctx, value, flags):
-    """Lanes of `value` negated where `flags` is 1 (flags are 0 or 1)."""
+def negate_where(typingctx, value, mask):
+    """Lanes of `value` negated where `mask` is 0xFF (its lanes are 0 or 0xFF:
+    `bit_lanes(word, 0xFF)`)."""
     def codegen(context, builder, signature, args):
-        mask = builder.sub(ir.Constant(_V32, None), args[1])
-        return builder.sub(builder.xor(args[0], mask), mask)
-    return bytes32(value, flags), codegen
+        return builder.sub(builder.xor(args[0], args[1]), args[1])
+    return bytes32(value, mask), codegen
 
 
 @intrinsic

@@ -22,6 +22,7 @@ process (threadpoolctl; OpenBLAS's threads then sleep).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -57,6 +58,26 @@ class CoreWorkers:
         finally:
             for f in futures:
                 f.result()
+
+    def take_turns(self, n_pieces: int, piece: Callable[[int], None]) -> None:
+        """`piece(i)` for every i < n_pieces, each claimed by whichever thread is free
+        first: the caller and the workers take the next unclaimed one until none is left,
+        and a worker that has not started by then is not waited for. A worker the OS is
+        slow to schedule (the machine busy with other work) then costs nothing but the
+        piece it may be in, where fixed shares waited for its whole share."""
+        claim = itertools.count().__next__  # atomic: one call under the GIL
+
+        def work() -> None:
+            while (i := claim()) < n_pieces:
+                piece(i)
+        futures = [self._pool.submit(work) for _ in range(1, self.parts)
+                   ] if self._pool is not None else []
+        try:
+            work()
+        finally:
+            for f in futures:
+                if not f.cancel():
+                    f.result()
 
 
 _workers: CoreWorkers | None = None
@@ -98,6 +119,21 @@ def by_output_features(n_values: int, out_features: int,
     per_share = -(-out_features // workers.parts)
     workers.run(lambda i, parts: part(min(out_features, i * per_share),
                                       min(out_features, (i + 1) * per_share)))
+
+
+def by_output_pieces(n_values: int, out_features: int, part: Callable[[int, int], None], *,
+                     serial_max: int = SERIAL_MAX_VALUES, per_core: int = 3) -> None:
+    """`part(start, stop)` over `out_features` cut in `per_core` pieces per core, each
+    run by whichever thread is free first (`CoreWorkers.take_turns`), or over all of them
+    on the calling thread below `serial_max` multiply-adds (`n_values`)."""
+    workers = core_workers() if n_values >= serial_max else None
+    if workers is None or workers.parts == 1:
+        part(0, out_features)
+        return
+    n_pieces = min(out_features, per_core * workers.parts)
+    step = -(-out_features // n_pieces)
+    workers.take_turns(-(-out_features // step), lambda i: part(
+        i * step, min(out_features, (i + 1) * step)))
 
 
 def on_cores(n_values: int, part: Callable[[int, int], None]) -> None:

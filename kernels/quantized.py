@@ -10,9 +10,9 @@ matrix: the file's bytes, `[rows, row_bytes]`, so it takes what the file takes. 
   decode batches: 24 for the block types, 8 for F16 / BF16) take the type's `gemv`: x
   quantized to 8-bit codes per 32 values once (kernels/cpu_activations.py; F16 / BF16
   keep x float32), then each block decoded in registers and multiplied with every row of
-  x, nothing dequantized to memory; the output rows are split over the cores
-  (kernels/cpu_threads.py), or run on the calling thread under `GEMV_SERIAL_MAX_VALUES`
-  multiply-adds.
+  x, nothing dequantized to memory; the output rows are cut in pieces that the cores take
+  in turn (kernels/cpu_threads.py's `by_output_pieces`), or run on the calling thread
+  under `GEMV_SERIAL_MAX_VALUES` multiply-adds.
   Beyond that (prefill, big batches), `TILE_ELEMENTS` worth of weight rows at a time is
   dequantized into a reused float32 buffer and multiplied by BLAS, one share of the
   output rows per core: a tile per core is all the extra memory.
@@ -32,7 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from eagerlm.kernels.cpu_activations import quantize_activations
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
-from eagerlm.kernels.cpu_threads import by_output_features, core_workers
+from eagerlm.kernels.cpu_threads import by_output_features, by_output_pieces, core_workers
 
 TILE_ELEMENTS = 1 << 18  # weights per tile: 1 MiB of float32, cache-sized
 # Below this many multiply-adds a `gemv` runs on the calling thread: at ~30 G multiply-adds
@@ -104,9 +104,9 @@ def quantized_linear(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
         gemv = w.kernels.gemv
         group = block_type.activation_group
         acts = quantize_activations(x, group) if group else (x,)
-        by_output_features(n * out_features * in_features, out_features,
-                           lambda start, stop: gemv(w.blocks, *acts, y, start, stop),
-                           serial_max=GEMV_SERIAL_MAX_VALUES)
+        by_output_pieces(n * out_features * in_features, out_features,
+                         lambda start, stop: gemv(w.blocks, *acts, y, start, stop),
+                         serial_max=GEMV_SERIAL_MAX_VALUES)
         return y
     by_output_features(n * out_features * in_features, out_features,
                        partial(_tiles, x, w, y, core_workers().local))

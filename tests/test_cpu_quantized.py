@@ -263,6 +263,27 @@ def test_core_workers_run_every_share_once_and_raise_what_a_share_raised():
         workers.run(failing)
 
 
+def test_taking_turns_runs_every_piece_once_and_raises_what_a_piece_raised():
+    """`CoreWorkers.take_turns` (the weight kernels' pieces): each piece once, on
+    whichever thread claims it first; a piece's exception reaches the caller."""
+    workers = CoreWorkers(3)
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def piece(i: int) -> None:
+        with lock:
+            seen.append(i)
+    workers.take_turns(50, piece)
+    assert sorted(seen) == list(range(50))
+    workers.take_turns(0, piece)
+
+    def failing(i: int) -> None:
+        if i == 7:
+            raise ValueError("piece 7")
+    with pytest.raises(ValueError, match="piece 7"):
+        workers.take_turns(20, failing)
+
+
 @pytest.mark.parametrize("weights", ["quantized", "float"])
 def test_a_cpu_backend_runs_blas_on_one_thread(synthetic, weights):
     """Its own threads parallelize the products; OpenBLAS's, left at the machine's cores,

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from benchmarks.bench_cpu_decode import copy_bandwidth_gb_s
 from eagerlm.kernels import cpu_threads
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES
 from eagerlm.kernels.cpu_threads import CoreWorkers, core_workers, hold_blas_to_one_thread
@@ -62,19 +63,6 @@ def read_bandwidth_gb_s(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
         workers.run(lambda i, parts: data[i * share:(i + 1) * share].sum())
         best = min(best, time.perf_counter() - t)
     return n_bytes / best / 1e9
-
-
-def copy_bandwidth_gb_s(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
-    """One numpy copy of a large array, read + write counted (benchmarks/bench_cpu_decode.py's
-    figure)."""
-    src = np.ones(n_bytes // 4, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n_bytes / best / 1e9
 
 
 def random_matrix(qtype: GGMLQuantizationType, rows: int, cols: int,

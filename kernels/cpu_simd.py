@@ -540,38 +540,30 @@ def store_f32x8(typingctx, array, offset, value):
     return types.void(array, offset, value), codegen
 
 
-@intrinsic
-def codes_f32x8(typingctx, codes, offset):
-    """8 int8 codes from item `offset` on, as float32."""
-    def codegen(context, builder, signature, args):
-        raw = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1],
-                                        signature.args[1], _vec(_I8, 8)), align=1)
-        return builder.sitofp(raw, _F8)
-    return float32x8(codes, offset), codegen
+def _load8(element: ir.Type, convert, doc: str):
+    """An intrinsic loading 8 `element`s at item (or byte) `offset` of an array, converted
+    to a Float32x8 by `convert(builder, vector)`."""
+    @intrinsic
+    def load(typingctx, array, offset):
+        def codegen(context, builder, signature, args):
+            raw = builder.load(_element_ptr(context, builder, signature.args[0], args[0],
+                                            args[1], signature.args[1], _vec(element, 8)),
+                               align=1)
+            return convert(builder, raw)
+        return float32x8(array, offset), codegen
+    load.__doc__ = doc
+    return load
 
 
-@intrinsic
-def load_f16x8(typingctx, array, byte_offset):
-    """8 IEEE float16 values at byte `byte_offset` of a byte array, as float32 (F16C's
-    `vcvtph2ps` on x86)."""
-    def codegen(context, builder, signature, args):
-        raw = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1],
-                                        signature.args[1], _vec(_HALF, 8)), align=1)
-        return builder.fpext(raw, _F8)
-    return float32x8(array, byte_offset), codegen
-
-
-@intrinsic
-def load_bf16x8(typingctx, array, byte_offset):
-    """8 bfloat16 values at byte `byte_offset` of a byte array, as float32 (the bits
-    shifted into a float32's upper half: exact)."""
-    def codegen(context, builder, signature, args):
-        raw = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1],
-                                        signature.args[1], _vec(_I16, 8)), align=1)
-        wide = builder.shl(builder.zext(raw, _vec(_I32, 8)),
-                           _splat(builder, ir.Constant(_I32, 16), _vec(_I32, 8)))
-        return builder.bitcast(wide, _F8)
-    return float32x8(array, byte_offset), codegen
+codes_f32x8 = _load8(_I8, lambda b, v: b.sitofp(v, _F8),
+                     "8 int8 codes from item `offset` on, as float32.")
+load_f16x8 = _load8(_HALF, lambda b, v: b.fpext(v, _F8),
+                    """8 IEEE float16 values at byte `offset` of a byte array, as float32
+                    (F16C's `vcvtph2ps` on x86).""")
+load_bf16x8 = _load8(_I16, lambda b, v: b.bitcast(b.shl(
+    b.zext(v, _vec(_I32, 8)), _splat(b, ir.Constant(_I32, 16), _vec(_I32, 8))), _F8),
+    """8 bfloat16 values at byte `offset` of a byte array, as float32 (the bits shifted
+    into a float32's upper half: exact).""")
 
 
 # -- scalars of a block ---------------------------------------------------------------------------

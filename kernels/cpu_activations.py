@@ -13,6 +13,13 @@ cpu_kernel_registry.py) the kernels also get the activations' scale (a 32-group'
 both its 16-halves) and the sum of the quantized activations, d * sum(codes): what a
 block type whose values are scale * (q - offset) + min needs for its offset and min, one
 multiply per group.
+
+The 256-value superblock types take their activations per 256 values instead
+(`quantize_superblocks`, llama.cpp's Q8_K): one scale per superblock, so that a
+superblock's integer sub-scales multiply the integer dot products before anything is
+converted to float (one multiply-add per 256 values instead of one per 16 or 32); the
+sums per group are then the codes' integer sums. The bound is the same with d = max |x|
+of the 256 / 127.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from numba import njit
 from eagerlm.kernels.numba_settings import JIT_ORDERED
 
 GROUP = 32  # activation values per scale
+SUPERBLOCK = 256  # activation values per scale for the superblock types
 PAD = 256  # rows padded with zeros to a multiple of this: the kernels' chunks of 256 values
 
 
@@ -76,3 +84,37 @@ def quantize_into(x, codes, scales, sums):
         cr[k:] = 0
         scales[j, k * per_group // GROUP:] = 0.0
         sums[j, k * per_group // GROUP:] = 0.0
+
+
+def quantize_superblocks(x: np.ndarray, sub: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 `[n, k]` (k a multiple of 256) as (codes int8 `[n, k]`, scales float32
+    `[n, k / 256]`, the codes' integer sums int32 `[n, k / sub]`), `sub` 16 or 32."""
+    n, k = x.shape
+    codes = np.empty((n, k), np.int8)
+    scales = np.empty((n, k // SUPERBLOCK), np.float32)
+    sums = np.empty((n, k // sub), np.int32)
+    quantize_superblocks_into(x, codes, scales, sums)
+    return codes, scales, sums
+
+
+@njit(**JIT_ORDERED)
+def quantize_superblocks_into(x, codes, scales, sums):
+    """`quantize_superblocks`' kernel, into arrays of its shapes."""
+    n, k = x.shape
+    sub = k // sums.shape[1]
+    for j in range(n):
+        xr, cr = x[j], codes[j]
+        for b in range(k // SUPERBLOCK):
+            o = b * SUPERBLOCK
+            amax = np.float32(0.0)
+            for i in range(SUPERBLOCK):
+                amax = max(amax, abs(xr[o + i]))
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            for i in range(SUPERBLOCK):
+                cr[o + i] = np.int8(np.rint(xr[o + i] * inv))
+            scales[j, b] = amax / np.float32(127.0)
+        for g in range(k // sub):
+            total = 0
+            for i in range(sub):
+                total += cr[g * sub + i]
+            sums[j, g] = total

@@ -49,11 +49,8 @@ from eagerlm.kernels.cpu_simd import (
     lut16,
     mul_high,
     negate_where,
-    sbytes_f32x8,
     splat_bytes,
     store_bytes,
-    store_f32x8,
-    ubytes_f32x8,
 )
 from eagerlm.kernels.iq_tables import grid_words, iq4_codebook, sign_patterns
 from eagerlm.kernels.numba_settings import JIT_ORDERED
@@ -102,6 +99,7 @@ _K4_HIGH = _lanes((0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7))
 _K4_MASK = _lanes((63,) * 4, (15,) * 4, (63,) * 4, (0,) * 4)
 _K4_MASK_UPPER = _lanes((0,) * 12, (15,) * 4)
 _K4_MASK_TOP = _lanes((0,) * 4, (0x30,) * 4, (0,) * 4, (0x30,) * 4)
+_K4_MINS = _lanes(tuple(range(8, 16)))
 # Q3_K: 16 6-bit scales from 12 bytes: low nibble of b[s] (s < 8) or high nibble of
 # b[s - 8], two high bits (b[8 + s % 4] >> 2 (s // 4)) & 3
 _Q3_LOW = _lanes(tuple(range(8)) * 2)
@@ -204,109 +202,100 @@ def decode_nvfp4(row, o, q, sc, mn):
 # -- K-quants: 256-value superblocks ---------------------------------------------------------
 
 @njit(**_INLINE)
-def decode_q2_k(row, o, q, sc, mn):
+def decode_q2_k(row, o, q, isc, imn):
     """84 bytes: 16 bytes of 4-bit scale and min per 16 values, 64 bytes of 2-bit codes
     (32-value chunk c: bits 2(c % 4) of bytes 32(c // 4) ..), float16 d, dmin;
     value = d * scale * q - dmin * min."""
-    d = load_f16(row, o + 80)
-    dmin = load_f16(row, o + 82)
     packed = load_bytes16(row, o)
-    low, high = packed & 15, packed >> 4
-    store_f32x8(sc, 0, ubytes_f32x8(low, 0) * d)
-    store_f32x8(sc, 8, ubytes_f32x8(low, 1) * d)
-    store_f32x8(mn, 0, ubytes_f32x8(high, 0) * -dmin)
-    store_f32x8(mn, 8, ubytes_f32x8(high, 1) * -dmin)
+    store_bytes(isc, 0, packed & 15)
+    store_bytes(imn, 0, packed >> 4)
     for c in range(8):
         store_bytes(q, 32 * c, (load_bytes(row, o + 16 + 32 * (c // 4)) >> (2 * (c % 4))) & 3)
+    return load_f16(row, o + 80), load_f16(row, o + 82)
 
 
 @njit(**_INLINE)
-def decode_q3_k(row, o, q, sc, mn):
+def decode_q3_k(row, o, q, isc, imn):
     """110 bytes: 32 bytes of high bits (hmask), 64 bytes of 2-bit codes (as Q2_K's), 12
     bytes of 6-bit scales, float16 d; value = d * (scale - 32) * (q - 4 * !high): code
     low | high << 2, offset 4."""
-    d = load_f16(row, o + 108)
     packed = load_bytes16(row, o + 94)  # the block's last 16 bytes: scales at lanes 2-13
     low = lut16(packed, load_bytes(_Q3_LOW, 0) + 2)
     low = (low & load_bytes(_MASK_LOW8, 0)) | ((low >> 4) & load_bytes(_MASK_HIGH8, 0))
     high = lut16(packed, load_bytes(_Q3_HIGH, 0) + 2)
     high = ((high & load_bytes(_Q3_PAIRS, 0)) | ((high >> 2) & load_bytes(_Q3_PAIRS, 32))
             | ((high >> 4) & load_bytes(_Q3_PAIRS, 64)) | ((high >> 6) & load_bytes(_Q3_PAIRS, 96)))
-    scales = (low | (high << 4)) - 32
-    store_f32x8(sc, 0, sbytes_f32x8(scales, 0) * d)
-    store_f32x8(sc, 8, sbytes_f32x8(scales, 1) * d)
+    store_bytes(isc, 0, (low | (high << 4)) - 32)
     hmask = load_bytes(row, o)
     for c in range(8):
         low = (load_bytes(row, o + 32 + 32 * (c // 4)) >> (2 * (c % 4))) & 3
         store_bytes(q, 32 * c, low | (((hmask >> c) & 1) << 2))
+    return load_f16(row, o + 108), np.float32(0.0)
 
 
 @njit(**_INLINE)
-def _k4_scales(row, o, sc, mn):
-    """The 8 scales and mins of a Q4_K / Q5_K superblock, d * scale and -dmin * min."""
-    d = load_f16(row, o)
-    dmin = load_f16(row, o + 2)
+def _k4_scales(row, o, isc, imn):
+    """The 8 6-bit scales and mins of a Q4_K / Q5_K superblock; returns d, dmin."""
     packed = load_bytes16(row, o + 4)
     low = lut16(packed, load_bytes(_K4_LOW, 0))
     high = lut16(packed, load_bytes(_K4_HIGH, 0))
     both = ((low & load_bytes(_K4_MASK, 0)) | ((low >> 4) & load_bytes(_K4_MASK_UPPER, 0))
             | (((high >> 6) << 4) & load_bytes(_K4_MASK_TOP, 0)))
-    store_f32x8(sc, 0, ubytes_f32x8(both, 0) * d)
-    store_f32x8(mn, 0, ubytes_f32x8(both, 1) * -dmin)
+    store_bytes(isc, 0, both)  # lanes 0-7: scales
+    store_bytes(imn, 0, lut16(both, load_bytes(_K4_MINS, 0)))  # lanes 8-15: mins
+    return load_f16(row, o), load_f16(row, o + 2)
 
 
 @njit(**_INLINE)
-def decode_q4_k(row, o, q, sc, mn):
+def decode_q4_k(row, o, q, isc, imn):
     """144 bytes: float16 d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of
     32, 128 bytes of nibbles (bytes 32c.. : low nibbles sub-block 2c, high 2c + 1);
     value = d * scale * q - dmin * min."""
-    _k4_scales(row, o, sc, mn)
+    d, dmin = _k4_scales(row, o, isc, imn)
     for c in range(4):
         v = load_bytes(row, o + 16 + 32 * c)
         store_bytes(q, 64 * c, v & 15)
         store_bytes(q, 64 * c + 32, v >> 4)
+    return d, dmin
 
 
 @njit(**_INLINE)
-def decode_q5_k(row, o, q, sc, mn):
+def decode_q5_k(row, o, q, isc, imn):
     """176 bytes: Q4_K's with 32 bytes of fifth bits before the nibbles (bit s of byte i:
     value i of sub-block s)."""
-    _k4_scales(row, o, sc, mn)
+    d, dmin = _k4_scales(row, o, isc, imn)
     high = load_bytes(row, o + 16)
     for c in range(4):
         v = load_bytes(row, o + 48 + 32 * c)
         store_bytes(q, 64 * c, (v & 15) | (((high >> (2 * c)) & 1) << 4))
         store_bytes(q, 64 * c + 32, (v >> 4) | (((high >> (2 * c + 1)) & 1) << 4))
+    return d, dmin
 
 
 @njit(**_INLINE)
-def decode_q6_k(row, o, q, sc, mn):
+def decode_q6_k(row, o, q, isc, imn):
     """210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales
     (one per 16 values), float16 d; value = d * scale * (q - 32) (offset 32). In half h,
     values 32g.. : nibble g // 2 of bytes 64h + 32(g % 2).., bits 2g of bytes 128 + 32h.."""
-    d = load_f16(row, o + 208)
-    scales = load_bytes16(row, o + 192)
-    store_f32x8(sc, 0, sbytes_f32x8(scales, 0) * d)
-    store_f32x8(sc, 8, sbytes_f32x8(scales, 1) * d)
+    store_bytes(isc, 0, load_bytes16(row, o + 192))
     for h in range(2):
         high = load_bytes(row, o + 128 + 32 * h)
         for g in range(4):
             low = load_bytes(row, o + 64 * h + 32 * (g % 2)) >> (4 * (g // 2))
             code = (low & 15) | (((high >> (2 * g)) & 3) << 4)
             store_bytes(q, 128 * h + 32 * g, code)
+    return load_f16(row, o + 208), np.float32(0.0)
 
 
 # -- ternary: TQ1_0, TQ2_0 --------------------------------------------------------------------
 
 @njit(**_INLINE)
-def decode_tq1_0(row, o, q, sc, mn):
+def decode_tq1_0(row, o, q, isc, imn):
     """54 bytes: 48 bytes of five base-3 digits each (bytes 0-31: values 32k + i, bytes
     32-47: values 160 + 16k + i), 4 bytes of four digits (values 240 + 4k + i), float16 d;
     value = d * (digit - 1) (offset 1). Digit k of byte b is ((b * 3^k mod 256) * 3) >> 8
     (ggml's fixed-point packing)."""
-    d = load_f16(row, o + 52)
-    for s in range(8):
-        sc[s] = d
+    store_bytes(isc, 0, splat_bytes(1))
     first = load_bytes(row, o)
     for k in range(5):
         store_bytes(q, 32 * k, mul_high(first * _POW3[k], 3))
@@ -318,32 +307,32 @@ def decode_tq1_0(row, o, q, sc, mn):
     mixed = ((both & load_bytes(_TQ1_LOW_HALF, 0))
              | (lut16(last, load_bytes(_TQ1_LAST, 0)) & load_bytes(_TQ1_HIGH_HALF, 0)))
     store_bytes(q, 224, mul_high(mixed * load_bytes(_TQ1_POWERS, 64), 3))
+    return load_f16(row, o + 52), np.float32(0.0)
 
 
 @njit(**_INLINE)
-def decode_tq2_0(row, o, q, sc, mn):
+def decode_tq2_0(row, o, q, isc, imn):
     """66 bytes: 64 bytes of 2-bit codes (as Q2_K's), float16 d; value = d * (q - 1)
     (offset 1)."""
-    d = load_f16(row, o + 64)
-    for s in range(8):
-        sc[s] = d
+    store_bytes(isc, 0, splat_bytes(1))
     for c in range(8):
         store_bytes(q, 32 * c, (load_bytes(row, o + 32 * (c // 4)) >> (2 * (c % 4))) & 3)
+    return load_f16(row, o + 64), np.float32(0.0)
 
 
 # -- IQ4_XS ----------------------------------------------------------------------------------
 
 @njit(**_INLINE)
-def decode_iq4_xs(row, o, q, sc, mn):
+def decode_iq4_xs(row, o, q, isc, imn):
     """136 bytes: float16 d, 8 6-bit scales (low nibbles in bytes 4-7, high bit pairs in
     the uint16 at 2), 128 bytes of codebook nibbles (16 bytes per 32 values)."""
-    d = load_f16(row, o)
     high = load_u16(row, o + 2)
     table = load_bytes(_IQ4_VALUES, 0)
     for s in range(8):
         low = (np.int32(row[o + 4 + s // 2]) >> (4 * (s % 2))) & 15
-        sc[s] = d * np.float32((low | (((high >> (2 * s)) & 3) << 4)) - 32)
+        isc[s] = (low | (((high >> (2 * s)) & 3) << 4)) - 32
         store_bytes(q, 32 * s, lut16(table, load_nibbles(row, o + 8 + 16 * s)))
+    return load_f16(row, o), np.float32(0.0)
 
 
 # -- IQ2 / IQ3: grid entries with signs -----------------------------------------------------
@@ -356,36 +345,35 @@ def _signs4(a, b, c, d):
 
 
 @njit(**_INLINE)
-def decode_iq2_xxs(row, o, q, sc, mn):
+def decode_iq2_xxs(row, o, q, isc, imn):
     """66 bytes: float16 d, then per 32 values two uint32: four grid indices (bytes), and
-    four 7-bit sign indices plus a 4-bit scale s: d * (0.5 + s) / 4."""
-    d = load_f16(row, o)
+    four 7-bit sign indices plus a 4-bit scale s: d * (0.5 + s) / 4, here d / 8 times
+    the integer 2s + 1."""
     for s in range(8):
         at = o + 2 + 8 * s
         aux = load_u32(row, at + 4)
-        sc[s] = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.25)
+        isc[s] = 2 * (aux >> 28) + 1
         grid = gather_u64x4(_IQ2_XXS_GRID, row[at], row[at + 1], row[at + 2], row[at + 3])
         signs = _signs4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
         store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs, 0xFF)) + _IQ2_OFFSET)
+    return load_f16(row, o) * np.float32(0.125), np.float32(0.0)
 
 
 @njit(**_INLINE)
-def _iq2_scales(row, o, tail, sc):
+def _iq2_scales(row, o, tail, isc):
     """IQ2_XS / IQ2_S: 16 4-bit scales s, the nibbles of bytes 8-15 of the 16 at `tail`
-    (low nibble first): d * (0.5 + s) / 4."""
-    d = load_f16(row, o)
+    (low nibble first): d * (0.5 + s) / 4, here the integers 2s + 1; returns d / 8."""
     pairs = lut16(load_bytes16(row, tail), load_bytes(_NIBBLE_PAIRS, 0) + 8)
     nibbles = (pairs & load_bytes(_MASK_EVEN, 0)) | ((pairs >> 4) & load_bytes(_MASK_ODD, 0))
-    quarter = np.float32(0.25)
-    store_f32x8(sc, 0, (ubytes_f32x8(nibbles, 0) + np.float32(0.5)) * d * quarter)
-    store_f32x8(sc, 8, (ubytes_f32x8(nibbles, 1) + np.float32(0.5)) * d * quarter)
+    store_bytes(isc, 0, (nibbles << 1) + 1)
+    return load_f16(row, o) * np.float32(0.125)
 
 
 @njit(**_INLINE)
-def decode_iq2_xs(row, o, q, sc, mn):
+def decode_iq2_xs(row, o, q, isc, imn):
     """74 bytes: float16 d, 32 uint16 (9-bit grid index, 7-bit sign index per 8 values),
     8 bytes of 4-bit scales (one per 16 values): d * (0.5 + s) / 4."""
-    _iq2_scales(row, o, o + 58, sc)  # the block's last 16 bytes: scales at lanes 8-15
+    d = _iq2_scales(row, o, o + 58, isc)  # the block's last 16 bytes: scales at 8-15
     for c in range(8):
         at = o + 2 + 8 * c
         e0, e1 = load_u16(row, at), load_u16(row, at + 2)
@@ -393,14 +381,15 @@ def decode_iq2_xs(row, o, q, sc, mn):
         grid = gather_u64x4(_IQ2_XS_GRID, e0 & 511, e1 & 511, e2 & 511, e3 & 511)
         signs = _signs4(e0 >> 9, e1 >> 9, e2 >> 9, e3 >> 9)
         store_bytes(q, 32 * c, negate_where(grid, bit_lanes(signs, 0xFF)) + _IQ2_OFFSET)
+    return d, np.float32(0.0)
 
 
 @njit(**_INLINE)
-def decode_iq2_s(row, o, q, sc, mn):
+def decode_iq2_s(row, o, q, isc, imn):
     """82 bytes: float16 d, 32 low bytes of 10-bit grid indices, 32 sign bytes (bit k:
     value k of an 8-value group), 8 bytes of the indices' high bit pairs, 8 bytes of 4-bit
     scales (one per 16 values): d * (0.5 + s) / 4."""
-    _iq2_scales(row, o, o + 66, sc)  # the block's last 16 bytes: scales at lanes 8-15
+    d = _iq2_scales(row, o, o + 66, isc)  # the block's last 16 bytes: scales at 8-15
     for c in range(8):
         high = np.int32(row[o + 66 + c])
         at = o + 2 + 4 * c
@@ -411,32 +400,33 @@ def decode_iq2_s(row, o, q, sc, mn):
                             np.int32(row[at + 3]) | (((high >> 6) & 3) << 8))
         store_bytes(q, 32 * c, negate_where(grid, bit_lanes(load_u32(row, o + 34 + 4 * c), 0xFF))
                     + _IQ2_OFFSET)
+    return d, np.float32(0.0)
 
 
 @njit(**_INLINE)
-def decode_iq3_xxs(row, o, q, sc, mn):
+def decode_iq3_xxs(row, o, q, isc, imn):
     """98 bytes: float16 d, 64 bytes of grid indices (4 values each), then per 32 values
-    a uint32 of four 7-bit sign indices and a 4-bit scale s: d * (0.5 + s) / 2."""
-    d = load_f16(row, o)
+    a uint32 of four 7-bit sign indices and a 4-bit scale s: d * (0.5 + s) / 2, here d / 4
+    times the integer 2s + 1."""
     for s in range(8):
         aux = load_u32(row, o + 66 + 4 * s)
-        sc[s] = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.5)
+        isc[s] = 2 * (aux >> 28) + 1
         at = o + 2 + 8 * s
         grid = gather_u32x8(_IQ3_XXS_GRID, row[at], row[at + 1], row[at + 2], row[at + 3],
                             row[at + 4], row[at + 5], row[at + 6], row[at + 7])
         signs = _signs4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
         store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs, 0xFF)) + _IQ3_XXS_OFFSET)
+    return load_f16(row, o) * np.float32(0.25), np.float32(0.0)
 
 
 @njit(**_INLINE)
-def decode_iq3_s(row, o, q, sc, mn):
+def decode_iq3_s(row, o, q, isc, imn):
     """110 bytes: float16 d, 64 low bytes of 9-bit grid indices (4 values each), 8 bytes of
     their high bits, 32 sign bytes, 4 bytes of 4-bit scales (one per 32 values):
     d * (1 + 2s)."""
-    d = load_f16(row, o)
     for s in range(8):
         nib = (np.int32(row[o + 106 + s // 2]) >> (4 * (s % 2))) & 15
-        sc[s] = d * np.float32(1 + 2 * nib)
+        isc[s] = 1 + 2 * nib
         high = np.int32(row[o + 66 + s])
         at = o + 2 + 8 * s
         grid = gather_u32x8(_IQ3_S_GRID,
@@ -450,20 +440,20 @@ def decode_iq3_s(row, o, q, sc, mn):
                             np.int32(row[at + 7]) | (((high >> 7) & 1) << 8))
         store_bytes(q, 32 * s, negate_where(grid, bit_lanes(load_u32(row, o + 74 + 4 * s), 0xFF))
                     + _IQ3_S_OFFSET)
+    return load_f16(row, o), np.float32(0.0)
 
 
 # -- IQ1: grid entries of -1, 0, 1 plus a shift of an eighth ----------------------------------
 
 @njit(**_INLINE)
-def decode_iq1_s(row, o, q, sc, mn):
+def decode_iq1_s(row, o, q, isc, imn):
     """50 bytes: float16 d, 32 low bytes of 11-bit grid indices (8 values each), then per
     32 values a uint16: the indices' high bits (3 each), a 3-bit scale s and the sign of
     the shift; value = d * (2s + 1) * (grid +- 1/8), here code 8 * grid +- 1 times an
-    eighth of the scale."""
-    d = load_f16(row, o)
+    eighth of the scale (d / 8 times the integer 2s + 1)."""
     for s in range(8):
         h = load_u16(row, o + 34 + 2 * s)
-        sc[s] = d * np.float32(2 * ((h >> 12) & 7) + 1) * np.float32(0.125)
+        isc[s] = 2 * ((h >> 12) & 7) + 1
         at = o + 2 + 4 * s
         grid = gather_u64x4(_IQ1_GRID,
                             np.int32(row[at]) | ((h & 7) << 8),
@@ -472,10 +462,11 @@ def decode_iq1_s(row, o, q, sc, mn):
                             np.int32(row[at + 3]) | (((h >> 9) & 7) << 8))
         shift = -1 if h & 0x8000 else 1
         store_bytes(q, 32 * s, (grid << 3) + splat_bytes(shift + _IQ1_OFFSET))
+    return load_f16(row, o) * np.float32(0.125), np.float32(0.0)
 
 
 @njit(**_INLINE)
-def decode_iq1_m(row, o, q, sc, mn):
+def decode_iq1_m(row, o, q, isc, imn):
     """56 bytes: 32 low bytes of 11-bit grid indices (8 values each), 16 bytes of a
     nibble per 8 values (3 high index bits, the shift's sign), 4 uint16 holding 16 3-bit
     scales (one per 16 values) and, in their top nibbles, the float16 d;
@@ -486,10 +477,7 @@ def decode_iq1_m(row, o, q, sc, mn):
     words = load_bytes16(row, o + 40)  # the block's last 16 bytes: the words at lanes 8-15
     low = lut16(words, load_bytes(_IQ1M_BYTE, 0)) >> load_bytes(_IQ1M_SHIFT, 0)
     high = lut16(words, load_bytes(_IQ1M_BYTE, 0) + 1) << load_bytes(_IQ1M_SHIFT, 32)
-    fields = ((low | high) & 7) << 1
-    eighth = d * np.float32(0.125)
-    store_f32x8(sc, 0, (ubytes_f32x8(fields, 0) + np.float32(1.0)) * eighth)
-    store_f32x8(sc, 8, (ubytes_f32x8(fields, 1) + np.float32(1.0)) * eighth)
+    store_bytes(isc, 0, (((low | high) & 7) << 1) + 1)
     for c in range(8):
         n0, n1 = np.int32(row[o + 32 + 2 * c]), np.int32(row[o + 33 + 2 * c])
         at = o + 4 * c
@@ -501,3 +489,4 @@ def decode_iq1_m(row, o, q, sc, mn):
         negative = (((n0 >> 3) & 1) * 0xFF | ((n0 >> 7) & 1) * 0xFF00
                     | ((n1 >> 3) & 1) * 0xFF0000 | ((n1 >> 7) & 1) * 0xFF000000)
         store_bytes(q, 32 * c, (grid << 3) + (1 + _IQ1_OFFSET) - bit_lanes(negative, 2))
+    return d * np.float32(0.125), np.float32(0.0)

@@ -49,13 +49,16 @@ class BlockType:
     (in eagerlm.kernels), and `binding`, the lines binding its names for this type;
     `activation_group`: 16 or 32 for the types whose `gemv` takes x as 8-bit codes with a
     scale and a sum per that many values (kernels/cpu_activations.py), 0 for those taking
-    it as float32; `gemv_rows`: up to how many rows of x its `gemv` beats float32 tiles
-    times BLAS (kernels/quantized.py; measured, docs/performance.md)."""
+    it as float32; `superblocks`: whether those activations have one scale per 256 values
+    (`quantize_superblocks`, the 256-value superblock types, whose decoders give integer
+    sub-scales) rather than per group; `gemv_rows`: up to how many rows of x its `gemv`
+    beats float32 tiles times BLAS (kernels/quantized.py; measured, docs/performance.md)."""
 
     qtype: GGMLQuantizationType
     loops: str
     binding: str
     activation_group: int
+    superblocks: bool
     gemv_rows: int
 
 
@@ -63,13 +66,17 @@ def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: 
             signed: bool = False) -> BlockType:
     """A block type, decoded by `cpu_block_decoders.decode_<type>`: codes (0..127, or
     -128..127 if `signed`) q per value and a scale sc per `sub` values, plus a minimum mn
-    per `sub` values if `has_min`: value = sc * (q - offset) + mn."""
+    per `sub` values if `has_min`: value = sc * (q - offset) + mn. The 256-value
+    superblock types' scales are integers times the block's float scales (d * isc,
+    -dmin * imn)."""
     block, block_bytes = GGML_QUANT_SIZES[qtype]
+    superblocks = block == 256
     binding = (f"from eagerlm.kernels.cpu_block_decoders import decode_{qtype.name.lower()} "
                f"as decode_block\n\n"
                f"BLOCK, BLOCK_BYTES, SUB, HAS_MIN, CODE_OFFSET, SIGNED_CODES = "
-               f"{block}, {block_bytes}, {sub}, {has_min}, {offset}, {signed}\n")
-    return BlockType(qtype, "cpu_quant_loops", binding, sub, 24)
+               f"{block}, {block_bytes}, {sub}, {has_min}, {offset}, {signed}\n"
+               f"INT_SCALES = {superblocks}\n")
+    return BlockType(qtype, "cpu_quant_loops", binding, sub, superblocks, 24)
 
 
 def _floats(qtype: GGMLQuantizationType, name: str) -> BlockType:
@@ -77,7 +84,7 @@ def _floats(qtype: GGMLQuantizationType, name: str) -> BlockType:
     binding = (f"from eagerlm.kernels.cpu_simd import load_{name} as load_value\n"
                f"from eagerlm.kernels.cpu_simd import load_{name}x8 as load_values\n\n"
                f"VALUE_BYTES = 2\n")
-    return BlockType(qtype, "cpu_float_loops", binding, 0, 8)
+    return BlockType(qtype, "cpu_float_loops", binding, 0, False, 8)
 
 
 BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (

@@ -39,6 +39,7 @@ from __future__ import annotations
 from eagerlm.kernels.cpu_block_decoders import decode_q8_0 as decode_block
 
 BLOCK, BLOCK_BYTES, SUB, HAS_MIN, CODE_OFFSET, SIGNED_CODES = 32, 34, 32, False, 0, True
+INT_SCALES = False
 
 # -- loops: copied into each generated module --------------------------------------------------
 import numpy as np  # noqa: E402
@@ -47,16 +48,21 @@ from numba import njit  # noqa: E402
 from eagerlm.kernels.cpu_simd import (  # noqa: E402
     codes_f32x8,
     dot_signed,
+    dot_signed_scaled,
     dot_unsigned,
+    dot_unsigned_scaled,
     lane_sum,
     load_bytes,
     load_f32x8,
+    load_i8_i32x8,
+    load_i32x8,
     muladd,
     pair_lanes,
     scaled_add,
     stack_empty,
     store_f32x8,
     zeros_f32x8,
+    zeros_i32x8,
 )
 from eagerlm.kernels.numba_settings import JIT_ORDERED  # noqa: E402
 
@@ -69,6 +75,7 @@ HAS_OFFSET = HAS_MIN or CODE_OFFSET != 0
 # branch before typing it (a comparison it would type and compile both ways)
 _HAS_CODE_OFFSET = CODE_OFFSET != 0
 _SUB32 = SUB == 32
+_SUB16 = SUB == 16
 _ONE_BLOCK_CHUNKS = CHUNK == 1
 _CODE_OFFSET = np.float32(CODE_OFFSET)
 MAX_ROWS = 64  # rows of x `gemv` takes at most (its stack buffer of partial sums)
@@ -136,57 +143,153 @@ def _chunk_dot(q, sc, mn, comb, codes, scales, sums, c, acc, offsets):
     return acc + (even + odd), offsets
 
 
-@njit(**JIT_ORDERED)
-def gemv(w, codes, scales, sums, y, r0, r1):
-    n = codes.shape[0]
-    n_blocks = w.shape[1] // BLOCK_BYTES
-    n_chunks = -(-n_blocks // CHUNK)
-    q = stack_empty(CHUNK_VALUES, np.int8)
-    sc = stack_empty(CHUNK_GROUPS, np.float32)
-    mn = stack_empty(CHUNK_GROUPS, np.float32)
-    comb = stack_empty(CHUNK_GROUPS, np.float32)
-    if n == 1:
-        c0, s0, m0 = codes[0], scales[0], sums[0]
+@njit(inline="always", **JIT_ORDERED)
+def _scaled_unit(q, isc, codes, e0, u):
+    """Unit u's 32-value dot product of q with codes[e0 + 32u:], its groups' integer
+    scales applied to the products (int32 lanes)."""
+    if SIGNED_CODES:
+        if _SUB16:
+            return dot_signed_scaled(load_bytes(q, 32 * u), codes, e0 + 32 * u, isc, 2 * u,
+                                     True)
+        return dot_signed_scaled(load_bytes(q, 32 * u), codes, e0 + 32 * u, isc, u, False)
+    if _SUB16:
+        return dot_unsigned_scaled(load_bytes(q, 32 * u), codes, e0 + 32 * u, isc, 2 * u,
+                                   True)
+    return dot_unsigned_scaled(load_bytes(q, 32 * u), codes, e0 + 32 * u, isc, u, False)
+
+
+@njit(inline="always", **JIT_ORDERED)
+def _super_dot(q, isc, imn, d, dmin, codes, scales, sums, b, acc, offsets):
+    """Superblock b (decoded: codes q, integer sub-scales isc and mins imn, float scales d,
+    dmin) times one row of x (codes, a scale per 256 values, integer sums per group):
+    the eight units' scaled dot products summed as integers, then one multiply-add by
+    d x the activations' scale into `acc`; the code offset and the mins as integer dot
+    products of the sub-scales (mins) with the groups' activation sums, into `offsets`."""
+    total = zeros_i32x8()
+    e0 = b * BLOCK
+    for u in range(BLOCK // 32):
+        total = total + _scaled_unit(q, isc, codes, e0, u)
+    xs = scales[b]
+    acc = scaled_add(acc, total, d * xs)
+    g0 = b * NSUB
+    for v in range(NSUB // 8):
+        if _HAS_CODE_OFFSET:
+            t = load_i8_i32x8(isc, 8 * v) * load_i32x8(sums, g0 + 8 * v)
+            offsets = scaled_add(offsets, t, -_CODE_OFFSET * d * xs)
+        if HAS_MIN:
+            m = load_i8_i32x8(imn, 8 * v) * load_i32x8(sums, g0 + 8 * v)
+            offsets = scaled_add(offsets, m, -dmin * xs)
+    return acc, offsets
+
+
+if INT_SCALES:  # the superblock types (kernels/cpu_activations.quantize_superblocks)
+    @njit(**JIT_ORDERED)
+    def gemv(w, codes, scales, sums, y, r0, r1):
+        n = codes.shape[0]
+        n_blocks = w.shape[1] // BLOCK_BYTES
+        q = stack_empty(BLOCK, np.int8)
+        isc = stack_empty(32, np.int8)
+        imn = stack_empty(32, np.int8)
+        if n == 1:
+            c0, s0, m0 = codes[0], scales[0], sums[0]
+            for r in range(r0, r1):
+                wr = w[r]
+                acc = zeros_f32x8()
+                offsets = zeros_f32x8()
+                for b in range(n_blocks):
+                    d, dmin = decode_block(wr, b * BLOCK_BYTES, q, isc, imn)
+                    acc, offsets = _super_dot(q, isc, imn, d, dmin, c0, s0, m0, b, acc,
+                                              offsets)
+                y[0, r] = lane_sum(acc) + lane_sum(offsets)
+            return
+        accs = stack_empty(_ACC_LANES, np.float32)
         for r in range(r0, r1):
             wr = w[r]
-            acc = zeros_f32x8()
-            offsets = zeros_f32x8()
+            for j in range(2 * n):
+                store_f32x8(accs, 8 * j, zeros_f32x8())
+            for b in range(n_blocks):
+                d, dmin = decode_block(wr, b * BLOCK_BYTES, q, isc, imn)
+                for j in range(n):
+                    acc, offsets = _super_dot(q, isc, imn, d, dmin, codes[j], scales[j],
+                                              sums[j], b, load_f32x8(accs, 16 * j),
+                                              load_f32x8(accs, 16 * j + 8))
+                    store_f32x8(accs, 16 * j, acc)
+                    store_f32x8(accs, 16 * j + 8, offsets)
+            for j in range(n):
+                y[j, r] = lane_sum(load_f32x8(accs, 16 * j)) + lane_sum(
+                    load_f32x8(accs, 16 * j + 8))
+
+    @njit(**JIT_ORDERED)
+    def dequant(w, r0, out):
+        n_blocks = out.shape[1] // BLOCK
+        q = stack_empty(BLOCK, np.int8)
+        isc = stack_empty(32, np.int8)
+        imn = stack_empty(32, np.int8)
+        for t in range(out.shape[0]):
+            wr, orow = w[r0 + t], out[t]
+            for b in range(n_blocks):
+                d, dmin = decode_block(wr, b * BLOCK_BYTES, q, isc, imn)
+                for s in range(NSUB):
+                    scale = d * np.float32(isc[s])
+                    low = -dmin * np.float32(imn[s])
+                    for i in range(0, SUB, 8):
+                        value = (codes_f32x8(q, s * SUB + i) - _CODE_OFFSET) * scale
+                        if HAS_MIN:
+                            value = value + low
+                        store_f32x8(orow, b * BLOCK + s * SUB + i, value)
+else:  # per-group float scales
+    @njit(**JIT_ORDERED)
+    def gemv(w, codes, scales, sums, y, r0, r1):
+        n = codes.shape[0]
+        n_blocks = w.shape[1] // BLOCK_BYTES
+        n_chunks = -(-n_blocks // CHUNK)
+        q = stack_empty(CHUNK_VALUES, np.int8)
+        sc = stack_empty(CHUNK_GROUPS, np.float32)
+        mn = stack_empty(CHUNK_GROUPS, np.float32)
+        comb = stack_empty(CHUNK_GROUPS, np.float32)
+        if n == 1:
+            c0, s0, m0 = codes[0], scales[0], sums[0]
+            for r in range(r0, r1):
+                wr = w[r]
+                acc = zeros_f32x8()
+                offsets = zeros_f32x8()
+                for c in range(n_chunks):
+                    _decode_chunk(wr, c * CHUNK, n_blocks - c * CHUNK, q, sc, mn)
+                    acc, offsets = _chunk_dot(q, sc, mn, comb, c0, s0, m0, c, acc, offsets)
+                y[0, r] = lane_sum(acc) + lane_sum(offsets)
+            return
+        accs = stack_empty(_ACC_LANES, np.float32)
+        for r in range(r0, r1):
+            wr = w[r]
+            for j in range(2 * n):
+                store_f32x8(accs, 8 * j, zeros_f32x8())
             for c in range(n_chunks):
                 _decode_chunk(wr, c * CHUNK, n_blocks - c * CHUNK, q, sc, mn)
-                acc, offsets = _chunk_dot(q, sc, mn, comb, c0, s0, m0, c, acc, offsets)
-            y[0, r] = lane_sum(acc) + lane_sum(offsets)
-        return
-    accs = stack_empty(_ACC_LANES, np.float32)
-    for r in range(r0, r1):
-        wr = w[r]
-        for j in range(2 * n):
-            store_f32x8(accs, 8 * j, zeros_f32x8())
-        for c in range(n_chunks):
-            _decode_chunk(wr, c * CHUNK, n_blocks - c * CHUNK, q, sc, mn)
+                for j in range(n):
+                    acc, offsets = _chunk_dot(q, sc, mn, comb, codes[j], scales[j], sums[j], c,
+                                              load_f32x8(accs, 16 * j),
+                                              load_f32x8(accs, 16 * j + 8))
+                    store_f32x8(accs, 16 * j, acc)
+                    store_f32x8(accs, 16 * j + 8, offsets)
             for j in range(n):
-                acc, offsets = _chunk_dot(q, sc, mn, comb, codes[j], scales[j], sums[j], c,
-                                          load_f32x8(accs, 16 * j),
-                                          load_f32x8(accs, 16 * j + 8))
-                store_f32x8(accs, 16 * j, acc)
-                store_f32x8(accs, 16 * j + 8, offsets)
-        for j in range(n):
-            y[j, r] = lane_sum(load_f32x8(accs, 16 * j)) + lane_sum(load_f32x8(accs, 16 * j + 8))
+                y[j, r] = lane_sum(load_f32x8(accs, 16 * j)) + lane_sum(
+                    load_f32x8(accs, 16 * j + 8))
 
 
-@njit(**JIT_ORDERED)
-def dequant(w, r0, out):
-    n_blocks = out.shape[1] // BLOCK
-    q = stack_empty(BLOCK, np.int8)
-    sc = stack_empty(NSUB, np.float32)
-    mn = stack_empty(NSUB, np.float32)
-    for t in range(out.shape[0]):
-        wr, orow = w[r0 + t], out[t]
-        for b in range(n_blocks):
-            decode_block(wr, b * BLOCK_BYTES, q, sc, mn)
-            for s in range(NSUB):
-                scale = sc[s]
-                for i in range(0, SUB, 8):
-                    value = (codes_f32x8(q, s * SUB + i) - _CODE_OFFSET) * scale
-                    if HAS_MIN:
-                        value = value + mn[s]
-                    store_f32x8(orow, b * BLOCK + s * SUB + i, value)
+    @njit(**JIT_ORDERED)
+    def dequant(w, r0, out):
+        n_blocks = out.shape[1] // BLOCK
+        q = stack_empty(BLOCK, np.int8)
+        sc = stack_empty(NSUB, np.float32)
+        mn = stack_empty(NSUB, np.float32)
+        for t in range(out.shape[0]):
+            wr, orow = w[r0 + t], out[t]
+            for b in range(n_blocks):
+                decode_block(wr, b * BLOCK_BYTES, q, sc, mn)
+                for s in range(NSUB):
+                    scale = sc[s]
+                    for i in range(0, SUB, 8):
+                        value = (codes_f32x8(q, s * SUB + i) - _CODE_OFFSET) * scale
+                        if HAS_MIN:
+                            value = value + mn[s]
+                        store_f32x8(orow, b * BLOCK + s * SUB + i, value)

@@ -358,7 +358,8 @@ def _register_operators(vector_type: _VectorType, ops: dict, scalar: type) -> No
 
 
 _register_operators(bytes32, _INT_OPS, types.Integer)
-_register_operators(int32x8, {operator.add: "add", operator.sub: "sub"}, types.Integer)
+_register_operators(int32x8, {operator.add: "add", operator.sub: "sub", operator.mul: "mul"},
+                    types.Integer)
 _register_operators(float32x8, _FLOAT_OPS, (types.Float, types.Integer))
 
 
@@ -425,6 +426,30 @@ def _dot(signed_codes: bool):
     return dot
 
 
+def _scaled_dot(signed_codes: bool):
+    @intrinsic
+    def dot(typingctx, codes, acts, offset, scales, at, pair):
+        if not isinstance(pair, types.BooleanLiteral):
+            return None
+        two = pair.literal_value
+
+        def codegen(context, builder, signature, args):
+            x = builder.load(_element_ptr(context, builder, signature.args[1], args[1], args[2],
+                                          signature.args[2], _V32), align=1)
+            q = args[0]
+            if signed_codes:
+                q, x = _abs_and_sign(builder, q, x)
+            pairs = _pmaddubsw(builder, q, x)
+            raw = builder.load(_element_ptr(context, builder, signature.args[3], args[3],
+                                            args[4], signature.args[4], _vec(_I8, 2)), align=1)
+            wide = builder.sext(raw, _vec(_I16, 2))
+            lanes = [0] * 8 + [1] * 8 if two else [0] * 16
+            scale = builder.shuffle_vector(wide, wide, _constant_lanes(_vec(_I32, 16), lanes))
+            return _pmaddwd(builder, pairs, scale)
+        return int32x8(codes, acts, offset, scales, at, pair), codegen
+    return dot
+
+
 dot_unsigned = _dot(False)
 dot_unsigned.__doc__ = """Lane l = the sum of codes[4l .. 4l + 3] * acts[offset + 4l ..]: 32
 codes 0..127 (a `Bytes32`) times 32 int8 activations (`vpmaddubsw` then `vpmaddwd` on x86:
@@ -432,11 +457,42 @@ llama.cpp's dot product; the pair sums stay within int16)."""
 dot_signed = _dot(True)
 dot_signed.__doc__ = """`dot_unsigned` for codes -128..127: their magnitudes times the
 activations with the codes' signs."""
+dot_unsigned_scaled = _scaled_dot(False)
+dot_unsigned_scaled.__doc__ = """`dot_unsigned` with integer scales applied before the lanes
+sum: the int8 scale scales[at] multiplies every product (`pair` False: one group of 32),
+or scales[at] those of values 0-15 and scales[at + 1] those of 16-31 (`pair` True: two
+groups of 16). llama.cpp's K-quant dot product: `vpmaddwd` by the scales instead of ones."""
+dot_signed_scaled = _scaled_dot(True)
+dot_signed_scaled.__doc__ = """`dot_unsigned_scaled` for codes -128..127."""
 
 
 # -- float vectors --------------------------------------------------------------------------------
 
 _F8 = _vec(_F32, 8)
+
+
+@intrinsic
+def zeros_i32x8(typingctx):
+    def codegen(context, builder, signature, args):
+        return ir.Constant(_vec(_I32, 8), None)
+    return int32x8(), codegen
+
+
+def _load_ints8(element: ir.Type, doc: str):
+    @intrinsic
+    def load(typingctx, array, offset):
+        def codegen(context, builder, signature, args):
+            raw = builder.load(_element_ptr(context, builder, signature.args[0], args[0],
+                                            args[1], signature.args[1], _vec(element, 8)),
+                               align=1)
+            return builder.sext(raw, _vec(_I32, 8)) if element.width < 32 else raw
+        return int32x8(array, offset), codegen
+    load.__doc__ = doc
+    return load
+
+
+load_i32x8 = _load_ints8(_I32, "8 int32 of an int32 array from item `offset` on.")
+load_i8_i32x8 = _load_ints8(_I8, "8 int8 of a byte array from item `offset` on, as int32.")
 
 
 @intrinsic

@@ -30,7 +30,7 @@ from types import ModuleType
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from eagerlm.kernels.cpu_activations import quantize_activations
+from eagerlm.kernels.cpu_activations import quantize_activations, quantize_superblocks
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
 from eagerlm.kernels.cpu_threads import by_output_features, by_output_pieces, core_workers
 
@@ -99,11 +99,9 @@ def quantized_linear(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
     n = x.shape[0]
     out_features, in_features = w.shape
     y = np.empty((n, out_features), np.float32)
-    block_type = BLOCK_TYPES[w.qtype]
-    if n <= block_type.gemv_rows:
+    if n <= BLOCK_TYPES[w.qtype].gemv_rows:
         gemv = w.kernels.gemv
-        group = block_type.activation_group
-        acts = quantize_activations(x, group) if group else (x,)
+        acts = gemv_activations(w.qtype, x)
         by_output_pieces(n * out_features * in_features, out_features,
                          lambda start, stop: gemv(w.blocks, *acts, y, start, stop),
                          serial_max=GEMV_SERIAL_MAX_VALUES)
@@ -111,6 +109,16 @@ def quantized_linear(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
     by_output_features(n * out_features * in_features, out_features,
                        partial(_tiles, x, w, y, core_workers().local))
     return y
+
+
+def gemv_activations(qtype: GGMLQuantizationType, x: np.ndarray) -> tuple[np.ndarray, ...]:
+    """x as `qtype`'s `gemv` takes it: 8-bit codes with scales and sums per group (per 256
+    values for the superblock types), or float32 itself (F16, BF16)."""
+    block_type = BLOCK_TYPES[qtype]
+    group = block_type.activation_group
+    if block_type.superblocks:
+        return quantize_superblocks(x, group)
+    return quantize_activations(x, group) if group else (x,)
 
 
 def _tiles(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: threading.local,

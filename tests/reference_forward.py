@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from gguf import GGUFReader, quants
+from gguf import GGMLQuantizationType, GGUFReader, quants
 
 
 def _field(r: GGUFReader, key: str, default=None):
@@ -61,11 +61,11 @@ def _rope(v: np.ndarray, pos: int, base: float, neox: bool) -> np.ndarray:
     return out
 
 
-def eight_bit(v: np.ndarray) -> np.ndarray:
+def eight_bit(v: np.ndarray, group: int = 32) -> np.ndarray:
     """v rounded as llama.cpp (and eagerlm's cpu kernels) round the activations of a
-    product with quantized weights: per 32 values, to the nearest multiple of
-    max |v| / 127 (ggml's Q8_0)."""
-    g = v.reshape(-1, 32)
+    product with quantized weights: per 32 values (ggml's Q8_0; per 256, Q8_K, for the
+    types of 256-value superblocks), to the nearest multiple of max |v| / 127."""
+    g = v.reshape(-1, group)
     d = np.abs(g).max(axis=1, keepdims=True) / 127
     return (np.rint(g / np.where(d > 0, d, 1)) * d).reshape(v.shape)
 
@@ -90,8 +90,10 @@ _FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
 
 def _product(hp: dict, W: dict[str, np.ndarray], name: str, v: np.ndarray) -> np.ndarray:
     """W[name] @ v, v rounded first where `hp["eight_bit"]` and the weight is quantized."""
-    if hp.get("eight_bit") and int(hp["types"][name]) not in _FLOAT_TYPES:
-        v = eight_bit(v)
+    qtype = int(hp["types"][name])
+    if hp.get("eight_bit") and qtype not in _FLOAT_TYPES:
+        v = eight_bit(v, 256 if quants.GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0] == 256
+                      else 32)
     return W[name] @ v
 
 

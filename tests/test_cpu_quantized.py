@@ -36,13 +36,18 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 from eagerlm.kernels import quantized
 from eagerlm.kernels.batch import ForwardBatch
-from eagerlm.kernels.cpu_activations import GROUP, quantize_activations
+from eagerlm.kernels.cpu_activations import (
+    GROUP,
+    SUPERBLOCK,
+    quantize_activations,
+    quantize_superblocks,
+)
 from eagerlm.kernels.cpu_backend import cpu_transformer, held_bytes
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES
 from eagerlm.kernels.cpu_quant_loops import MAX_ROWS
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, CoreWorkers
 from eagerlm.kernels.numpy_ops import NumpyOps
-from eagerlm.kernels.quantized import QuantizedMatrix, quantized_linear
+from eagerlm.kernels.quantized import QuantizedMatrix, gemv_activations, quantized_linear
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import (
     RANDOM_BYTE_TYPES,
@@ -95,11 +100,18 @@ def offsets(w: QuantizedMatrix) -> np.ndarray:
     return np.repeat(per_block, block).reshape(w.shape)
 
 
-def dequantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x~ and each value's activation scale d, from `quantize_activations`."""
-    codes, scales, _ = quantize_activations(x)
+def dequantized_activations(x: np.ndarray, superblocks: bool = False
+                            ) -> tuple[np.ndarray, np.ndarray]:
+    """x~ and each value's activation scale d, from `quantize_activations` (or, for the
+    256-value superblock types, `quantize_superblocks`)."""
+    if superblocks:
+        codes, scales, _ = quantize_superblocks(x, 32)
+        group = SUPERBLOCK
+    else:
+        codes, scales, _ = quantize_activations(x)
+        group = GROUP
     k = x.shape[1]
-    d = np.repeat(scales.astype(np.float64), GROUP, axis=1)[:, :k]
+    d = np.repeat(scales.astype(np.float64), group, axis=1)[:, :k]
     return codes[:, :k] * d, d
 
 
@@ -118,7 +130,7 @@ def assert_within_derived_bounds(y: np.ndarray, x: np.ndarray, w: QuantizedMatri
         assert np.all(np.abs(y - exact) <= bound), np.max(np.abs(y - exact) / bound)
         return
     if BLOCK_TYPES[w.qtype].activation_group:
-        xt, d = dequantized_activations(x)
+        xt, d = dequantized_activations(x, BLOCK_TYPES[w.qtype].superblocks)
     else:
         xt, d = x.astype(np.float64), np.zeros(x.shape)
     rounding = (k / 16 + 8) * EPS32 * (np.abs(xt) @ (np.abs(ref) + offsets(w)).T)
@@ -152,6 +164,24 @@ def test_activations_are_8_bit_codes_within_half_a_step_of_x():
     assert np.all(np.abs(xt - x) <= d / 2 * (1 + 1e-6))
 
 
+def test_superblock_activations_have_one_scale_per_256_values_and_integer_sums():
+    """The 256-value superblock types' activations (llama.cpp's Q8_K): d = max |x| of
+    each 256 values / 127, codes within half a step, the codes' integer sums per 16 or
+    32."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((2, 512)) * rng.uniform(0.01, 100, (2, 1))).astype(np.float32)
+    x[1, 256:] = 0
+    for sub in (16, 32):
+        codes, scales, sums = quantize_superblocks(x, sub)
+        np.testing.assert_allclose(
+            scales, np.abs(x.astype(np.float64)).reshape(2, 2, 256).max(axis=2) / 127,
+            rtol=1e-6)
+        assert sums.dtype == np.int32 and scales[1, 1] == 0 and not codes[1, 256:].any()
+        np.testing.assert_array_equal(sums, codes.astype(np.int32).reshape(2, -1, sub).sum(2))
+    xt, d = dequantized_activations(x, superblocks=True)
+    assert np.all(np.abs(xt - x) <= d / 2 * (1 + 1e-6))
+
+
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_each_types_kernels_equal_float64_dequantize_then_matmul(qtype, monkeypatch):
     """Every regime through `quantized_linear`: one row, a few, the most `gemv` takes, 64
@@ -171,9 +201,7 @@ def test_each_types_kernels_equal_float64_dequantize_then_matmul(qtype, monkeypa
         assert_within_derived_bounds(quantized_linear(x, w), x, w)
     x = rng.standard_normal((2, IN_FEATURES)).astype(np.float32)
     y = np.full((2, OUT_FEATURES), np.nan, np.float32)
-    group = BLOCK_TYPES[qtype].activation_group
-    acts = quantize_activations(x, group) if group else (x,)
-    w.kernels.gemv(w.blocks, *acts, y, 5, 30)
+    w.kernels.gemv(w.blocks, *gemv_activations(qtype, x), y, 5, 30)
     assert np.isnan(y[:, :5]).all() and np.isnan(y[:, 30:]).all()
     full = quantized_linear(x, w)
     np.testing.assert_array_equal(y[:, 5:30], full[:, 5:30])
@@ -342,10 +370,11 @@ def _logits(tf, model: ModelFile, tokens: list[int]) -> list[np.ndarray]:
     return out
 
 
-def eight_bit(x: np.ndarray) -> np.ndarray:
-    """x with each group of 32 values rounded as the kernels round activations, in numpy:
-    to the nearest of the multiples of d = max |x| / 127 (llama.cpp's Q8_0)."""
-    g = x.reshape(len(x), -1, GROUP)
+def eight_bit(x: np.ndarray, group: int = GROUP) -> np.ndarray:
+    """x with each group of 32 (or 256) values rounded as the kernels round activations,
+    in numpy: to the nearest of the multiples of d = max |x| / 127 (llama.cpp's Q8_0,
+    Q8_K)."""
+    g = x.reshape(len(x), -1, group)
     amax = np.abs(g).max(axis=2, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     return (np.rint(g * inv) * (amax / np.float32(127))).astype(np.float32).reshape(x.shape)
@@ -354,18 +383,28 @@ def eight_bit(x: np.ndarray) -> np.ndarray:
 class EightBitActivations(NumpyOps):
     """The float32 reference path with the activations of each product the quantized path
     computes on 8-bit activations (up to `gemv_rows` rows; every matrix of these models is
-    of a block type) rounded the same way first."""
+    of a block type) rounded the same way first: per 256 values for a matrix of whole
+    256-value superblocks (`superblocks`, the ids of such matrices), else per 32."""
+
+    def __init__(self, superblocks: set[int]) -> None:
+        super().__init__()
+        self.superblocks = superblocks
 
     def linear(self, x, w, bias=None):
-        return super().linear(eight_bit(x) if len(x) <= GEMV_ROWS else x, w, bias)
+        if len(x) <= GEMV_ROWS:
+            x = eight_bit(x, SUPERBLOCK if id(w) in self.superblocks else GROUP)
+        return super().linear(x, w, bias)
 
 
-def float_reference(float_):
+def float_reference(float_, quant):
     """The float32 path (weights dequantized by gguf-py), `float_`, on
-    `EightBitActivations`."""
+    `EightBitActivations` as the quantized path `quant` rounds them."""
     from eagerlm.kernels.model import Transformer
 
-    return Transformer(float_.config, float_.weights, EightBitActivations())
+    superblocks = {id(f) for f, q in zip(float_.weights.handles(), quant.weights.handles(),
+                                         strict=True)
+                   if isinstance(q, QuantizedMatrix) and BLOCK_TYPES[q.qtype].superblocks}
+    return Transformer(float_.config, float_.weights, EightBitActivations(superblocks))
 
 
 def assert_within_eight_bit_noise(quant: list[np.ndarray], reference_: list[np.ndarray],
@@ -412,7 +451,7 @@ def test_synthetic_models_logits_on_the_quantized_path_are_the_float_paths_to_8_
                (quant.weights.token_embd, quant.weights.layers[0].wq,
                 quant.weights.layers[1].w_down))
     float_ = cpu_transformer(synthetic, weights="float")
-    reference_ = float_reference(float_)
+    reference_ = float_reference(float_, quant)
     for tokens in (list(range(3, 23)), list(range(3, 73))):
         assert_within_eight_bit_noise(_logits(quant, synthetic, tokens),
                                       _logits(reference_, synthetic, tokens),
@@ -505,7 +544,7 @@ def test_the_demo_models_logits_on_the_quantized_path_are_the_float_paths_to_8_b
                 if isinstance(w, np.ndarray) and w.ndim == 2]  # no float32 matrix
     float_ = cpu_transformer(demo, weights="float")
     assert_within_eight_bit_noise(_logits(quantized_tf, demo, tokens),
-                                  _logits(float_reference(float_), demo, tokens),
+                                  _logits(float_reference(float_, quantized_tf), demo, tokens),
                                   _logits(float_, demo, tokens))
 
 

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType
 
 from eagerlm.kernels import cpu_attention
 from eagerlm.kernels import cpu_row_ops as row_ops
-from eagerlm.kernels.cpu_activations import quantize_into
+from eagerlm.kernels.cpu_activations import quantize_into, quantize_superblocks_into
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
 from eagerlm.kernels.cpu_threads import core_count
 from eagerlm.kernels.quantized import warm_up
@@ -68,9 +68,17 @@ def _groups(qtypes: Iterable[GGMLQuantizationType]) -> list[_Group]:
         _Group("attention", cpu_attention.warm_up, lambda: list(cpu_attention.KERNELS)),
     ]
     types = [_Group(q.name, lambda q=q: warm_up([q]),
-                    lambda q=q: [kernels(q).gemv, kernels(q).dequant, quantize_into])
+                    lambda q=q: [kernels(q).gemv, kernels(q).dequant, *_quantizer(q)])
              for q in sorted(set(qtypes), key=int)]
     return fixed + types
+
+
+def _quantizer(qtype: GGMLQuantizationType) -> list:
+    """The activations' quantizer `qtype`'s gemv takes its input from (none: float32)."""
+    block_type = BLOCK_TYPES[qtype]
+    if block_type.superblocks:
+        return [quantize_superblocks_into]
+    return [quantize_into] if block_type.activation_group else []
 
 
 def compile_kernels(qtypes: Iterable[GGMLQuantizationType]) -> float:

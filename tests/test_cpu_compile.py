@@ -89,7 +89,7 @@ def test_a_cold_cache_is_filled_by_a_helper_process_and_this_one_together(tmp_pa
     assert helper and helper != set(stats)
     for name, kernels in stats.items():
         own = kernels if name in ("row_ops", "attention") else kernels[:2]  # gemv, dequant
-        if name in helper:  # (the activations' quantizer every type shares compiles here)
+        if name in helper:  # (the activations' quantizers, shared by types, compile here)
             assert all(misses == 0 and hits == 1 for hits, misses in own), name
         else:
             assert all(misses == 1 for hits, misses in own), name

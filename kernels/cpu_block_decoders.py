@@ -17,6 +17,18 @@ BLAS multiplies). Codes are exact, so the decoders lose nothing: `sc * (q - OFFS
 is gguf-py's value to float32 rounding (the IQ1 types' codes are 8 * grid +- 1 and their
 scale an eighth of gguf-py's, the same value exactly).
 
+The 256-value superblock types (the K-quants, IQ1/IQ2/IQ3, IQ4_XS, TQ) have integer
+sub-scales under one or two float scales per block, and their decoders say so
+(`INT_SCALES` in the loops):
+
+    d, dmin = decode_<type>(row, o, q, isc, imn)
+
+writes the codes, the integer sub-scale of each group to `isc` and (`has_min`) the
+integer min to `imn` (int8), and returns the block's float scales: value =
+d * isc[s] * (q - OFFSET) - dmin * imn[s] (the IQ types' d is gguf-py's over 4 or 8, their
+sub-scales 2s + 1: the same values exactly). The loops then scale the integer products
+by the sub-scales before converting anything to float.
+
 Codes are unsigned wherever the type allows (`vpmaddubsw` multiplies unsigned by signed
 bytes; a signed code costs a sign transfer): nibbles and bit fields as they are, the IQ
 types' signed grid values shifted up by their largest magnitude.

@@ -1,7 +1,7 @@
 """Demo-model speed and memory on the cpu backend at batch 1, beside llama.cpp on the same threads.
 
 Measured in one run, for eagerlm with `--weights quantized` (the default: each matrix kept
-as the file's GGUF blocks, read by the compiled kernels of kernels/cpu_quant_kernels.py),
+as the file's GGUF blocks, read by the compiled kernels of kernels/cpu_kernel_registry.py),
 eagerlm with `--weights float` (every weight dequantized to float32: the comparison) and
 llama.cpp (llama-cpp-python, same threads, same prompt and token counts as
 `llama_cpp_peer.py`):

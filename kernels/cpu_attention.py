@@ -1,13 +1,15 @@
-"""Decode rows' KV append and attention on the cpu, compiled (numba, cached, GIL released).
+"""KV append and attention on the cpu, compiled (numba, cached, GIL released), one row at
+a time: decode rows and prompts' rows alike.
 
 A decode round gives each session one new row. Done in numpy, every session costs a few
 Python calls per layer (two KV slice writes, a dozen small array ops for its attention):
 at 16 sessions that was 70% of a decode round of a 2-layer model and ~30 µs per session
 and layer of any model, all of it holding the GIL, so the host threads that eager dispatch
 overlaps with a round waited for it (or it for them). Here one call per layer writes every
-decode row's K and V and one attends every decode row, whatever the session count, with
-the GIL released. Sessions with several new rows (prompts) stay on the numpy path
-(kernels/numpy_ops.py), whose products BLAS already runs without the GIL.
+row's K and V and one attends every row, whatever the session count, with the GIL
+released. A prompt's rows are attended the same way, each at its own position, so that a
+row's result does not depend on how its prompt was cut into rounds (`DecodeRows` says why);
+only caches the kernels cannot address take the numpy path (kernels/numpy_ops.py).
 
 Sessions' caches are separate regions (vmm/kv_region.py), so the kernels address them
 through a table of base addresses built once per batch (`DecodeRows`) and reused by every
@@ -29,11 +31,11 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
 from eagerlm.kernels.batch import ForwardBatch
-from eagerlm.kernels.cpu_threads import numba_threads
+from eagerlm.kernels.cpu_threads import on_cores
 from eagerlm.kernels.numba_settings import JIT as _JIT
 from eagerlm.vmm.kv_layout import TokenMajorKV
 
@@ -62,20 +64,23 @@ def _append(k: np.ndarray, v: np.ndarray, rows: np.ndarray, bases: np.ndarray,
             cache[at + kv_dim + d] = v[rows[i], d]
 
 
-@njit(parallel=True, **_JIT)
+@njit(**_JIT)
 def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.ndarray,
                  positions: np.ndarray, layer_offset: int, token_stride: int, n_kv: int,
-                 scale: float, window: int, sinks: np.ndarray, use_sinks: bool) -> None:
+                 scale: float, window: int, sinks: np.ndarray, use_sinks: bool, share: int,
+                 shares: int) -> None:
     """out[rows[i]] = attention of q[rows[i]] `[n_heads, head_dim]` (position
-    positions[i]) over session i's cached keys, one (session, KV head) per work item: each
+    positions[i]) over its session's cached keys, one (row, KV head) per work item: each
     key and value row is read once for the query heads that share it (GQA), and the dots
     run over contiguous rows (twice as fast as head-outer loops at head_dim 16, six times
     at 64). With `use_sinks`, head h's softmax also counts a logit sinks[h] with no value
-    (attention sinks), as ggml's soft_max does."""
+    (attention sinks), as ggml's soft_max does. This call takes items share, share +
+    shares, ... (one thread's share: every other row of a prompt, whose rows cost more as
+    they go, so the shares take alike)."""
     n_heads, hd = q.shape[1], q.shape[2]
     group = n_heads // n_kv
     kv_dim = n_kv * hd
-    for item in prange(len(rows) * n_kv):
+    for item in range(share, len(rows) * n_kv, shares):
         i, h = item // n_kv, item % n_kv
         row, pos = rows[i], positions[i]
         lo = max(0, pos - window + 1) if window > 0 else 0
@@ -117,34 +122,44 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """The batch's one-row sessions whose caches the kernels can address: their rows in
-    the batch, cache base addresses and positions, and the caches themselves (kept alive
-    while the table is). Built once per batch (`of`) and kept on it for every layer."""
+    """Every row of the batch's sessions whose caches the kernels can address (a decode
+    session's one row, each row of a prompt at its own position): their rows in the batch,
+    their sessions' cache base addresses, their positions, and the caches themselves (kept
+    alive while the table is). Built once per batch (`of`) and kept on it for every layer.
 
-    rows: np.ndarray  # int64 [n]: each session's row in the batch
-    bases: np.ndarray  # int64 [n]: address of each session's cache (position 0, layer 0, K)
+    A prompt's rows go through the same kernel as decode rows, one row at a time in a fixed
+    order: a row's attention is then the same bits whether its prompt is prefilled at once,
+    in chunks or beside other sessions. BLAS (the numpy path, `_attend`) sums in an order
+    that depends on the call's rows and keys, and the quantized kernels' 8-bit activations
+    turn such a last-bit difference into a whole rounding step: a batched request drifted
+    from the same request alone. (At 128-512 prompt rows the kernel also took a third to
+    an eighth of the numpy path's time: it skips the masked half of the keys.)"""
+
+    rows: np.ndarray  # int64 [n]: each row's index in the batch
+    bases: np.ndarray  # int64 [n]: address of its session's cache (position 0, layer 0, K)
     positions: np.ndarray  # int64 [n]: each row's position
     caches: tuple[np.ndarray, ...]
-    starts: frozenset[int]  # the rows again, to tell the numpy path which to leave
+    starts: frozenset[int]  # the sessions' first rows, to tell the numpy path which to leave
     n_layers: int
     kv_dim: int  # n_kv_heads * head_dim
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> DecodeRows | None:
-        """The table for `batch` (None when no session fits: several rows each, or a
-        cache that is not a host float32 token-major array)."""
+        """The table for `batch` (None when no session's cache is a host float32
+        token-major array)."""
         cached = batch.ops_cache.get(cls)
         if cached is not None or cls in batch.ops_cache:
             return cached
-        picked = [s for s in batch.seqs if s.n_new == 1 and _addressable(s.kv)]
+        picked = [s for s in batch.seqs if _addressable(s.kv)]
         table = None
         if picked:
             caches = tuple(s.kv.data for s in picked)  # type: ignore[attr-defined]
             _, n_layers, _, n_kv, hd = caches[0].shape
             if all(c.shape[1:] == caches[0].shape[1:] for c in caches):
-                table = cls(np.array([s.start for s in picked], np.int64),
-                            np.array([c.ctypes.data for c in caches], np.int64),
-                            np.array([s.n_past for s in picked], np.int64),
+                table = cls(np.concatenate([np.arange(s.start, s.end) for s in picked]),
+                            np.concatenate([np.full(s.n_new, c.ctypes.data, np.int64)
+                                            for s, c in zip(picked, caches, strict=True)]),
+                            np.concatenate([np.arange(s.n_past, s.n_total) for s in picked]),
                             caches, frozenset(s.start for s in picked), n_layers, n_kv * hd)
         batch.ops_cache[cls] = table
         return table
@@ -162,17 +177,22 @@ class DecodeRows:
 
     def attend(self, layer: int, q: np.ndarray, out: np.ndarray, scale: float,
                window: int, sinks: np.ndarray | None = None) -> None:
-        """out[row] = the row's attention over its cache, for every row of the table
-        (with `sinks`, one logit per query head in every softmax)."""
+        """out[row] = the row's attention over its cache (the keys up to its position),
+        for every row of the table (with `sinks`, one logit per query head in every
+        softmax)."""
         n_heads, hd = q.shape[1:]
         n_kv = self.kv_dim // hd
         keys = int(np.sum(np.minimum(self.positions + 1, window) if window
                           else self.positions + 1))
-        with numba_threads(keys * n_heads * hd * 2):
-            _attend_rows(np.ascontiguousarray(q, np.float32), out, self.rows, self.bases,
-                         self.positions, layer * 2 * self.kv_dim, self.token_stride, n_kv,
-                         scale, window, _NO_SINKS if sinks is None else
-                         np.ascontiguousarray(sinks, np.float32), sinks is not None)
+        q = np.ascontiguousarray(q, np.float32)
+        use_sinks = sinks is not None
+        sinks = np.ascontiguousarray(sinks, np.float32) if use_sinks else _NO_SINKS
+
+        def share(i: int, shares: int) -> None:
+            _attend_rows(q, out, self.rows, self.bases, self.positions,
+                         layer * 2 * self.kv_dim, self.token_stride, n_kv, scale, window,
+                         sinks, use_sinks, i, shares)
+        on_cores(keys * n_heads * hd * 2, share)
 
 
 _NO_SINKS = np.zeros(1, np.float32)
@@ -182,6 +202,9 @@ def _addressable(kv: object) -> bool:
     data = getattr(kv, "data", None)
     return (isinstance(kv, TokenMajorKV) and isinstance(data, np.ndarray)
             and data.dtype == np.float32 and data.ndim == 5 and data.flags.c_contiguous)
+
+
+KERNELS = (_append, _attend_rows)  # for kernels/cpu_compile.py
 
 
 def warm_up() -> None:

@@ -3,7 +3,6 @@ float32 on request), with the numpy ops and the compiled quantized kernels."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -11,14 +10,13 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from eagerlm.errors import InvalidParameters
-from eagerlm.kernels import cpu_attention
-from eagerlm.kernels import cpu_row_ops as row_ops
+from eagerlm.kernels.cpu_compile import compile_kernels
 from eagerlm.kernels.cpu_moe import ExpertMatrices
 from eagerlm.kernels.cpu_threads import hold_blas_to_one_thread
 from eagerlm.kernels.host_collective import HostCollective
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.numpy_ops import NumpyOps
-from eagerlm.kernels.quantized import QuantizedMatrix, warm_up
+from eagerlm.kernels.quantized import QuantizedMatrix
 from eagerlm.kernels.weight_memory import available_memory, check_fits
 from eagerlm.loader.gguf_file import TensorInfo
 from eagerlm.loader.model_file import ModelFile
@@ -72,17 +70,6 @@ def mapped_bytes(model: ModelFile, weights: WeightsMode) -> int:
     """Bytes of the file the cpu backend reads in place (`maps_in_place`)."""
     return sum(info.n_bytes for info in model.gguf.tensors.values()
                if maps_in_place(info, weights))
-
-
-def compile_kernels(qtypes: set[GGMLQuantizationType]) -> float:
-    """Compile (or load from numba's disk cache) the kernels a model with matrices of
-    `qtypes` runs: the quantized matmuls of those types, the row-wise ops and the decode
-    attention; returns the seconds it took. The first forward would otherwise pay it."""
-    t0 = time.perf_counter()
-    warm_up(qtypes)
-    row_ops.warm_up()
-    cpu_attention.warm_up()
-    return time.perf_counter() - t0
 
 
 def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | None = None,

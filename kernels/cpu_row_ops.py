@@ -75,6 +75,9 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dim: int, neox: bool,
                 orow[j] = xr[j]
 
 
+KERNELS = (rms_norm, add_rms_norm, rope)  # for kernels/cpu_compile.py
+
+
 def warm_up() -> None:
     """Compile (or load from numba's disk cache) every kernel on one-value inputs."""
     x = np.ones((1, 2), np.float32)

@@ -1,32 +1,34 @@
-"""How the cpu backend's matmuls use the machine's cores.
+"""How the cpu backend's kernels use the machine's cores.
 
-Two kinds of parallel work share the cores: the fused GEMVs (numba `prange`, OpenMP
-threads) and the many-rows path (a tile of weights dequantized, then BLAS). Left alone,
-numpy's OpenBLAS starts its own threads for each product and keeps them spinning after
-it, and on a 2-core machine they and numba's threads took turns being descheduled inside
-each other's barriers: the 126 tile products of the demo model's layers at 8 rows took
-0.4-1.5 s instead of 80 ms, even with the machine otherwise idle. The spinning threads
-also take the cores from the host threads eager dispatch overlaps with a round (with
-float32 weights, `eagerlm profile --synthetic tiny` used 1.7 cores for one core's work). So
-once a cpu backend is built, numpy's BLAS runs on one thread in this process
-(threadpoolctl; OpenBLAS's threads then sleep) and the big products parallelize
-themselves: `CoreWorkers` splits the output features in one contiguous share per core
-(`by_output_features`). The quantized many-rows path dequantizes its share tile by tile
-into a reused buffer per worker and multiplies it with single-threaded BLAS; a float32
-matrix's share is multiplied directly (numba and BLAS both release the GIL). The rest of
-the forward's numpy products (attention) are small beside the weights' and run on the
-calling thread, or split by rows (`by_rows`).
+Every parallel piece of work runs on `CoreWorkers`, one thread per core, the caller
+taking the first share: the weight kernels (kernels/quantized.py: one contiguous share of
+the output features per core, `by_output_features`), the attention rows
+(kernels/cpu_attention.py, `on_cores`), the many-rows path (a tile of weights dequantized
+into a reused buffer per worker, then single-threaded BLAS), big float32 products, and a
+prompt's numpy work split by rows (`by_rows`). The kernels are compiled without numba's
+`parallel=True` (each releases the GIL), which also keeps their first-use compile short:
+numba's parallel pipeline took 4.3 s of CPU for the attention kernel alone against 2.0 s
+for the same loop serial.
+
+Left alone, numpy's OpenBLAS starts its own threads for each product and keeps them
+spinning after it, and on a 2-core machine they and numba's threads took turns being
+descheduled inside each other's barriers: the 126 tile products of the demo model's
+layers at 8 rows took 0.4-1.5 s instead of 80 ms, even with the machine otherwise idle.
+The spinning threads also take the cores from the host threads eager dispatch overlaps
+with a round (with float32 weights, `eagerlm profile --synthetic tiny` used 1.7 cores for
+one core's work). So once a cpu backend is built, numpy's BLAS runs on one thread in this
+process (threadpoolctl; OpenBLAS's threads then sleep).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import numba
 from threadpoolctl import ThreadpoolController
 
 
@@ -69,6 +71,26 @@ class CoreWorkers:
             for f in futures:
                 f.result()
 
+    def take_turns(self, n_pieces: int, piece: Callable[[int], None]) -> None:
+        """`piece(i)` for every i < n_pieces, each claimed by whichever thread is free
+        first: the caller and the workers take the next unclaimed one until none is left,
+        and a worker that has not started by then is not waited for. A worker the OS is
+        slow to schedule (the machine busy with other work) then costs nothing but the
+        piece it may be in, where fixed shares waited for its whole share."""
+        claim = itertools.count().__next__  # atomic: one call under the GIL
+
+        def work() -> None:
+            while (i := claim()) < n_pieces:
+                piece(i)
+        futures = [self._pool.submit(work) for _ in range(1, self.parts)
+                   ] if self._pool is not None else []
+        try:
+            work()
+        finally:
+            for f in futures:
+                if not f.cancel():
+                    f.result()
+
 
 _workers: CoreWorkers | None = None
 _lock = threading.Lock()
@@ -103,9 +125,8 @@ def core_shares(n: int) -> list[list[int]]:
 @contextlib.contextmanager
 def device_cores(cores: Sequence[int]) -> Iterator[None]:
     """Within, the calling thread is one cpu device's: pinned to `cores`, its products
-    split over a worker group pinned to the same cores, its numba kernels on as many
-    threads (numba's thread count is per calling thread; OpenMP's team inherits the
-    pinning). A tensor-parallel group's devices each run on their own share this way."""
+    split over a worker group pinned to the same cores. A tensor-parallel group's
+    devices each run on their own share this way."""
     before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     _pin(cores)
     workers = CoreWorkers(cores=cores)
@@ -127,17 +148,17 @@ def hold_blas_to_one_thread() -> None:
 
 
 # Below this many multiply-adds a product runs on the calling thread alone: waking the
-# workers (ours, or numba's sleeping ones) costs ~20-50 µs, more than a 256 x 640 GEMV
-# takes on one core.
+# workers costs ~20-50 µs, more than a 256 x 640 GEMV takes on one core.
 SERIAL_MAX_VALUES = 1 << 18
 
 
 def by_output_features(n_values: int, out_features: int,
-                       part: Callable[[int, int], None]) -> None:
+                       part: Callable[[int, int], None], *,
+                       serial_max: int = SERIAL_MAX_VALUES) -> None:
     """`part(start, stop)` over one contiguous share of a product's `out_features` per
     core, or over all of them on the calling thread when the product (`n_values`
-    multiply-adds) is too small to pay for the hand-off."""
-    workers = core_workers() if n_values >= SERIAL_MAX_VALUES else None
+    multiply-adds) is too small to pay for the hand-off (below `serial_max`)."""
+    workers = core_workers() if n_values >= serial_max else None
     if workers is None or workers.parts == 1:
         part(0, out_features)
         return
@@ -146,29 +167,30 @@ def by_output_features(n_values: int, out_features: int,
                                       min(out_features, (i + 1) * per_share)))
 
 
-# numba's workqueue threading layer (used where neither OpenMP nor TBB is installed) must
-# not be entered by two threads at once; two engines in one process share the parallel
-# kernels. OpenMP and TBB take concurrent callers (each OpenMP caller gets its own team),
-# which a tensor-parallel group's devices are.
-_NUMBA_LOCK = threading.Lock()
+def by_output_pieces(n_values: int, out_features: int, part: Callable[[int, int], None], *,
+                     serial_max: int = SERIAL_MAX_VALUES, per_core: int = 3) -> None:
+    """`part(start, stop)` over `out_features` cut in `per_core` pieces per core, each
+    run by whichever thread is free first (`CoreWorkers.take_turns`), or over all of them
+    on the calling thread below `serial_max` multiply-adds (`n_values`)."""
+    workers = core_workers() if n_values >= serial_max else None
+    if workers is None or workers.parts == 1:
+        part(0, out_features)
+        return
+    n_pieces = min(out_features, per_core * workers.parts)
+    step = -(-out_features // n_pieces)
+    workers.take_turns(-(-out_features // step), lambda i: part(
+        i * step, min(out_features, (i + 1) * step)))
 
 
-def _numba_lock() -> contextlib.AbstractContextManager[object]:
-    try:
-        layer = numba.threading_layer()
-    except ValueError:  # no parallel kernel has run yet: the layer is not chosen
-        return _NUMBA_LOCK
-    return _NUMBA_LOCK if layer == "workqueue" else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def numba_threads(n_values: int) -> Iterator[None]:
-    """Run a numba parallel kernel of `n_values` multiply-adds: on every core of the
-    calling thread's device, or on one thread below `SERIAL_MAX_VALUES`."""
-    with _numba_lock():
-        numba.set_num_threads(1 if n_values < SERIAL_MAX_VALUES else
-                              min(core_workers().parts, numba.config.NUMBA_NUM_THREADS))
-        yield
+def on_cores(n_values: int, part: Callable[[int, int], None]) -> None:
+    """`part(i, parts)` for every share i of a product of `n_values` multiply-adds, one
+    per core, or `part(0, 1)` on the calling thread when it is too small to pay for the
+    hand-off (`part` chooses what its share is)."""
+    workers = core_workers() if n_values >= SERIAL_MAX_VALUES else None
+    if workers is None or workers.parts == 1:
+        part(0, 1)
+        return
+    workers.run(part)
 
 
 SPLIT_MIN_ROWS = 32  # fewer rows stay on the calling thread: a hand-off costs ~20-50 µs

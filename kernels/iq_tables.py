@@ -1,10 +1,13 @@
-"""The lookup tables of the IQ quantization types, as a CUDA header generated from gguf-py.
+"""The lookup tables of the IQ quantization types, from gguf-py: for the cpu decoders
+(kernels/cpu_block_decoders.py, as arrays) and as a CUDA header.
 
 The IQ types (llama.cpp's "i-quants") store indices into fixed grids of 4 or 8 values, sign
 patterns indexed through a table, and (IQ4) a non-linear 16-value codebook. The kernels
 need those tables; gguf-py's `quants.py` is what the engine already trusts for
-dequantization (the cpu backend and every reference in the tests go through it), so it
-is the single source of truth and `kernels/cuda/iq_tables.cuh` is generated from it:
+dequantization (the float reference path and every reference in the tests go through
+it), so it is the single source of truth: the cpu decoders read `grid_words`,
+`sign_patterns` and `iq4_codebook`, and `kernels/cuda/iq_tables.cuh` is generated from
+the same:
 
     python -m eagerlm.kernels.iq_tables          # rewrite the header
     python -m eagerlm.kernels.iq_tables --check  # exit 1 if the committed header is stale
@@ -55,11 +58,24 @@ def grid_values(cls: type) -> np.ndarray:
     return as_int
 
 
-def _packed(grid: np.ndarray, width: int) -> list[int]:
-    """Each entry's values as one little-endian integer of `width` bytes."""
-    as_bytes = (grid & 0xFF).astype(np.uint64)
+def grid_words(cls: type, width: int) -> np.ndarray:
+    """gguf-py's grid of an IQ type, each entry's values as one little-endian integer of
+    `width` bytes (uint64 or uint32; int8 values as their two's-complement bytes): the
+    layout both the CUDA header and the cpu decoders (kernels/cpu_block_decoders.py) read."""
+    as_bytes = (grid_values(cls) & 0xFF).astype(np.uint64)
     shifts = (8 * np.arange(width, dtype=np.uint64))[None, :]
-    return [int(v) for v in np.bitwise_or.reduce(as_bytes << shifts, axis=1)]
+    words = np.bitwise_or.reduce(as_bytes << shifts, axis=1)
+    return words.astype(np.uint64 if width == 8 else np.uint32)
+
+
+def sign_patterns() -> np.ndarray:
+    """IQ2 / IQ3's 128 sign patterns (bit k set: value k of an 8-value group negated)."""
+    return np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8).copy()
+
+
+def iq4_codebook() -> np.ndarray:
+    """The IQ4_NL / IQ4_XS codebook, int8."""
+    return np.array(quants.IQ4_NL.kvalues, dtype=np.int8)
 
 
 def _array(ctype: str, name: str, values: Sequence[int], digits: int, per_line: int) -> str:
@@ -100,9 +116,9 @@ def render_header() -> str:
     ]
     for name, cls, width in _GRIDS:
         ctype = "unsigned long long" if width == 8 else "unsigned int"
-        parts.append(_array(ctype, name, _packed(grid_values(cls), width), 2 * width,
+        parts.append(_array(ctype, name, [int(v) for v in grid_words(cls, width)], 2 * width,
                             4 if width == 8 else 8))
-    ksigns = list(quants.IQ2_XXS.ksigns)
+    ksigns = [int(v) for v in sign_patterns()]
     parts.append("// Sign patterns: bit k set = value k of an 8-value group is negated.\n"
                  + _array("unsigned char", "ksigns_iq2xs", ksigns, 2, 16))
     if tuple(quants.NVFP4.kvalues) != tuple(quants.MXFP4.kvalues):

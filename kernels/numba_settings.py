@@ -30,3 +30,12 @@ if "GOMP_SPINCOUNT" not in os.environ:
 # be reassociated, i.e. vectorized (a different summation order than numpy's or BLAS's,
 # within float32 rounding of it).
 JIT = {"cache": True, "nogil": True, "fastmath": True}
+
+# The weight kernels (kernels/cpu_quant_loops.py, cpu_float_loops.py, their decoders and the
+# activations' quantizer): float operations in the order written, nothing reassociated or
+# contracted but where a kernel says so (`cpu_simd.muladd`). A row of x then gives the same
+# bits whether it is multiplied alone or in a batch, by whichever path: the 8-bit
+# activations amplify a last-bit difference into a whole rounding step, and a batched
+# request would otherwise drift from the same request alone. The kernels vectorize by
+# their explicit vectors (kernels/cpu_simd.py), not by reassociation.
+JIT_ORDERED = {**JIT, "fastmath": False}

@@ -350,7 +350,8 @@ class NumpyOps:
 
     def kv_append(self, batch: ForwardBatch, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Write this batch's K and V `[T, kv_heads, head_dim]` at their positions: every
-        decode row in one compiled call (kernels/cpu_attention.py), prompts by slices."""
+        row in one compiled call (kernels/cpu_attention.py), a cache it cannot address by
+        slices."""
         decode = DecodeRows.of(batch)
         if decode is not None:
             decode.append(layer, k, v)
@@ -371,9 +372,9 @@ class NumpyOps:
         n_tok, n_heads, hd = q.shape
         out = np.empty((n_tok, n_heads, hd), dtype=np.float32)
         decode = DecodeRows.of(batch)
-        if decode is not None:  # every one-row session, in one compiled call
+        if decode is not None:  # every row, in one compiled call
             decode.attend(layer, q, out, scale, window, sinks)
-        for s in batch.seqs:  # a prompt's query rows split over the cores (by_rows)
+        for s in batch.seqs:  # a cache it cannot address: its rows split over the cores
             if decode is None or s.start not in decode.starts:
                 by_rows(s.n_new, partial(_attend, s, layer, q, out, np.float32(scale),
                                          window, sinks), causal=True)

@@ -4,56 +4,41 @@
 matrix: the file's bytes, `[rows, row_bytes]`, so it takes what the file takes. The ops
 (kernels/numpy_ops.py) accept it wherever they accept a float32 matrix:
 
-- `quantized_linear(x, w)`: x @ w^T. For a type with compiled kernels (`FUSED`: Q4_0,
-  Q5_0, Q8_0, Q4_K, Q5_K, Q6_K: what Q4_K_M, Q5_K_M and Q8_0 files hold, Q5_0 where a row
-  is not whole 256-value superblocks; kernels/cpu_quant_kernels.py) one row of x (decode at
-  batch 1) is one fused dequantize-dot pass over the blocks, and up to `FEW_ROWS` rows
-  decode each weight row once into an L1 buffer and dot it with every row. Beyond that
-  (prefill, big batches), and for every other type, `TILE_ELEMENTS` worth of weight rows
-  at a time is dequantized into a reused float32 buffer (the compiled dequantizer, or
-  gguf-py's) and multiplied by BLAS, one share of the output rows per core
-  (kernels/cpu_threads.py): a tile per core is all the extra memory.
+- `quantized_linear(x, w)`: x @ w^T, by the compiled kernels of w's type
+  (kernels/cpu_kernel_registry.py; every type gguf-py knows but the float32 ones, which
+  the backend keeps as float32 arrays). Up to the type's `gemv_rows` rows of x (decode,
+  decode batches: 24 for the block types, 8 for F16 / BF16) take the type's `gemv`: x
+  quantized to 8-bit codes per 32 values once (kernels/cpu_activations.py; F16 / BF16
+  keep x float32), then each block decoded in registers and multiplied with every row of
+  x, nothing dequantized to memory; the output rows are cut in pieces that the cores take
+  in turn (kernels/cpu_threads.py's `by_output_pieces`), or run on the calling thread
+  under `GEMV_SERIAL_MAX_VALUES` multiply-adds.
+  Beyond that (prefill, big batches), `TILE_ELEMENTS` worth of weight rows at a time is
+  dequantized into a reused float32 buffer and multiplied by BLAS, one share of the
+  output rows per core: a tile per core is all the extra memory.
 - `QuantizedMatrix.take(ids)`: rows dequantized (the embedding lookup).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
+from types import ModuleType
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from eagerlm.kernels import cpu_quant_kernels as k
-from eagerlm.kernels.cpu_threads import (
-    by_output_features,
-    core_workers,
-    numba_threads,
-)
-from eagerlm.loader.weights import dequantize_blocks
+from eagerlm.kernels.cpu_activations import quantize_activations, quantize_superblocks
+from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
+from eagerlm.kernels.cpu_threads import by_output_features, by_output_pieces, core_workers
 
-Q = GGMLQuantizationType
-
-Gemv = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
-
-# The types with compiled kernels, and their one-row fused GEMV; their rows decode through
-# `k.dequant` / `k.gemv_rows` with the GGML type id.
-FUSED: dict[GGMLQuantizationType, Gemv] = {
-    Q.Q4_0: k.gemv_q4_0,
-    Q.Q5_0: k.gemv_q5_0,
-    Q.Q8_0: k.gemv_q8_0,
-    Q.Q4_K: k.gemv_q4_k,
-    Q.Q5_K: k.gemv_q5_k,
-    Q.Q6_K: k.gemv_q6_k,
-}
-# How a product is computed, by the rows of x (measured on 2 cores, the demo model's
-# matrices, docs/performance.md): one row, the fused GEMV (never a decoded value in
-# memory); up to `FEW_ROWS`, `gemv_rows` (each weight row decoded once into an L1 buffer,
-# dotted with every row of x); beyond, tiles dequantized and multiplied by BLAS.
-FEW_ROWS = 64
 TILE_ELEMENTS = 1 << 18  # weights per tile: 1 MiB of float32, cache-sized
+# Below this many multiply-adds a `gemv` runs on the calling thread: at ~30 G multiply-adds
+# a second per core (8-bit dot products) 2M take ~70 us alone, ~35 us on two cores plus the
+# ~25-30 us a hand-off to the other core's worker costs (measured, docs/performance.md).
+GEMV_SERIAL_MAX_VALUES = 1 << 21
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,6 +55,8 @@ class QuantizedMatrix:
            raw: np.ndarray) -> QuantizedMatrix:
         """A copy of a tensor's raw bytes (`raw`, as the file stores them)."""
         rows, cols = shape
+        if qtype not in BLOCK_TYPES:
+            raise ValueError(f"the cpu backend has no kernels for {qtype.name} matrices")
         block, type_size = GGML_QUANT_SIZES[qtype]
         if cols % block:
             raise ValueError(f"rows of {cols} values are not whole {qtype.name} blocks")
@@ -85,13 +72,14 @@ class QuantizedMatrix:
         """What it computes as (so code that asks an array's dtype gets an answer)."""
         return np.dtype(np.float32)
 
+    @property
+    def kernels(self) -> ModuleType:
+        """The compiled kernels of its type (kernels/cpu_kernel_registry.py)."""
+        return kernels(self.qtype)
+
     def dequantize_rows(self, start: int, out: np.ndarray) -> np.ndarray:
         """Rows start .. start + len(out) as float32 into `out`."""
-        if self.qtype in FUSED:
-            k.dequant(self.blocks, int(self.qtype), start, out)  # one thread: no lock
-        else:
-            out[:] = _dequantize_other(self.blocks[start:start + len(out)], self.qtype
-                                       ).reshape(out.shape)
+        self.kernels.dequant(self.blocks, start, out)
         return out
 
     def take(self, ids: np.ndarray) -> np.ndarray:
@@ -105,31 +93,32 @@ class QuantizedMatrix:
         return self.dequantize_rows(0, np.empty(self.shape, np.float32))
 
 
-def _dequantize_other(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """Blocks of a type without compiled kernels, by numpy (float16, bfloat16, gguf-py)."""
-    if qtype == Q.F16:
-        return raw.view(np.float16).astype(np.float32)
-    if qtype == Q.BF16:
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return dequantize_blocks(raw.reshape(-1), qtype)
-
-
 def quantized_linear(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
     """x @ w^T, float32 `[rows of x, out_features]`."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     n = x.shape[0]
     out_features, in_features = w.shape
     y = np.empty((n, out_features), np.float32)
-    if w.qtype in FUSED and n <= FEW_ROWS:
-        with numba_threads(n * out_features * in_features):
-            if n == 1:
-                FUSED[w.qtype](w.blocks, x, y)
-            else:
-                k.gemv_rows(w.blocks, int(w.qtype), x, y)
+    if n <= BLOCK_TYPES[w.qtype].gemv_rows:
+        gemv = w.kernels.gemv
+        acts = gemv_activations(w.qtype, x)
+        by_output_pieces(n * out_features * in_features, out_features,
+                         lambda start, stop: gemv(w.blocks, *acts, y, start, stop),
+                         serial_max=GEMV_SERIAL_MAX_VALUES)
         return y
     by_output_features(n * out_features * in_features, out_features,
                        partial(_tiles, x, w, y, core_workers().local))
     return y
+
+
+def gemv_activations(qtype: GGMLQuantizationType, x: np.ndarray) -> tuple[np.ndarray, ...]:
+    """x as `qtype`'s `gemv` takes it: 8-bit codes with scales and sums per group (per 256
+    values for the superblock types), or float32 itself (F16, BF16)."""
+    block_type = BLOCK_TYPES[qtype]
+    group = block_type.activation_group
+    if block_type.superblocks:
+        return quantize_superblocks(x, group)
+    return quantize_activations(x, group) if group else (x,)
 
 
 def _tiles(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: threading.local,
@@ -149,12 +138,12 @@ def _tiles(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: threading.lo
 
 
 def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> None:
-    """Compile (or load from numba's disk cache) the kernels of `qtypes`, on tiny inputs
-    (cpu_backend.compile_kernels times it with the others). The first forward would
+    """Build and compile (or load from numba's disk cache) the kernels of `qtypes` and
+    nothing else, on tiny inputs (kernels/cpu_compile.py). The first forward would
     otherwise pay it."""
-    for qtype in sorted(set(qtypes) & FUSED.keys()):
+    for qtype in sorted(set(qtypes), key=int):
         block, type_size = GGML_QUANT_SIZES[qtype]
-        w = QuantizedMatrix(qtype, (1, block), np.zeros((1, type_size), np.uint8))
-        for rows in (1, 2):  # the one-row GEMV, `gemv_rows`
-            quantized_linear(np.zeros((rows, block), np.float32), w)
+        cols = max(block, 32)
+        w = QuantizedMatrix(qtype, (1, cols), np.zeros((1, cols // block * type_size), np.uint8))
+        quantized_linear(np.zeros((1, cols), np.float32), w)  # `gemv`
         w.dequantize()  # `dequant`, the tiles

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from gguf import GGUFReader, quants
+from gguf import GGMLQuantizationType, GGUFReader, quants
 
 
 def _field(r: GGUFReader, key: str, default=None):
@@ -23,6 +23,8 @@ def _field(r: GGUFReader, key: str, default=None):
 
 
 def load(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """The hyperparameters (and, under "types", each tensor's GGML type) and the weights
+    dequantized to float64."""
     r = GGUFReader(path)
     arch = _field(r, "general.architecture")
     hp = {
@@ -41,6 +43,7 @@ def load(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     hp["rope_dim"] = _field(r, f"{arch}.rope.dimension_count", None)
     hp["hd"] = _field(r, f"{arch}.attention.key_length", hp["d"] // hp["n_heads"])
     weights = {}
+    hp["types"] = {t.name: t.tensor_type for t in r.tensors}
     for t in r.tensors:
         w = quants.dequantize(t.data, t.tensor_type).astype(np.float64)
         weights[t.name] = w.reshape([int(x) for x in reversed(t.shape.tolist())])
@@ -95,27 +98,54 @@ def _moe(W: dict[str, np.ndarray], p: str, h: np.ndarray, hp: dict, arch: str) -
         weights = probs[chosen] / probs[chosen].sum()
     out = np.zeros_like(h)
     for wgt, ex in zip(weights, chosen, strict=True):
-        def mat(name: str, ex: int = int(ex)) -> np.ndarray:
-            return W[p + name + ".weight"][ex]
+        def mat(name: str, v: np.ndarray, ex: int = int(ex)) -> np.ndarray:
+            return _product(hp, W, p + name + ".weight", v, ex)
 
         def bias(name: str, ex: int = int(ex)) -> np.ndarray | float:
             b = W.get(p + name + ".bias")
             return 0.0 if b is None else b[ex]
-        g = mat("ffn_gate_exps") @ h + bias("ffn_gate_exps")
-        u = mat("ffn_up_exps") @ h + bias("ffn_up_exps")
-        out += wgt * (mat("ffn_down_exps") @ _act(g, u, arch) + bias("ffn_down_exps"))
+        g = mat("ffn_gate_exps", h) + bias("ffn_gate_exps")
+        u = mat("ffn_up_exps", h) + bias("ffn_up_exps")
+        out += wgt * (mat("ffn_down_exps", _act(g, u, arch)) + bias("ffn_down_exps"))
     return out
 
 
-def reference_logits(path: str, tokens: list[int]) -> np.ndarray:
-    """Logits `[len(tokens), vocab]` for every position of one sequence, in float64."""
+def eight_bit(v: np.ndarray, group: int = 32) -> np.ndarray:
+    """v rounded as llama.cpp (and eagerlm's cpu kernels) round the activations of a
+    product with quantized weights: per 32 values (ggml's Q8_0; per 256, Q8_K, for the
+    types of 256-value superblocks), to the nearest multiple of max |v| / 127."""
+    g = v.reshape(-1, group)
+    d = np.abs(g).max(axis=1, keepdims=True) / 127
+    return (np.rint(g / np.where(d > 0, d, 1)) * d).reshape(v.shape)
+
+
+def reference_logits(path: str, tokens: list[int], eight_bit_activations: bool = False
+                     ) -> np.ndarray:
+    """Logits `[len(tokens), vocab]` for every position of one sequence, in float64;
+    with `eight_bit_activations`, every product with a quantized (not float) weight first
+    rounds its input by `eight_bit`."""
     hp, W = load(path)
+    hp["eight_bit"] = eight_bit_activations
     hidden = reference_hidden_states(path, tokens, (hp, W))
-    out_w = W.get("output.weight", W["token_embd.weight"])
-    logits = hidden @ out_w.T
+    name = "output.weight" if "output.weight" in W else "token_embd.weight"
+    logits = np.stack([_product(hp, W, name, h) for h in hidden])
     if hp["softcap"]:
         logits = np.tanh(logits / hp["softcap"]) * hp["softcap"]
     return logits
+
+
+_FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
+
+
+def _product(hp: dict, W: dict[str, np.ndarray], name: str, v: np.ndarray,
+             expert: int | None = None) -> np.ndarray:
+    """W[name] @ v (expert `expert`'s matrix of a 3-D expert tensor), v rounded first where
+    `hp["eight_bit"]` and the weight is quantized."""
+    qtype = int(hp["types"][name])
+    if hp.get("eight_bit") and qtype not in _FLOAT_TYPES:
+        v = eight_bit(v, 256 if quants.GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0] == 256
+                      else 32)
+    return (W[name] if expert is None else W[name][expert]) @ v
 
 
 def reference_hidden_states(path: str, tokens: list[int],
@@ -144,12 +174,12 @@ def reference_hidden_states(path: str, tokens: list[int],
         for t in range(T):
             h = _rms(x[t], W[p + "attn_norm.weight"], eps)
             if p + "attn_qkv.weight" in W:  # phi3: Q, K, V rows in one matrix
-                qkv = W[p + "attn_qkv.weight"] @ h
+                qkv = _product(hp, W, p + "attn_qkv.weight", h)
                 q, k, v = qkv[:H * hd], qkv[H * hd:(H + KV) * hd], qkv[(H + KV) * hd:]
             else:
-                q = W[p + "attn_q.weight"] @ h
-                k = W[p + "attn_k.weight"] @ h
-                v = W[p + "attn_v.weight"] @ h
+                q = _product(hp, W, p + "attn_q.weight", h)
+                k = _product(hp, W, p + "attn_k.weight", h)
+                v = _product(hp, W, p + "attn_v.weight", h)
             if p + "attn_q.bias" in W:
                 q = q + W[p + "attn_q.bias"]
                 k = k + W[p + "attn_k.bias"]
@@ -177,7 +207,7 @@ def reference_hidden_states(path: str, tokens: list[int],
                 attn_out[t, i * hd:(i + 1) * hd] = sum(pr[n] * vs[j][kvh]
                                                        for n, j in enumerate(js))
         for t in range(T):
-            a = W[p + "attn_output.weight"] @ attn_out[t]
+            a = _product(hp, W, p + "attn_output.weight", attn_out[t])
             if p + "attn_output.bias" in W:
                 a = a + W[p + "attn_output.bias"]
             if gemma:
@@ -190,12 +220,12 @@ def reference_hidden_states(path: str, tokens: list[int],
                 f = _moe(W, p, h, hp, arch)
             else:
                 if p + "ffn_gate.weight" in W:
-                    g = W[p + "ffn_gate.weight"] @ h
-                    u = W[p + "ffn_up.weight"] @ h
+                    g = _product(hp, W, p + "ffn_gate.weight", h)
+                    u = _product(hp, W, p + "ffn_up.weight", h)
                 else:  # phi3: gate then up rows in ffn_up
-                    gu = W[p + "ffn_up.weight"] @ h
+                    gu = _product(hp, W, p + "ffn_up.weight", h)
                     g, u = gu[:len(gu) // 2], gu[len(gu) // 2:]
-                f = W[p + "ffn_down.weight"] @ _act(g, u, arch)
+                f = _product(hp, W, p + "ffn_down.weight", _act(g, u, arch))
             if gemma:
                 f = _rms(f, W[p + "post_ffw_norm.weight"], eps)
             x[t] = x[t] + f

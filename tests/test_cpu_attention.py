@@ -1,9 +1,11 @@
-"""The cpu backend's compiled decode rows (kernels/cpu_attention.py): every one-row
-session's KV append and attention in one call per layer, held to a float64 numpy
-computation of causal (and sliding-window) GQA attention written here from the cache
-contents, and to the numpy path the prompts keep."""
+"""The cpu backend's compiled attention rows (kernels/cpu_attention.py): every row's KV
+append and attention in one call per layer, decode rows and prompts' rows alike, held to a
+float64 numpy computation of causal (and sliding-window) GQA attention written here from
+the cache contents, and to the numpy path a cache the kernels cannot address takes."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -66,15 +68,17 @@ def float64_attention(kv, layer: int, q_rows: np.ndarray, first: int, scale: flo
 @pytest.mark.parametrize("window", [0, 5])
 def test_decode_rows_attend_like_float64_attention_beside_a_prompt(window):
     """Sessions at position 0, in the middle and at the cache's last slot decode beside a
-    4-row prompt; every layer's K/V lands where it belongs and every row's attention is
-    the float64 one within float32 rounding."""
+    4-row prompt (its rows in the table too, each at its position); every layer's K/V
+    lands where it belongs and every row's attention is the float64 one within float32
+    rounding."""
     rng = np.random.default_rng(0)
     kvs = [cache(rng) for _ in range(4)]
     before = [kv.data.copy() for kv in kvs]
     n_pasts, n_news = [0, 20, 10, CAPACITY - 1], [1, 1, 4, 1]
     batch = batch_of(kvs, n_pasts, n_news)
     table = DecodeRows.of(batch)
-    assert table is not None and table.starts == {0, 1, 6}  # the prompt is numpy's
+    assert table is not None and table.starts == {0, 1, 2, 6}
+    assert list(table.positions) == [0, 20, 10, 11, 12, 13, CAPACITY - 1]
     ops = NumpyOps()
     n = len(batch.tokens)
     for layer in range(N_LAYERS):
@@ -94,6 +98,34 @@ def test_decode_rows_attend_like_float64_attention_beside_a_prompt(window):
             np.testing.assert_allclose(out[rows], want, rtol=2e-5, atol=2e-6)
     for kv, old in zip(kvs, before, strict=True):  # nothing else was written
         np.testing.assert_array_equal(kv.data, old)
+
+
+def test_a_prompts_rows_attend_alike_at_once_in_chunks_and_beside_other_sessions():
+    """A row's attention is the same bits however its prompt is cut into rounds (the
+    quantized kernels' 8-bit activations would turn a last-bit difference into a whole
+    rounding step)."""
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((12, N_KV, HEAD_DIM)).astype(np.float32)
+    q = rng.standard_normal((12, N_HEADS, HEAD_DIM)).astype(np.float32)
+    ops = NumpyOps()
+
+    def prefill(cuts: list[int], other: bool) -> np.ndarray:
+        kv, out = cache(np.random.default_rng(4)), []
+        for a, b in itertools.pairwise(cuts):
+            kvs, n_pasts, n_news = [kv], [a], [b - a]
+            kq, qq = k[a:b], q[a:b]
+            if other:  # a decode session before the prompt's rows
+                kvs, n_pasts, n_news = [cache(rng)] + kvs, [5] + n_pasts, [1] + n_news
+                kq, qq = np.concatenate([k[:1], kq]), np.concatenate([q[:1], qq])
+            batch = batch_of(kvs, n_pasts, n_news)
+            ops.kv_append(batch, 0, kq, kq)
+            rows = ops.attention(batch, 0, qq, scale=0.3, window=0)
+            out.append(rows[1:] if other else rows)
+        return np.concatenate(out)
+
+    whole = prefill([0, 12], False)
+    for cuts, other in (([0, 1, 5, 12], False), ([0, 7, 12], True), ([0, 12], True)):
+        np.testing.assert_array_equal(prefill(cuts, other), whole)
 
 
 def test_a_cache_the_kernels_cannot_address_takes_the_numpy_path():

@@ -1,33 +1,53 @@
-"""The cpu backend's quantized weights (kernels/quantized.py, kernels/cpu_quant_kernels.py).
+"""The cpu backend's weights kept as GGUF blocks (kernels/quantized.py, the kernels of
+kernels/cpu_kernel_registry.py: kernels/cpu_quant_loops.py over kernels/cpu_block_decoders.py,
+kernels/cpu_float_loops.py for F16 / BF16).
 
 The reference is independent of the kernels: gguf-py's `gguf.quants.dequantize` of the same
-blocks, in float64, then a float64 matmul. Blocks are random: K-quant and IQ blocks are
-random bytes with sane scales (loader/synthetic.py's `random_blocks`), the types gguf-py can
-quantize (Q4_0, Q5_0, Q8_0, Q5_1) are quantized random normals.
+blocks, in float64, then a float64 matmul. Blocks are random: the types gguf-py cannot
+quantize (K-quants, IQ types, NVFP4) are random bytes with sane scales (loader/synthetic.py's
+`random_blocks`), the others quantized random normals.
 
-Tolerance of a float32 dot product of length K against the exact one: each product and
-each addition rounds once (eps = 2^-24 = 6e-8), and the kernels' sums are at most K / 16
-+ 16 additions deep (16-lane partial sums, then their sum), so |error| <= (K / 16 + 18) *
-eps * sum |x_i w_i|; for K = 512 that is 3e-6 * sum |x_i w_i|, bounded here by 1e-5.
+Tolerances, derived:
+
+- 8-bit activations (kernels/cpu_activations.py): each group of 32 values of x is stored as
+  codes times d = max |x of the group| / 127, rounded to nearest, so |x~ - x| <= d / 2.
+  A product then differs from the float64 one by at most sum_i |w_i| * d_i / 2 (d_i: the
+  scale of x_i's group), plus float32 rounding.
+- float32 rounding: the block kernels' integer dot products are exact; each group's sum is
+  scaled (scale * activation scale: two roundings), added to one of eight float32 lanes or
+  to the offsets' sum (k / 16 additions deep at most), and the lanes summed (3 more):
+  |error| <= (k / 16 + 8) * 2^-24 * sum_i (|w_i| + |m_i|) * |x~_i|, m_i the offset of
+  w_i's group (value = scale * q + m: the two terms can be larger than their sum). The
+  float kernels (F16, BF16) sum products in eight lanes of four accumulators: k / 32 + 3
+  additions deep, covered by the same bound. The many-rows path is BLAS over float32
+  tiles: within the same bound of the float32 product (tested below on x itself).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 
-import numba
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from eagerlm.kernels import cpu_quant_kernels, quantized
+from eagerlm.kernels import quantized
 from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.cpu_activations import (
+    GROUP,
+    SUPERBLOCK,
+    quantize_activations,
+    quantize_superblocks,
+)
 from eagerlm.kernels.cpu_backend import cpu_transformer, held_bytes
+from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES
+from eagerlm.kernels.cpu_quant_loops import MAX_ROWS
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, CoreWorkers
 from eagerlm.kernels.numpy_ops import NumpyOps
-from eagerlm.kernels.quantized import FUSED, QuantizedMatrix, quantized_linear
+from eagerlm.kernels.quantized import QuantizedMatrix, gemv_activations, quantized_linear
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import (
     RANDOM_BYTE_TYPES,
@@ -35,13 +55,17 @@ from eagerlm.loader.synthetic import (
     tiny_spec,
     write_synthetic_model,
 )
+from eagerlm.loader.weights import SUPPORTED_TYPES
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
 from tests.test_dispatcher import make, random_workload, run_workload
 
 Q = GGMLQuantizationType
-FUSED_TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+ALL_TYPES = sorted(BLOCK_TYPES, key=lambda q: q.name)
+FLOAT_TYPES = (Q.F16, Q.BF16)
 IN_FEATURES = 512  # two K-quant superblocks, sixteen 32-value blocks
-OUT_FEATURES = 37  # not a multiple of the kernels' 16-row chunks
+GEMV_ROWS = BLOCK_TYPES[Q.Q8_0].gemv_rows  # the block types' (they all have the same)
+OUT_FEATURES = 37  # shares of unequal size, partial tiles
+EPS32 = 2.0 ** -24
 
 
 def random_matrix(qtype: GGMLQuantizationType, rows: int, cols: int,
@@ -52,7 +76,7 @@ def random_matrix(qtype: GGMLQuantizationType, rows: int, cols: int,
         raw = random_blocks(qtype, rng.uniform(0.002, 0.02, n_blocks).astype(np.float32), rng)
     else:
         raw = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
-    return QuantizedMatrix.of(qtype, (rows, cols), raw)
+    return QuantizedMatrix.of(qtype, (rows, cols), raw.view(np.uint8))
 
 
 def reference(w: QuantizedMatrix) -> np.ndarray:
@@ -60,60 +84,188 @@ def reference(w: QuantizedMatrix) -> np.ndarray:
     return quants.dequantize(w.blocks, w.qtype).astype(np.float64).reshape(w.shape)
 
 
-def assert_close_to_float64_matmul(y: np.ndarray, x: np.ndarray, w: QuantizedMatrix) -> None:
-    ref = x.astype(np.float64) @ reference(w).T
-    bound = 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(reference(w)).T)
-    assert y.dtype == np.float32 and y.shape == ref.shape
-    assert np.all(np.abs(y - ref) <= bound), np.max(np.abs(y - ref) / bound)
+def offsets(w: QuantizedMatrix) -> np.ndarray:
+    """|m| per weight, bounded from the format's fields (numpy on the bytes): the offset of
+    its group for the types whose values are scale * q + m, else 0."""
+    block, size = GGML_QUANT_SIZES[w.qtype]
+    raw = w.blocks.reshape(-1, size)
+
+    def f16(at: int) -> np.ndarray:
+        return np.abs(raw[:, at:at + 2].copy().view(np.float16).astype(np.float64))[:, 0]
+    per_block = {
+        Q.Q4_1: lambda: f16(2), Q.Q5_1: lambda: f16(2),  # the block's minimum
+        Q.Q2_K: lambda: f16(82) * 15, Q.Q4_K: lambda: f16(2) * 63,  # dmin * (4 / 6-bit min)
+        Q.Q5_K: lambda: f16(2) * 63,
+    }.get(w.qtype, lambda: np.zeros(len(raw)))()
+    return np.repeat(per_block, block).reshape(w.shape)
 
 
-@pytest.mark.parametrize("n_rows", [1, 2, 3, 7])
-@pytest.mark.parametrize("qtype", FUSED_TYPES, ids=lambda q: q.name)
-def test_each_fused_kernel_equals_float64_dequantize_then_matmul(qtype, n_rows):
-    """The kernels themselves, called directly: the one-row fused GEMV on each row of x,
-    and the few-rows GEMV (rows decoded once, dotted with every row of x) on 1 to 7 rows;
-    the two also run serially (one numba thread), as small matrices do."""
-    rng = np.random.default_rng(int(qtype) * 10 + n_rows)
-    w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
-    x = rng.standard_normal((n_rows, IN_FEATURES)).astype(np.float32)
-    for threads in (numba.config.NUMBA_NUM_THREADS, 1):
-        numba.set_num_threads(threads)
-        one_row = np.empty((n_rows, OUT_FEATURES), np.float32)
-        for j in range(n_rows):
-            FUSED[qtype](w.blocks, x[j:j + 1], one_row[j:j + 1])
-        assert_close_to_float64_matmul(one_row, x, w)
-        few_rows = np.empty((n_rows, OUT_FEATURES), np.float32)
-        cpu_quant_kernels.gemv_rows(w.blocks, int(qtype), x, few_rows)
-        assert_close_to_float64_matmul(few_rows, x, w)
-    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+def dequantized_activations(x: np.ndarray, superblocks: bool = False
+                            ) -> tuple[np.ndarray, np.ndarray]:
+    """x~ and each value's activation scale d, from `quantize_activations` (or, for the
+    256-value superblock types, `quantize_superblocks`)."""
+    if superblocks:
+        codes, scales, _ = quantize_superblocks(x, 32)
+        group = SUPERBLOCK
+    else:
+        codes, scales, _ = quantize_activations(x)
+        group = GROUP
+    k = x.shape[1]
+    d = np.repeat(scales.astype(np.float64), group, axis=1)[:, :k]
+    return codes[:, :k] * d, d
 
 
-@pytest.mark.parametrize("qtype", FUSED_TYPES, ids=lambda q: q.name)
-def test_each_compiled_dequantizer_equals_gguf_py(qtype):
-    """Rows from the middle of the matrix; float32 with at most one rounding of difference
-    (the compiler may fuse d * q - m into one multiply-add)."""
-    w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, np.random.default_rng(int(qtype)))
-    got = w.dequantize_rows(5, np.empty((20, IN_FEATURES), np.float32))
-    np.testing.assert_allclose(got, reference(w)[5:25], rtol=1e-6, atol=1e-7)
+def assert_within_derived_bounds(y: np.ndarray, x: np.ndarray, w: QuantizedMatrix) -> None:
+    """y against x @ w^T in float64. Up to the type's `gemv_rows` rows (its `gemv`): the
+    float32 rounding bound around x~ @ w^T (x~ the 8-bit activations, or x itself for the
+    float types), and the 8-bit activations' bound around x @ w^T. More rows (float32
+    tiles times BLAS, whose summation order is its own): k * 2^-24 * sum |x_i w_i|, the
+    bound of any order."""
+    ref = reference(w)
+    k = w.shape[1]
+    assert y.dtype == np.float32 and y.shape == (len(x), w.shape[0])
+    exact = x.astype(np.float64) @ ref.T
+    if len(x) > BLOCK_TYPES[w.qtype].gemv_rows:
+        bound = k * EPS32 * (np.abs(x) @ np.abs(ref).T)
+        assert np.all(np.abs(y - exact) <= bound), np.max(np.abs(y - exact) / bound)
+        return
+    if BLOCK_TYPES[w.qtype].activation_group:
+        xt, d = dequantized_activations(x, BLOCK_TYPES[w.qtype].superblocks)
+    else:
+        xt, d = x.astype(np.float64), np.zeros(x.shape)
+    rounding = (k / 16 + 8) * EPS32 * (np.abs(xt) @ (np.abs(ref) + offsets(w)).T)
+    err = np.abs(y - xt @ ref.T)
+    assert np.all(err <= rounding), np.max(err / rounding)
+    bound = d / 2 @ np.abs(ref).T + rounding
+    assert np.all(np.abs(y - exact) <= bound), np.max(np.abs(y - exact) / bound)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_0, Q.IQ4_NL, Q.Q5_1, Q.F16, Q.BF16],
-                         ids=lambda q: q.name)
-def test_many_rows_go_through_dequantized_tiles(qtype, monkeypatch):
-    """Many rows (any type), and every row of a type without fused kernels (IQ4_NL, Q5_1,
-    float16, bfloat16), are tiles dequantized and multiplied by BLAS; tiles of 8 rows here,
-    so each core's share of the 37 output rows ends in a partial tile."""
+def test_activations_are_8_bit_codes_within_half_a_step_of_x():
+    """llama.cpp's Q8_0 activations: per 32 values, d = max |x| / 127 and codes in
+    -127..127 with |d * code - x| <= d / 2; per group of 16 or 32 the scale (a 32-group's
+    for both its halves) and d * the codes' sum; an all-zero group has d = 0 and zero
+    codes."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((3, 256)) * rng.uniform(0.01, 100, (3, 1))).astype(np.float32)
+    x[1, 32:64] = 0
+    groups = np.abs(x.astype(np.float64)).reshape(3, -1, GROUP).max(axis=2)
+    for sub in (32, 16):
+        codes, scales, sums = quantize_activations(x, sub)
+        assert codes.dtype == np.int8 and np.abs(codes.astype(int)).max() == 127
+        np.testing.assert_allclose(scales, np.repeat(groups, GROUP // sub, axis=1) / 127,
+                                   rtol=1e-6)
+        assert scales[1, GROUP // sub] == 0 and not codes[1, 32:64].any()
+        np.testing.assert_allclose(sums, codes.reshape(3, -1, sub).sum(axis=2) * scales,
+                                   rtol=1e-6, atol=1e-30)
+    codes, scales, sums = quantize_activations(x[:, :160], 16)  # padded to 256, zeros
+    assert codes.shape == (3, 256) and scales.shape == sums.shape == (3, 16)
+    assert not codes[:, 160:].any() and not scales[:, 10:].any() and not sums[:, 10:].any()
+    xt, d = dequantized_activations(x)
+    assert np.all(np.abs(xt - x) <= d / 2 * (1 + 1e-6))
+
+
+def test_superblock_activations_have_one_scale_per_256_values_and_integer_sums():
+    """The 256-value superblock types' activations (llama.cpp's Q8_K): d = max |x| of
+    each 256 values / 127, codes within half a step, the codes' integer sums per 16 or
+    32."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((2, 512)) * rng.uniform(0.01, 100, (2, 1))).astype(np.float32)
+    x[1, 256:] = 0
+    for sub in (16, 32):
+        codes, scales, sums = quantize_superblocks(x, sub)
+        np.testing.assert_allclose(
+            scales, np.abs(x.astype(np.float64)).reshape(2, 2, 256).max(axis=2) / 127,
+            rtol=1e-6)
+        assert sums.dtype == np.int32 and scales[1, 1] == 0 and not codes[1, 256:].any()
+        np.testing.assert_array_equal(sums, codes.astype(np.int32).reshape(2, -1, sub).sum(2))
+    xt, d = dequantized_activations(x, superblocks=True)
+    assert np.all(np.abs(xt - x) <= d / 2 * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_each_types_kernels_equal_float64_dequantize_then_matmul(qtype, monkeypatch):
+    """Every regime through `quantized_linear`: one row, a few, the most `gemv` takes, 64
+    (its stack buffer's size) and more (tiles of 8 rows here, so each core's share ends
+    in a partial tile); then the `gemv` kernel alone on a range of rows starting and
+    ending mid-matrix, as one core's share."""
     monkeypatch.setattr(quantized, "TILE_ELEMENTS", 8 * IN_FEATURES)
     rng = np.random.default_rng(int(qtype))
-    if qtype in (Q.F16, Q.BF16):
-        values = rng.standard_normal((OUT_FEATURES, IN_FEATURES)).astype(np.float32)
-        raw = quants.quantize(values, qtype)
-        w = QuantizedMatrix.of(qtype, (OUT_FEATURES, IN_FEATURES), raw.view(np.uint8))
-    else:
-        w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
-    for n_rows in (1, 9, quantized.FEW_ROWS + 1):
+    w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
+    gemv_rows = BLOCK_TYPES[qtype].gemv_rows
+    for n_rows in (1, 3, gemv_rows, gemv_rows + 1):
         x = rng.standard_normal((n_rows, IN_FEATURES)).astype(np.float32)
-        assert_close_to_float64_matmul(quantized_linear(x, w), x, w)
+        assert_within_derived_bounds(quantized_linear(x, w), x, w)
+    x = rng.standard_normal((MAX_ROWS, IN_FEATURES)).astype(np.float32)
+    with monkeypatch.context() as m:
+        m.setitem(BLOCK_TYPES, qtype, dataclasses.replace(BLOCK_TYPES[qtype], gemv_rows=MAX_ROWS))
+        assert_within_derived_bounds(quantized_linear(x, w), x, w)
+    x = rng.standard_normal((2, IN_FEATURES)).astype(np.float32)
+    y = np.full((2, OUT_FEATURES), np.nan, np.float32)
+    w.kernels.gemv(w.blocks, *gemv_activations(qtype, x), y, 5, 30)
+    assert np.isnan(y[:, :5]).all() and np.isnan(y[:, 30:]).all()
+    full = quantized_linear(x, w)
+    np.testing.assert_array_equal(y[:, 5:30], full[:, 5:30])
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch(qtype):
+    """Up to `gemv_rows` rows, each row of x is computed in the same order whatever else is
+    in the batch (numba_settings.JIT_ORDERED): a batched request gets what it would alone."""
+    rng = np.random.default_rng(int(qtype) + 2)
+    w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
+    x = rng.standard_normal((5, IN_FEATURES)).astype(np.float32)
+    batched = quantized_linear(x, w)
+    alone = np.concatenate([quantized_linear(x[j:j + 1], w) for j in range(5)])
+    np.testing.assert_array_equal(batched.view(np.uint32), alone.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_a_matrix_of_one_block_per_row_is_computed(qtype):
+    """in_features of a single block (32, 64 or 256 values), one output row."""
+    block, _ = GGML_QUANT_SIZES[qtype]
+    cols = max(block, 32)
+    rng = np.random.default_rng(int(qtype) + 1)
+    w = random_matrix(qtype, 1, cols, rng)
+    for n_rows in (1, 2):
+        x = rng.standard_normal((n_rows, cols)).astype(np.float32)
+        assert_within_derived_bounds(quantized_linear(x, w), x, w)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_each_types_dequantizer_equals_gguf_py(qtype):
+    """Rows from the middle of the matrix: gguf-py's float32 values, at most one rounding
+    apart (the compiler may fuse scale * q + m into one multiply-add)."""
+    w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, np.random.default_rng(int(qtype)))
+    got = w.dequantize_rows(5, np.empty((20, IN_FEATURES), np.float32))
+    want = quants.dequantize(w.blocks, qtype).reshape(w.shape)[5:25]
+    assert np.all(np.abs(got - want) <= EPS32 * (np.abs(want) + offsets(w)[5:25]))
+
+
+@pytest.mark.parametrize("qtype", FLOAT_TYPES, ids=lambda q: q.name)
+def test_float16_and_bfloat16_weights_are_numpys_values(qtype):
+    """F16 / BF16 stay 2 bytes a value: the values are numpy's float16 -> float32 and the
+    bfloat16 bits shifted into a float32 (exact); rows of 45 values (not a multiple of
+    the kernels' 8 and 32) take their scalar tails."""
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((OUT_FEATURES, 45)).astype(np.float32)
+    if qtype == Q.F16:
+        raw, want = values.astype(np.float16), values.astype(np.float16).astype(np.float32)
+    else:
+        bits = (values.view(np.uint32) >> 16).astype(np.uint16)
+        raw, want = bits, (bits.astype(np.uint32) << 16).view(np.float32)
+    w = QuantizedMatrix.of(qtype, want.shape, raw.view(np.uint8))
+    assert w.nbytes == 2 * want.size
+    np.testing.assert_array_equal(w.dequantize(), want)
+    for n_rows in (1, 4, BLOCK_TYPES[qtype].gemv_rows + 1):
+        x = rng.standard_normal((n_rows, 45)).astype(np.float32)
+        want_y = x.astype(np.float64) @ want.astype(np.float64).T
+        bound = (45 / 16 + 8) * EPS32 * (np.abs(x) @ np.abs(want).T)
+        assert np.all(np.abs(quantized_linear(x, w) - want_y) <= bound)
+
+
+def test_every_supported_type_but_float32_has_cpu_kernels():
+    """F32 matrices are kept as float32 arrays and multiplied by BLAS."""
+    assert set(BLOCK_TYPES) == SUPPORTED_TYPES - {Q.F32}
 
 
 def test_core_workers_run_every_share_once_and_raise_what_a_share_raised():
@@ -137,6 +289,27 @@ def test_core_workers_run_every_share_once_and_raise_what_a_share_raised():
 
     with pytest.raises(ValueError, match="share 2"):
         workers.run(failing)
+
+
+def test_taking_turns_runs_every_piece_once_and_raises_what_a_piece_raised():
+    """`CoreWorkers.take_turns` (the weight kernels' pieces): each piece once, on
+    whichever thread claims it first; a piece's exception reaches the caller."""
+    workers = CoreWorkers(3)
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def piece(i: int) -> None:
+        with lock:
+            seen.append(i)
+    workers.take_turns(50, piece)
+    assert sorted(seen) == list(range(50))
+    workers.take_turns(0, piece)
+
+    def failing(i: int) -> None:
+        if i == 7:
+            raise ValueError("piece 7")
+    with pytest.raises(ValueError, match="piece 7"):
+        workers.take_turns(20, failing)
 
 
 @pytest.mark.parametrize("weights", ["quantized", "float"])
@@ -197,19 +370,92 @@ def _logits(tf, model: ModelFile, tokens: list[int]) -> list[np.ndarray]:
     return out
 
 
-def test_synthetic_models_logits_on_the_quantized_path_equal_the_float_path(synthetic):
-    """Both paths dequantize exactly; they differ only in summation order (float32
-    rounding), here compounded through two layers: bounded by 1e-4 of the logits' scale."""
+def eight_bit(x: np.ndarray, group: int = GROUP) -> np.ndarray:
+    """x with each group of 32 (or 256) values rounded as the kernels round activations,
+    in numpy: to the nearest of the multiples of d = max |x| / 127 (llama.cpp's Q8_0,
+    Q8_K)."""
+    g = x.reshape(len(x), -1, group)
+    amax = np.abs(g).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(g * inv) * (amax / np.float32(127))).astype(np.float32).reshape(x.shape)
+
+
+class EightBitActivations(NumpyOps):
+    """The float32 reference path with the activations of each product the quantized path
+    computes on 8-bit activations (up to `gemv_rows` rows; every matrix of these models is
+    of a block type) rounded the same way first: per 256 values for a matrix of whole
+    256-value superblocks (`superblocks`, the ids of such matrices), else per 32."""
+
+    def __init__(self, superblocks: set[int]) -> None:
+        super().__init__()
+        self.superblocks = superblocks
+
+    def linear(self, x, w, bias=None):
+        if len(x) <= GEMV_ROWS:
+            x = eight_bit(x, SUPERBLOCK if id(w) in self.superblocks else GROUP)
+        return super().linear(x, w, bias)
+
+
+def float_reference(float_, quant):
+    """The float32 path (weights dequantized by gguf-py), `float_`, on
+    `EightBitActivations` as the quantized path `quant` rounds them."""
+    from eagerlm.kernels.model import Transformer
+
+    superblocks = {id(f) for f, q in zip(float_.weights.handles(), quant.weights.handles(),
+                                         strict=True)
+                   if isinstance(q, QuantizedMatrix) and BLOCK_TYPES[q.qtype].superblocks}
+    return Transformer(float_.config, float_.weights, EightBitActivations(superblocks))
+
+
+def assert_within_eight_bit_noise(quant: list[np.ndarray], reference_: list[np.ndarray],
+                                  float_: list[np.ndarray]) -> None:
+    """The quantized path's logits are as far from the float path's as the float path's
+    own 8-bit-activation variant (`float_reference`) is. The two 8-bit paths are not equal
+    to rounding: a code rounds to the other side of a half step when its input differs in
+    the last bit, a jump of a whole step, which the next layers carry on (on the demo model
+    one decode step's mean distance ranges 0.07-1.2 for either). So each is one draw of the
+    same activation noise: over every row of a prefill and its decode steps, the mean
+    distance to the float logits within 1.5x the reference's (measured 0.95-1.05x), and the
+    float path's top token kept as often, to one row in 20."""
+    q, r, f = (np.concatenate(rows) for rows in (quant, reference_, float_))
+    assert np.abs(q - f).mean() <= 1.5 * np.abs(r - f).mean() + 1e-6 * np.abs(f).max()
+    assert (q.argmax(-1) == f.argmax(-1)).mean() >= (r.argmax(-1) == f.argmax(-1)).mean() - 0.05
+
+
+def test_every_product_of_a_quantized_forward_is_its_input_in_8_bits_times_the_weights(
+        synthetic, monkeypatch):
+    """Each product of a prefill (20 rows: the kernels; 70: float32 tiles) and of decode
+    steps, recorded at the model's own shapes and activations, against float64
+    dequantize-then-matmul within the kernels' derived bounds."""
+    seen: list[tuple[np.ndarray, QuantizedMatrix, np.ndarray]] = []
+
+    def recorded(x, w):
+        y = quantized_linear(x, w)
+        seen.append((np.array(x, np.float32), w, y))
+        return y
+    monkeypatch.setattr("eagerlm.kernels.numpy_ops.quantized_linear", recorded)
+    tf = cpu_transformer(synthetic)
+    _logits(tf, synthetic, list(range(3, 23)))
+    _logits(tf, synthetic, list(range(3, 73)))
+    assert len(seen) >= 2 * 4 * 7
+    for x, w, y in seen:
+        assert_within_derived_bounds(y, x.reshape(len(x), -1), w)
+
+
+def test_synthetic_models_logits_on_the_quantized_path_are_the_float_paths_to_8_bit_noise(
+        synthetic):
+    """A prompt of 20 tokens (the kernels) and one of 70 (float32 tiles: no 8-bit noise in
+    the prefill), then decode steps."""
     quant = cpu_transformer(synthetic, weights="quantized")
     assert all(isinstance(w, QuantizedMatrix) for w in
                (quant.weights.token_embd, quant.weights.layers[0].wq,
                 quant.weights.layers[1].w_down))
     float_ = cpu_transformer(synthetic, weights="float")
-    tokens = list(range(3, 40))
-    for q, f in zip(_logits(quant, synthetic, tokens), _logits(float_, synthetic, tokens),
-                    strict=True):
-        assert np.max(np.abs(q - f)) <= 1e-4 * np.max(np.abs(f))
-        assert (q.argmax(-1) == f.argmax(-1)).all()
+    reference_ = float_reference(float_, quant)
+    for tokens in (list(range(3, 23)), list(range(3, 73))):
+        assert_within_eight_bit_noise(_logits(quant, synthetic, tokens),
+                                      _logits(reference_, synthetic, tokens),
+                                      _logits(float_, synthetic, tokens))
 
 
 def test_greedy_output_is_identical_in_eager_and_sync_modes_on_quantized_weights(synthetic):
@@ -285,19 +531,21 @@ def test_the_demo_model_is_held_in_at_most_1_1_times_its_file(demo):
 
 
 @pytest.mark.demo
-def test_the_demo_models_logits_on_the_quantized_path_equal_the_float_path(demo):
-    """Prefill (tiles) and decode (fused kernels) against the float32 path over 64 tokens
-    of the llama.cpp reference text; bounded like the synthetic models' (1e-4 of the
-    logits' scale: measured 2e-6)."""
+def test_the_demo_models_logits_on_the_quantized_path_are_the_float_paths_to_8_bit_noise(
+        demo):
+    """Prefill and decode over 64 tokens of the llama.cpp reference text (every matrix of
+    the demo model is of a block type, as `float_reference` assumes)."""
     from pathlib import Path
 
     tokens = [int(t) for t in np.load(Path(__file__).parent / "fixtures" /
                                       "gemma3_llama_logits.npz")["tokens"][:64]]
-    quant = _logits(cpu_transformer(demo, weights="quantized"), demo, tokens)
-    float_ = _logits(cpu_transformer(demo, weights="float"), demo, tokens)
-    for q, f in zip(quant, float_, strict=True):
-        assert np.max(np.abs(q - f)) <= 1e-4 * np.max(np.abs(f))
-        assert (q.argmax(-1) == f.argmax(-1)).mean() >= 0.98
+    quantized_tf = cpu_transformer(demo, weights="quantized")
+    assert not [w for w in quantized_tf.weights.handles()
+                if isinstance(w, np.ndarray) and w.ndim == 2]  # no float32 matrix
+    float_ = cpu_transformer(demo, weights="float")
+    assert_within_eight_bit_noise(_logits(quantized_tf, demo, tokens),
+                                  _logits(float_reference(float_, quantized_tf), demo, tokens),
+                                  _logits(float_, demo, tokens))
 
 
 def test_dropping_a_tensors_mapped_pages_keeps_its_bytes(synthetic):

@@ -1,0 +1,120 @@
+"""Activations as 8-bit integers, for the integer dot products of the quantized kernels.
+
+A row of x is cut in groups of `GROUP` (32) values, each stored as int8 codes times one
+float32 scale: d = max |x| / 127, code = round(x / d). This is llama.cpp's Q8_0 activation
+format. The kernels then compute exactly sum(w * x~) with x~ = d * code, the activation
+rounded to the nearest of 255 levels of its group: |x~ - x| <= d / 2 = max |x of the
+group| / 254 per value. A matmul's error against the float32 activations is therefore at
+most sum_i |w_i| * max|x of i's group| / 254 per output (the bound the tests hold the
+kernels to), plus float32 rounding.
+
+Per group of `sub` values (16 or 32: a weight type's scale group, kernels/
+cpu_kernel_registry.py) the kernels also get the activations' scale (a 32-group's, for
+both its 16-halves) and the sum of the quantized activations, d * sum(codes): what a
+block type whose values are scale * (q - offset) + min needs for its offset and min, one
+multiply per group.
+
+The 256-value superblock types take their activations per 256 values instead
+(`quantize_superblocks`, llama.cpp's Q8_K): one scale per superblock, so that a
+superblock's integer sub-scales multiply the integer dot products before anything is
+converted to float (one multiply-add per 256 values instead of one per 16 or 32); the
+sums per group are then the codes' integer sums. The bound is the same with d = max |x|
+of the 256 / 127.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from eagerlm.kernels.numba_settings import JIT_ORDERED
+
+GROUP = 32  # activation values per scale
+SUPERBLOCK = 256  # activation values per scale for the superblock types
+PAD = 256  # rows padded with zeros to a multiple of this: the kernels' chunks of 256 values
+
+
+def quantize_activations(x: np.ndarray, sub: int = GROUP
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 `[n, k]` (k a multiple of `GROUP`) as (codes int8 `[n, k']`, scales and
+    sums float32 `[n, k' / sub]`), `sub` 16 or 32, k' = k rounded up to a multiple of
+    `PAD` (codes, scales and sums 0 past k: the kernels read whole chunks)."""
+    n, k = x.shape
+    padded = -(-k // PAD) * PAD
+    codes = np.empty((n, padded), np.int8)
+    scales = np.empty((n, padded // sub), np.float32)
+    sums = np.empty((n, padded // sub), np.float32)
+    quantize_into(x, codes, scales, sums)
+    return codes, scales, sums
+
+
+@njit(**JIT_ORDERED)
+def quantize_into(x, codes, scales, sums):
+    """`quantize_activations`' kernel, into arrays of its shapes (`sub` and the padding
+    from theirs)."""
+    n, k = x.shape
+    padded = codes.shape[1]
+    per_group = GROUP * scales.shape[1] // padded  # 1, or 2 halves of 16
+    for j in range(n):
+        xr, cr = x[j], codes[j]
+        for g in range(k // GROUP):
+            o = g * GROUP
+            amax = np.float32(0.0)
+            for i in range(GROUP):
+                amax = max(amax, abs(xr[o + i]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            s0 = 0
+            s1 = 0
+            for i in range(16):
+                c0 = np.int8(np.rint(xr[o + i] * inv))
+                c1 = np.int8(np.rint(xr[o + 16 + i] * inv))
+                cr[o + i] = c0
+                cr[o + 16 + i] = c1
+                s0 += c0
+                s1 += c1
+            if per_group == 1:
+                scales[j, g] = d
+                sums[j, g] = d * np.float32(s0 + s1)
+            else:
+                scales[j, 2 * g] = d
+                scales[j, 2 * g + 1] = d
+                sums[j, 2 * g] = d * np.float32(s0)
+                sums[j, 2 * g + 1] = d * np.float32(s1)
+        cr[k:] = 0
+        scales[j, k * per_group // GROUP:] = 0.0
+        sums[j, k * per_group // GROUP:] = 0.0
+
+
+def quantize_superblocks(x: np.ndarray, sub: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 `[n, k]` (k a multiple of 256) as (codes int8 `[n, k]`, scales float32
+    `[n, k / 256]`, the codes' integer sums int32 `[n, k / sub]`), `sub` 16 or 32."""
+    n, k = x.shape
+    codes = np.empty((n, k), np.int8)
+    scales = np.empty((n, k // SUPERBLOCK), np.float32)
+    sums = np.empty((n, k // sub), np.int32)
+    quantize_superblocks_into(x, codes, scales, sums)
+    return codes, scales, sums
+
+
+@njit(**JIT_ORDERED)
+def quantize_superblocks_into(x, codes, scales, sums):
+    """`quantize_superblocks`' kernel, into arrays of its shapes."""
+    n, k = x.shape
+    sub = k // sums.shape[1]
+    for j in range(n):
+        xr, cr = x[j], codes[j]
+        for b in range(k // SUPERBLOCK):
+            o = b * SUPERBLOCK
+            amax = np.float32(0.0)
+            for i in range(SUPERBLOCK):
+                amax = max(amax, abs(xr[o + i]))
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            for i in range(SUPERBLOCK):
+                cr[o + i] = np.int8(np.rint(xr[o + i] * inv))
+            scales[j, b] = amax / np.float32(127.0)
+        for g in range(k // sub):
+            total = 0
+            for i in range(sub):
+                total += cr[g * sub + i]
+            sums[j, g] = total

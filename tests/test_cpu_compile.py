@@ -1,0 +1,108 @@
+"""First-use compilation of the cpu kernels (kernels/cpu_compile.py,
+kernels/cpu_kernel_registry.py): only the file's types, cached on disk, split with a
+helper process on a cold cache. Each check runs in a fresh process with its own empty
+NUMBA_CACHE_DIR, as a new install would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from gguf import GGMLQuantizationType
+
+from eagerlm.kernels import cpu_compile
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+
+Q = GGMLQuantizationType
+
+
+def run(code: str, cache_dir, *args: str) -> dict:
+    """`code` in a new process with NUMBA_CACHE_DIR=`cache_dir`; its last line of output,
+    as JSON."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir)}
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+_LOAD_A_MODEL = """
+import json, sys
+from eagerlm.kernels import cpu_kernel_registry
+from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.loader.model_file import ModelFile
+cpu_transformer(ModelFile.open(sys.argv[1]))
+generated = [n for n in sys.modules if n.startswith("eagerlm_kernels_")]
+print(json.dumps({"built": sorted(q.name for q in cpu_kernel_registry._built),
+                  "generated": generated}))
+"""
+
+
+@pytest.mark.slow
+def test_a_file_of_one_type_compiles_no_other_types_kernels(tmp_path):
+    """A fresh process loading a Q4_0 model (norms F32) builds the Q4_0 kernels and no
+    other type's: no other type's module is even generated."""
+    spec = tiny_spec("llama", d_model=64, weight_type=Q.Q4_0)
+    path = write_synthetic_model(tmp_path / "q4_0.gguf", spec)
+    result = run(_LOAD_A_MODEL, tmp_path / "cache", str(path))
+    assert result["built"] == ["Q4_0"]
+    assert len(result["generated"]) == 1 and "q4_0" in result["generated"][0]
+
+
+_COMPILE = """
+import json, sys
+from gguf import GGMLQuantizationType as Q
+from eagerlm.kernels import cpu_compile
+types = [Q[n] for n in sys.argv[1].split(",")]
+if sys.argv[2] == "no helper":
+    cpu_compile._helper_share = lambda cold: []
+cpu_compile.compile_kernels(types)
+stats = {g.name: [[len(f.stats.cache_hits), len(f.stats.cache_misses)]
+                  for f in g.dispatchers()] for g in cpu_compile._groups(types)}
+print(json.dumps(stats))
+"""
+
+
+@pytest.mark.slow
+def test_the_kernels_load_from_numbas_disk_cache_in_a_new_process(tmp_path):
+    """The generated modules keep numba's cache working: in an empty cache the first
+    process compiles every kernel (misses), the second loads every one (hits only)."""
+    first = run(_COMPILE, tmp_path, "Q8_0,IQ4_XS", "no helper")
+    second = run(_COMPILE, tmp_path, "Q8_0,IQ4_XS", "no helper")
+    assert set(first) == {"row_ops", "attention", "Q8_0", "IQ4_XS"}
+    assert all(misses >= 1 and hits == 0 for g in first.values() for hits, misses in g
+               if hits + misses)  # the activations' quantizer compiles once, for Q8_0
+    assert all(misses == 0 and hits == 1 for g in second.values() for hits, misses in g)
+
+
+@pytest.mark.slow
+def test_a_cold_cache_is_filled_by_a_helper_process_and_this_one_together(tmp_path):
+    """On a cold cache with two cores or more, the helper's groups load from the cache
+    in this process (hits only), the others compile here (misses)."""
+    stats = run(_COMPILE, tmp_path, "Q8_0,Q6_K,Q4_K", "helper")
+    if cpu_compile.core_count() == 1:
+        pytest.skip("one core: no helper")
+    cold = [cpu_compile._Group(name, lambda: None, lambda: []) for name in stats]
+    helper = {g.name for g in cpu_compile._helper_share(cold)}
+    assert helper and helper != set(stats)
+    for name, kernels in stats.items():
+        own = kernels if name in ("row_ops", "attention") else kernels[:2]  # gemv, dequant
+        if name in helper:  # (the activations' quantizers, shared by types, compile here)
+            assert all(misses == 0 and hits == 1 for hits, misses in own), name
+        else:
+            assert all(misses == 1 for hits, misses in own), name
+
+
+def test_the_helpers_share_balances_the_compile_times():
+    """The larger groups first, each where it would finish sooner, the helper starting
+    `_HELPER_START_SECONDS` late; nothing for a helper when little is cold."""
+    def group(name: str):
+        return cpu_compile._Group(name, lambda: None, lambda: [])
+    cold = [group(n) for n in ("row_ops", "attention", "Q8_0", "Q5_0", "Q4_K", "Q6_K")]
+    share = cpu_compile._helper_share(cold)
+    mine = sum(g.seconds for g in cold if g not in share)
+    theirs = cpu_compile._HELPER_START_SECONDS + sum(g.seconds for g in share)
+    assert share and abs(mine - theirs) <= max(g.seconds for g in cold)
+    assert cpu_compile._helper_share([group("Q8_0")]) == []

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from eagerlm.kernels import cpu_row_ops as row_ops
+from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES
+from eagerlm.kernels.cpu_threads import by_rows
 from eagerlm.kernels.quantized import QuantizedMatrix
 from eagerlm.loader.config import ExpertGating, MoEConfig
 from eagerlm.loader.weights import MoEWeights
@@ -118,20 +121,53 @@ Linear = Callable[..., np.ndarray]
 Gated = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
+def router_logits(linear: Linear, x: np.ndarray, w: MoEWeights) -> np.ndarray:
+    """The router's logits `[rows, n_experts]`: a float32 router (as llama.cpp's quantizer
+    leaves it) through `row_products`, rows split over the cores, a quantized one through
+    `by_gemv`, so that each row's choice of experts and their weights are the same bits
+    alone or in any batch."""
+    if not isinstance(w.router, np.ndarray) or w.router.dtype != np.float32:
+        return by_gemv(linear, x, w.router, w.router_bias)
+    x = np.ascontiguousarray(x, np.float32)
+    logits = np.empty((len(x), w.router.shape[0]), np.float32)
+
+    def part(start: int, stop: int) -> None:
+        row_ops.row_products(x[start:stop], w.router, logits[start:stop])
+    by_rows(len(x), part)
+    if w.router_bias is not None:
+        logits += w.router_bias
+    return logits
+
+
+def by_gemv(linear: Linear, x: np.ndarray, m: QuantizedMatrix | np.ndarray,
+            bias: np.ndarray | None) -> np.ndarray:
+    """linear(x, m, bias), for a quantized expert in runs of at most its type's `gemv_rows`
+    rows: how many rows choose an expert depends on the whole batch, and past that count
+    `quantized_linear` switches to float32 tiles, whose sums differ in their last bits
+    from the 8-bit GEMV's. In runs, each row gets the same bits alone or in any batch."""
+    if not isinstance(m, QuantizedMatrix):
+        return linear(x, m, bias)
+    limit = BLOCK_TYPES[m.qtype].gemv_rows
+    if len(x) <= limit:
+        return linear(x, m, bias)
+    return np.concatenate([linear(x[i:i + limit], m, bias) for i in range(0, len(x), limit)])
+
+
 def moe_ffn(linear: Linear, gated: Gated, x: np.ndarray, w: MoEWeights,
             moe: MoEConfig) -> np.ndarray:
     """The mixture-of-experts FFN of rows x `[rows, d_model]`: `linear(x, matrix, bias)` and
     `gated(gate, up)` are the ops' own (NumpyOps.linear, its gated activation)."""
     n, d = x.shape
-    ids, weights = route(linear(x, w.router, w.router_bias), moe)
+    ids, weights = route(router_logits(linear, x, w), moe)
     out = np.zeros((n, d), np.float32)
 
     def experts_of(rows: np.ndarray | slice, e: int) -> np.ndarray:
         xe = x[rows]
-        gate = linear(xe, expert(w.gate, e), None if w.gate_bias is None else w.gate_bias[e])
-        up = linear(xe, expert(w.up, e), None if w.up_bias is None else w.up_bias[e])
-        return linear(gated(gate, up), expert(w.down, e),
-                      None if w.down_bias is None else w.down_bias[e])
+        gate = by_gemv(linear, xe, expert(w.gate, e),
+                       None if w.gate_bias is None else w.gate_bias[e])
+        up = by_gemv(linear, xe, expert(w.up, e), None if w.up_bias is None else w.up_bias[e])
+        return by_gemv(linear, gated(gate, up), expert(w.down, e),
+                       None if w.down_bias is None else w.down_bias[e])
 
     if n == 1:  # decode: the row's k experts in turn
         for slot in range(moe.n_used):

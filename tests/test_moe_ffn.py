@@ -23,6 +23,7 @@ from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.loader.config import Activation, ExpertGating, MoEConfig
 from eagerlm.loader.synthetic import RANDOM_BYTE_TYPES, random_blocks
 from eagerlm.loader.weights import MoEWeights
+from tests.reference_forward import eight_bit
 
 
 def _act64(g: np.ndarray, u: np.ndarray, act: Activation) -> np.ndarray:
@@ -33,8 +34,13 @@ def _act64(g: np.ndarray, u: np.ndarray, act: Activation) -> np.ndarray:
 
 
 def reference_moe(x: np.ndarray, w: dict[str, np.ndarray | None], moe: MoEConfig,
-                  act: Activation) -> np.ndarray:
-    """build_moe_ffn in float64, one row at a time (`w` holds float64 arrays)."""
+                  act: Activation, eight_bit_group: int = 0) -> np.ndarray:
+    """build_moe_ffn in float64, one row at a time (`w` holds float64 arrays). With
+    `eight_bit_group`, each expert product's input is first rounded to 8 bits per that
+    many values, as llama.cpp (and the cpu kernels) multiply quantized weights."""
+    def rounded(v: np.ndarray) -> np.ndarray:
+        return eight_bit(v, eight_bit_group) if eight_bit_group else v
+
     out = np.zeros(x.shape, np.float64)
     for r, h in enumerate(x.astype(np.float64)):
         logits = w["router"] @ h
@@ -56,9 +62,10 @@ def reference_moe(x: np.ndarray, w: dict[str, np.ndarray | None], moe: MoEConfig
             weights = weights / max(weights.sum(), 6.103515625e-5)
         weights = weights * moe.scale
         for wgt, ex in zip(weights, chosen, strict=True):
-            g = w["gate"][ex] @ h + (0 if w["gate_bias"] is None else w["gate_bias"][ex])
-            u = w["up"][ex] @ h + (0 if w["up_bias"] is None else w["up_bias"][ex])
-            y = w["down"][ex] @ _act64(g, u, act)
+            g = w["gate"][ex] @ rounded(h) + (0 if w["gate_bias"] is None else
+                                              w["gate_bias"][ex])
+            u = w["up"][ex] @ rounded(h) + (0 if w["up_bias"] is None else w["up_bias"][ex])
+            y = w["down"][ex] @ rounded(_act64(g, u, act))
             out[r] += wgt * (y + (0 if w["down_bias"] is None else w["down_bias"][ex]))
         if moe.d_ff_shared:
             y = w["shared_down"] @ _act64(w["shared_gate"] @ h, w["shared_up"] @ h, act)
@@ -143,14 +150,16 @@ def test_moe_ffn_equals_the_float64_reference(case, rows) -> None:
 @pytest.mark.parametrize("rows", [1, 5, 80])
 def test_quantized_experts_equal_the_reference_on_their_dequantized_values(qtype, rows) -> None:
     """Experts kept as blocks (one expert's matrix a view of the 3-D tensor's blocks) go
-    through the compiled quantized kernels: one row, the fused GEMV; a few, gemv_rows; many,
-    the tiles. Against float64 products of gguf-py's dequantized values."""
+    through the compiled quantized kernels' GEMV at any row count (in runs of `gemv_rows`
+    rows), x in 8 bits per 32 values (per 256 for the superblock types). Against float64
+    products of gguf-py's dequantized values with the inputs so rounded."""
     moe = MoEConfig(8, 2, 256)
     d = 256
     held, exact = _layer(7, moe, d, qtype)
     x = np.random.default_rng(rows).standard_normal((rows, d)).astype(np.float32)
     got = NumpyOps().moe_ffn(x, held, moe, Activation.SWIGLU)
-    want = reference_moe(x, exact, moe, Activation.SWIGLU)
+    want = reference_moe(x, exact, moe, Activation.SWIGLU,
+                         eight_bit_group=256 if GGML_QUANT_SIZES[qtype][0] == 256 else 32)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 

@@ -134,6 +134,9 @@ class SyntheticSpec:
     # of output.weight (untied); default: weight_type. Q4_K_M files hold it as Q6_K
     output_type: GGMLQuantizationType | None = None
     tied_embeddings: bool = False
+    # the untied LM head's standard deviation, in units of 1/sqrt(d_model): the logits'
+    # spread (1: about one unit; real models' next-token distributions are sharper)
+    output_scale: float = 1.0
     rope_base: float = 10000.0
     # {arch}.rope.scaling.*: type ("linear", "yarn"; None writes no scaling keys), factor,
     # original_context_length and attn_factor (None: key not written)
@@ -239,8 +242,19 @@ SHAPES: dict[str, SyntheticSpec] = {
                                 head_dim=128, d_ff=3072, vocab_size=151936,
                                 context_length=40960, rope_base=1e6, tied_embeddings=True,
                                 weight_type=Q.BF16, uniform_init=True),
+    # Qwen1.5-0.5B: the qwen2 architecture (QKV biases) with every row whole 256-value
+    # superblocks (hidden 1024, FFN 2816), which Qwen2.5-0.5B's hidden 896 is not
+    "qwen1.5-0.5b": SyntheticSpec("qwen2", n_layers=24, d_model=1024, n_heads=16,
+                                  n_kv_heads=16, head_dim=64, d_ff=2816, vocab_size=151936,
+                                  context_length=32768, rope_base=1e6, tied_embeddings=True,
+                                  weight_type=Q.BF16, uniform_init=True),
     "llama-3.2-1b": SyntheticSpec("llama", n_layers=16, d_model=2048, n_heads=32,
                                   n_kv_heads=8, head_dim=64, d_ff=8192, vocab_size=128256,
+                                  context_length=131072, rope_base=500000.0,
+                                  llama3_rope_factor=32.0, tied_embeddings=True,
+                                  weight_type=Q.BF16, uniform_init=True),
+    "llama-3.2-3b": SyntheticSpec("llama", n_layers=28, d_model=3072, n_heads=24,
+                                  n_kv_heads=8, head_dim=128, d_ff=8192, vocab_size=128256,
                                   context_length=131072, rope_base=500000.0,
                                   llama3_rope_factor=32.0, tied_embeddings=True,
                                   weight_type=Q.BF16, uniform_init=True),
@@ -289,7 +303,7 @@ def tiny_spec(architecture: str, **overrides: object) -> SyntheticSpec:
 
 
 def _values(name: str, shape: tuple[int, ...], rng: np.random.Generator,
-            uniform: bool = False) -> np.ndarray:
+            uniform: bool = False, output_scale: float = 1.0) -> np.ndarray:
     if name.endswith("norm.weight"):
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith(".bias"):
@@ -297,6 +311,8 @@ def _values(name: str, shape: tuple[int, ...], rng: np.random.Generator,
     if name.endswith("attn_sinks.weight"):  # logits of the same size as attention scores
         return rng.standard_normal(shape).astype(np.float32)
     std = 1.0 if name == "token_embd.weight" else 1.0 / np.sqrt(shape[-1])
+    if name == "output.weight":
+        std *= output_scale
     if uniform:  # uniform on [-a, a] has variance a^2 / 3
         out = rng.random(shape, dtype=np.float32)
         out -= np.float32(0.5)
@@ -467,7 +483,8 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> 
         if spec.uniform_init and len(shape) >= 2 and qtype in RANDOM_BYTE_TYPES:
             w.write_tensor_data(_random_block_matrix(name, shape, qtype, rng))
             continue
-        values = fixed[name]() if name in fixed else _values(name, shape, rng, spec.uniform_init)
+        values = (fixed[name]() if name in fixed else
+                  _values(name, shape, rng, spec.uniform_init, spec.output_scale))
         w.write_tensor_data(_encode(values, qtype, rng))
     w.close()
     return path

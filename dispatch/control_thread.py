@@ -13,11 +13,18 @@ Per round (shared/DESIGN.md, "One round, eagerly"):
 6. the only wait is the bounded lookahead: at most `k` rounds not yet consumed by the
    service thread. In `sync` mode the thread instead waits for each round to be consumed
    (tokens seen, stop decisions made) before planning the next.
+
+Speculating sessions (dispatch/speculation.py) keep their length and tokens on the device
+(kernels/speculative.py): their decode rows read both there, and the round writes back how
+many tokens it accepted. The thread learns those counts when it harvests a round's output
+(at the latest when its ring slot is reused; rounds whose copy has completed are harvested
+before each plan, without waiting), and uses them only to bound later rounds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -39,11 +46,19 @@ from eagerlm.dispatch.messages import (
     StopSession,
 )
 from eagerlm.dispatch.prefix_cache import PrefixCache
-from eagerlm.dispatch.round_work import RoundWork, SamplerState, SeqWork, sampled_order
+from eagerlm.dispatch.round_work import (
+    RoundWork,
+    SamplerState,
+    SeqWork,
+    SpecRound,
+    sampled_order,
+)
 from eagerlm.dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
+from eagerlm.dispatch.speculation import SpecSession, SpeculationConfig
 from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.model import Transformer
-from eagerlm.kernels.sampling import MAX_LOGPROBS
+from eagerlm.kernels.sampling import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS
+from eagerlm.kernels.speculative import SPEC_STATS, SpecBuffers, SpecSeq
 from eagerlm.vmm.device import Device, Event, HostBuffer, StreamError
 from eagerlm.vmm.kv_layout import KVLayout
 from eagerlm.vmm.page_pool import OutOfPages, PagePool
@@ -64,6 +79,8 @@ class ControlConfig:
     # replay decode rounds as CUDA graphs (on backends that can); off, the same padded
     # launches are made one by one, so the tokens are the same
     cuda_graphs: bool = True
+    # speculative decoding, the engine's default for requests (dispatch/speculation.py)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
 
 @dataclass
@@ -72,8 +89,9 @@ class _RoundRecord:
     reused: which sessions it sampled for, where their tokens land on the host."""
 
     rows: list[tuple[Session, int]]  # (session, generation index)
-    host_tokens: np.ndarray
+    host_tokens: np.ndarray  # the round's output (tokens, then speculation's counts, stats)
     copied: Event
+    spec: SpecRound | None = None  # its speculating sessions
     harvested: bool = False
 
 
@@ -95,8 +113,12 @@ class ControlThread:
         cfg = transformer.config
         self.layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
                                self.backend.kv_dtype)
-        self.scheduler = Scheduler(config.scheduler, pool, self.layout, context_length,
-                                   sync_event=_sync)
+        spec = config.speculation
+        row_cost = spec.row_cost if spec.row_cost is not None else self.backend.draft_row_cost
+        self.scheduler = Scheduler(
+            dataclasses.replace(config.scheduler, adaptive_drafts=spec.adaptive,
+                                draft_row_cost=row_cost),
+            pool, self.layout, context_length, sync_event=_sync)
         self.scheduler.resolve_tokens = self._generated_tokens
         self.cache = PrefixCache(config.prefix_cache_entries) if config.prefix_cache else None
         self.scheduler.evict_cached = self._evict_cached
@@ -116,18 +138,26 @@ class ControlThread:
         meta_ints = sc.max_round_tokens * _ROW_FIELDS + sc.max_batch * _SEQ_FIELDS
         self._meta_host: list[HostBuffer] = [device.alloc_host(meta_ints * 4)
                                              for _ in range(n_slots)]
-        self._tokens_host: list[HostBuffer] = [device.alloc_host(sc.max_batch * 4)
+        # a round's output: a token per sampled row (a speculating session samples each of
+        # its rows), then per speculating session its accepted count and statistics
+        out_rows = max(sc.max_batch, sc.max_round_tokens)
+        out_ints = out_rows + sc.max_batch * (1 + SPEC_STATS)
+        self._tokens_host: list[HostBuffer] = [device.alloc_host(out_ints * 4)
                                                for _ in range(n_slots)]
         self._meta_dev = device.alloc(meta_ints * 4)
-        self._sampled_dev = [device.alloc(sc.max_batch * 4) for _ in range(n_slots)]
+        self._sampled_dev = [device.alloc(out_ints * 4) for _ in range(n_slots)]
         self._token_buf = device.alloc(sc.max_batch * 4)  # each session's last sample
         lp_cols = 1 + MAX_LOGPROBS
-        self._lp_dev = [device.alloc(sc.max_batch * lp_cols * 4) for _ in range(n_slots)]
-        self._lp_ids_dev = [device.alloc(sc.max_batch * MAX_LOGPROBS * 4)
+        self._lp_dev = [device.alloc(out_rows * lp_cols * 4) for _ in range(n_slots)]
+        self._lp_ids_dev = [device.alloc(out_rows * MAX_LOGPROBS * 4)
                             for _ in range(n_slots)]
-        self._lp_host = [device.alloc_host(sc.max_batch * lp_cols * 4) for _ in range(n_slots)]
-        self._lp_ids_host = [device.alloc_host(sc.max_batch * MAX_LOGPROBS * 4)
+        self._lp_host = [device.alloc_host(out_rows * lp_cols * 4) for _ in range(n_slots)]
+        self._lp_ids_host = [device.alloc_host(out_rows * MAX_LOGPROBS * 4)
                              for _ in range(n_slots)]
+        # speculating sessions' lengths and histories on the device, made at the first
+        # one; per ring slot, the host staging of the histories a round sends
+        self._spec: SpecBuffers | None = None
+        self._history_host: list[HostBuffer | None] = [None] * n_slots
         # penalty token counts live with the sampler, touched only by work on the compute
         # stream; the control thread only says when to rebuild or forget a session's
         self._sampler_state = SamplerState(transformer.config.vocab_size)
@@ -182,6 +212,7 @@ class ControlThread:
             self.lookahead.release()
             return False
         self.pool.reclaim()
+        self._harvest_ready()
         plan = self.scheduler.plan()
         self._stalled = not plan.rows
         if not plan.rows:
@@ -223,6 +254,15 @@ class ControlThread:
 
     def _add(self, msg: AddSession) -> None:
         s = Session(msg.session_id, list(msg.prompt_ids), msg.params, msg.max_new_tokens)
+        spec = self.config.speculation
+        method = spec.method_for(s.params)
+        if method != "off":
+            s.spec = SpecSession(method, spec.tokens_for(s.params))
+            if self._spec is None:
+                sc = self.config.scheduler
+                self._spec = SpecBuffers.alloc(self.device, sc.max_batch, self.context_length,
+                                               MAX_SPECULATIVE_TOKENS, spec.ngram_min,
+                                               spec.ngram_max)
         if not self.scheduler.can_ever_fit(s):  # a guard: the context fits the pool
             self.to_service.put(SessionFailed(s.id, (
                 f"the request needs {self.scheduler.pages_for(s.prompt_len + s.max_new)} KV "
@@ -303,6 +343,7 @@ class ControlThread:
             s = r.session
             if r.from_slot:
                 rows[start] = (0, s.slot)
+                rows[start + 1:start + r.n_new] = (0, -1)  # drafts: written on the device
             else:
                 rows[start:start + r.n_new, 0] = s.tokens[r.n_past:r.n_past + r.n_new]
                 rows[start:start + r.n_new, 1] = -1
@@ -315,33 +356,37 @@ class ControlThread:
                 rebuild = s.tokens[:r.n_past]
                 s.counts_valid = True
             seq_work.append(SeqWork(s.id, s.prompt_len, s.params, r.samples, s.slot,
-                                    rebuild, s.n_sampled))
+                                    rebuild, s.n_sampled, n_draft=r.n_draft))
             if r.samples:
-                sampled_rows.append((s, s.n_sampled))
+                sampled_rows.append((s, s.n_sampled, i))
             start += r.n_new
         n_meta = (n_rows * _ROW_FIELDS + n_seqs * _SEQ_FIELDS) * 4
         sampled_rows = sampled_order(sampled_rows)  # as RoundWork writes the samples
-        logprob_n = [s.params.logprobs for s, _ in sampled_rows]
+        spec = self._spec_round(plan, sampled_rows, seq_rows)
+        n_out = spec.counts_at if spec is not None else len(sampled_rows)
+        logprob_n = [s.params.logprobs for s, _, _ in sampled_rows]
         want_logprobs = any(n is not None for n in logprob_n)
 
         self.compute.copy_h2d(self._meta_dev, self._meta_host[slot], n_meta)
+        if spec is not None:
+            self._send_histories(slot, plan)
         trace.device_start = self.compute.record(self.device.event())
         run = RoundWork(self.transformer, self._meta_dev, self._token_buf,
                          self._sampled_dev[slot], n_rows, seq_rows, kvs, seq_work,
                          self._sampler_state, self._forget,
                          (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
-                         else None, masks=self.masks, trace=trace)
+                         else None, masks=self.masks, trace=trace, spec=spec)
         # a decode round: fixed buffers (one with constrained rows replays the forward
         # only, then samples its free rows before waiting for the masks)
-        if self._graphs is not None and n_rows == n_seqs:
+        if self._graphs is not None and n_rows == n_seqs and spec is None:
             run.graph = (self._graphs, rows.copy())
         self._forget = []
         self.compute.launch(run)
         done = self.compute.record(self.device.event())
         trace.device_end = done
         self.copy.wait_event(done)
-        n_out = len(sampled_rows)
-        self.copy.copy_d2h(self._tokens_host[slot], self._sampled_dev[slot], n_out * 4)
+        n_copy = n_out if spec is None else spec.stats_at + len(spec.seqs) * SPEC_STATS
+        self.copy.copy_d2h(self._tokens_host[slot], self._sampled_dev[slot], n_copy * 4)
         lp_values = lp_ids = None
         if want_logprobs:
             cols = 1 + MAX_LOGPROBS
@@ -355,33 +400,128 @@ class ControlThread:
         copied = self.copy.record(self.device.event(timing=False))
         self.scheduler.launched(plan, done)
         self.last_event = done
-        host_tokens = self._tokens_host[slot].array.view(np.int32)[:n_out]
-        self._records[slot] = _RoundRecord(sampled_rows, host_tokens, copied)
+        host_out = self._tokens_host[slot].array.view(np.int32)[:n_copy]
+        rec_rows = [(s, g) for s, g, _ in sampled_rows]
+        self._records[slot] = _RoundRecord(rec_rows, host_out, copied, spec)
         trace.launch_end = time.perf_counter()
         trace.n_decode = plan.n_decode
-        trace.n_prefill_tokens = plan.n_tokens - plan.n_decode
+        trace.n_prefill_tokens = plan.n_tokens - plan.n_decode - plan.n_draft
+        trace.n_draft_rows = plan.n_draft
         trace.n_sessions = n_seqs
         trace.pages_in_use = self.pool.n_pages - self.pool.n_free
         prefill = {r.session.id: r.session.n_reused for r in plan.rows if r.samples
                    and not r.from_slot}
         self.to_service.put(RoundDone(
-            self.round_id, [s.id for s, _ in sampled_rows], [g for _, g in sampled_rows],
-            host_tokens, copied, logprob_n=logprob_n, logprob_values=lp_values,
-            logprob_ids=lp_ids, prefill_tokens=prefill, trace=trace))
+            self.round_id, [s.id for s, _ in rec_rows],
+            [-1 if s.spec is not None else g for s, g in rec_rows],
+            host_out, copied, logprob_n=logprob_n, logprob_values=lp_values,
+            logprob_ids=lp_ids, prefill_tokens=prefill, trace=trace,
+            spec=None if spec is None else spec.output(host_out)))
         self.round_id += 1
+
+    def _spec_round(self, plan: RoundPlan, sampled: list[tuple[Session, int, int]],
+                    seq_rows: list[tuple[int, int, int]]) -> SpecRound | None:
+        """The round's speculating sessions as the device steps take them (SpecSeq), and
+        where each sampled session's tokens land in the round's output: a speculating
+        session's every row is sampled, in order."""
+        if self._spec is None or not any(s.spec is not None for s, _, _ in sampled):
+            return None
+        entries, offsets, entry_of, out = [], [], [], 0
+        for s, _, i in sampled:
+            r = plan.rows[i]
+            offsets.append(out)
+            if s.spec is None:
+                entry_of.append(-1)
+                out += 1
+                continue
+            start = seq_rows[i][0]
+            if r.from_slot:  # a decode row: its position is on the device
+                propose = r.n_draft or (1 if s.spec.method == "ngram" else 0)
+                e = SpecSeq(s.slot, start, r.n_draft, propose, -1, out)
+            else:  # a prompt's last chunk: its last row samples the first token
+                e = SpecSeq(s.slot, start + r.n_new - 1, 0, 0, r.n_past + r.n_new - 1, out)
+            entry_of.append(len(entries))
+            entries.append(e)
+            out += 1 + e.k
+        return SpecRound(self._spec, entries, offsets, entry_of, counts_at=out,
+                         stats_at=out + len(entries))
+
+    def _send_histories(self, slot: int, plan: RoundPlan) -> None:
+        """Copy the tokens of speculating sessions new to their slot (admitted, or resumed
+        after a preemption) into their device history, on the compute stream before the
+        round: the prompt lookup searches them, the acceptance appends to them."""
+        assert self._spec is not None
+        fresh = [r.session for r in plan.rows
+                 if r.session.spec is not None and not r.session.spec.history_sent]
+        if not fresh:
+            return
+        n = sum(len(s.tokens) for s in fresh)
+        host = self._history_host[slot]
+        if host is None or host.nbytes < n * 4:
+            if host is not None:  # its last copy ran before this slot's round was harvested
+                host.free()
+            host = self._history_host[slot] = self.device.alloc_host(max(n, 1024) * 4)
+        staged = host.array.view(np.int32)
+        row_bytes = (self._spec.context + 1) * 4
+        at = 0
+        for s in fresh:
+            assert s.spec is not None and s.slot is not None
+            staged[at:at + len(s.tokens)] = s.tokens
+            self.compute.copy_h2d(self._spec.history, host, len(s.tokens) * 4,
+                                  dst_offset=s.slot * row_bytes, src_offset=at * 4)
+            at += len(s.tokens)
+            s.spec.history_sent = True
 
     def _harvest(self, slot: int) -> None:
         """Copy a finished round's samples into the sessions' histories (needed only to
-        recompute a preempted session) before its ring slot is reused."""
+        recompute a preempted session) before its ring slot is reused; for speculating
+        sessions, also correct their bounds with the counts the device accepted and
+        record their acceptance."""
         rec = self._records[slot]
         if rec is None or rec.harvested:
             return
         rec.copied.synchronize()
-        for (s, gen), token in zip(rec.rows, rec.host_tokens.tolist(), strict=True):
-            hist = self.generated.get(s.id)
-            if hist is not None and len(hist) == gen:
-                hist.append(token)
+        tokens = rec.host_tokens.tolist()
+        if rec.spec is None:
+            for (s, gen), token in zip(rec.rows, tokens, strict=True):
+                hist = self.generated.get(s.id)
+                if hist is not None and len(hist) == gen:
+                    hist.append(token)
+        else:
+            out = rec.spec.output(rec.host_tokens)
+            for j, (s, gen) in enumerate(rec.rows):
+                hist = self.generated.get(s.id)
+                got = out.tokens_of(j, tokens)
+                e = rec.spec.entry_of[j]
+                if e >= 0:
+                    self._spec_harvested(s, rec.spec.seqs[e], out.stats[e])
+                    if hist is not None:
+                        hist.extend(got)
+                elif hist is not None and len(hist) == gen:
+                    hist.extend(got)
         rec.harvested = True
+
+    def _spec_harvested(self, s: Session, e: SpecSeq, stats: np.ndarray) -> None:
+        """A speculating session's part of a harvested round: `stats` = (proposals
+        checked, accepted, shadow)."""
+        assert s.spec is not None
+        proposed, accepted, shadow = (int(x) for x in stats)
+        s.n_cached -= e.k - accepted  # rows launched but not accepted
+        s.n_sampled += accepted  # tokens beyond the one counted at launch
+        if e.past < 0:  # a decode row: its acceptance measures the proposer
+            s.spec.observe(e.k, proposed, accepted, shadow)
+
+    def _harvest_ready(self) -> None:
+        """Harvest, oldest first, every round whose output has landed, without waiting."""
+        n = len(self._records)
+        for k in range(n):
+            idx = (self.round_id + k) % n
+            rec = self._records[idx]
+            if rec is None or rec.harvested:
+                continue
+            if not rec.copied.query():
+                return
+            self._harvest(idx)
 
     def _generated_tokens(self, s: Session) -> list[int]:
         """Every token sampled for `s` so far (waits for rounds in flight)."""
@@ -413,7 +553,10 @@ class ControlThread:
         self._records = [None] * len(self._records)  # their host arrays view the buffers
         buffers = [self._meta_dev, self._token_buf, *self._meta_host, *self._tokens_host,
                    *self._sampled_dev, *self._lp_dev, *self._lp_ids_dev, *self._lp_host,
-                   *self._lp_ids_host]
+                   *self._lp_ids_host, *(b for b in self._history_host if b is not None)]
+        if self._spec is not None:
+            with contextlib.suppress(Exception):
+                self._spec.free()
         for buf in buffers:
             with contextlib.suppress(Exception):  # a view still held keeps a host buffer
                 buf.free()

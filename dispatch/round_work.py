@@ -12,6 +12,11 @@ Constrained rows (a JSON schema, a grammar) need a mask that depends on the toke
 session sampled in the previous round, which the host may not have yet: the round samples
 its other rows first, then takes the constrained rows' masks from the `MaskBoard` (waiting
 only if the host is late; dispatch/mask_board.py) and samples those.
+
+Speculating sessions (`SpecRound`; kernels/speculative.py) add two device steps: before the
+forward, their positions are read from the device and their proposals written into their
+draft rows (`spec_prepare`); after the sampling, which samples each of their rows, the
+accepted runs update their lengths, histories and next inputs (`spec_accept`).
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from typing import Any
 import numpy as np
 
 from eagerlm.dispatch.mask_board import MaskBoard
-from eagerlm.dispatch.messages import RoundTrace
+from eagerlm.dispatch.messages import RoundTrace, SpecOutput
 from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.kernels.speculative import SPEC_STATS, SpecBuffers, SpecSeq
 
 
 @dataclass
@@ -42,6 +48,30 @@ class SeqWork:
     slot: int  # the token-buffer row its sample goes to
     rebuild: list[int] | None
     generation: int = 0  # which of its tokens it samples (0: the first): its mask's key
+    n_draft: int = 0  # rows after its first that verify proposals (each one sampled)
+
+
+@dataclass
+class SpecRound:
+    """A round's speculating sessions: their device steps' entries (`seqs`, in output
+    order), and where each sampled session's tokens land in the round's output (int32):
+    session j's at `offsets[j]`, one token unless it is speculation entry `entry_of[j]`,
+    whose accepted count is at `counts_at + entry` and statistics at `stats_at`."""
+
+    buffers: SpecBuffers
+    seqs: list[SpecSeq]
+    offsets: list[int]
+    entry_of: list[int]
+    counts_at: int
+    stats_at: int
+
+    def output(self, host_out: np.ndarray) -> SpecOutput:
+        """The round's output buffer (on the host) read as each session's tokens."""
+        n = len(self.seqs)
+        return SpecOutput(self.offsets, self.entry_of,
+                          host_out[self.counts_at:self.counts_at + n],
+                          host_out[self.stats_at:self.stats_at + n * SPEC_STATS].reshape(
+                              n, SPEC_STATS), [e.k for e in self.seqs])
 
 
 class SamplerState:
@@ -68,7 +98,7 @@ class RoundWork:
                  n_rows: int, seq_rows: list[tuple[int, int, int]], kvs: list[Any],
                  seq_work: list[SeqWork], state: SamplerState, forget: list[int],
                  logprob_out: tuple[Any, Any] | None, masks: MaskBoard | None = None,
-                 trace: RoundTrace | None = None) -> None:
+                 trace: RoundTrace | None = None, spec: SpecRound | None = None) -> None:
         self.transformer = transformer
         self.backend: RoundBackend = transformer.ops
         self.meta, self.token_buf, self.sampled = meta, token_buf, sampled
@@ -77,6 +107,7 @@ class RoundWork:
         self.state, self.forget = state, forget
         self.logprob_out = logprob_out
         self.masks, self.trace = masks, trace
+        self.spec = spec
         self.graph: tuple[DecodeRounds, np.ndarray] | None = None  # (graphs, host rows)
 
     def __call__(self) -> None:
@@ -84,38 +115,63 @@ class RoundWork:
         if self.graph is not None and self._replay(*self.graph):
             self.kvs = []
             return
+        seq_rows = self.seq_rows
+        if self.spec is not None:  # positions from the device, proposals into draft rows
+            seq_rows = self._spec_prepare()
         tokens = backend.round_inputs(self.meta, self.n_rows, self.token_buf)
         slices = [SeqSlice(st, n, past, kv)
-                  for (st, n, past), kv in zip(self.seq_rows, self.kvs, strict=True)]
+                  for (st, n, past), kv in zip(seq_rows, self.kvs, strict=True)]
         counts = self._count_inputs(tokens)
         # sampled rows, unconstrained first: they never wait for the host
         work = sampled_order([(w, (st, n, past)) for w, (st, n, past)
-                              in zip(self.seq_work, self.seq_rows, strict=True) if w.samples])
-        logit_rows = np.array([st + n - 1 for _, (st, n, _) in work], dtype=np.int64)
+                              in zip(self.seq_work, seq_rows, strict=True) if w.samples])
+        # a speculating session's every row is sampled: the first, then its drafts'
+        logit_rows = np.array([st + n - 1 - w.n_draft + j for w, (st, n, _) in work
+                               for j in range(1 + w.n_draft)], dtype=np.int64)
         batch = ForwardBatch(tokens, slices, logit_rows)
         self._sample(self.transformer.forward(batch), work, counts)
+        if self.spec is not None:
+            s = self.spec
+            backend.spec_accept(self.sampled, self.token_buf, s.buffers, s.seqs, s.counts_at,
+                                s.stats_at)
         self.kvs = []  # drop the views of the KV pages as soon as the work is done
+
+    def _spec_prepare(self) -> list[tuple[int, int, int]]:
+        """The round's rows with speculating sessions' decode positions read from the
+        device (their proposals written into their draft rows meanwhile)."""
+        assert self.spec is not None
+        s = self.spec
+        firsts = self.backend.spec_prepare(self.meta, s.buffers, s.seqs)
+        past_at = {e.start: first for e, first in zip(s.seqs, firsts, strict=True)
+                   if e.past < 0}
+        return [(st, n, past_at.get(st, past)) for st, n, past in self.seq_rows]
 
     def _sample(self, logits: Any, work: list[tuple[SeqWork, tuple[int, int, int]]],
                 counts: dict[int, Any]) -> None:
-        """Sample the round's rows from their logits (row i of `logits` is work[i]'s, in
-        `sampled_order`): the unconstrained rows, then the constrained ones once their
-        masks have come."""
+        """Sample the round's rows from their logits (in `sampled_order`, a speculating
+        session's 1 + n_draft rows together): the unconstrained rows, then the constrained
+        ones once their masks have come. A speculating session's rows write no token-buffer
+        slot: its acceptance writes its next input."""
         backend = self.backend
         biases = dict(zip([w.session_id for w in self.seq_work], self._session_biases(),
                           strict=True))
         n_free = sum(not w.params.constrained for w, _ in work)
-        for first, part, constrained in ((0, work[:n_free], False),
-                                         (n_free, work[n_free:], True)):
+        speculating = set() if self.spec is None else {e.slot for e in self.spec.seqs}
+        row = 0
+        for part, constrained in ((work[:n_free], False), (work[n_free:], True)):
             if not part:
                 continue
             masks = self._take_masks([w for w, _ in part]) if constrained else None
+            rows = [(w, past + n - w.n_draft + j) for w, (_, n, past) in part
+                    for j in range(1 + w.n_draft)]
             backend.sample_round(
-                logits, [w.params for w, _ in part], [past + n for _, (_, n, past) in part],
-                [counts.get(w.session_id) for w, _ in part],
-                [biases[w.session_id] for w, _ in part], out=self.sampled,
-                token_buf=self.token_buf, out_slots=[w.slot for w, _ in part],
-                logprobs_out=self.logprob_out, masks=masks, first_row=first)
+                logits, [w.params for w, _ in rows], [pos for _, pos in rows],
+                [counts.get(w.session_id) for w, _ in rows],
+                [biases[w.session_id] for w, _ in rows], out=self.sampled,
+                token_buf=self.token_buf,
+                out_slots=[-1 if w.slot in speculating else w.slot for w, _ in rows],
+                logprobs_out=self.logprob_out, masks=masks, first_row=row)
+            row += len(rows)
 
     def _take_masks(self, work: list[SeqWork]) -> list[np.ndarray | None]:
         """The constrained rows' masks, waiting for the host where it has not posted them

@@ -29,6 +29,7 @@ from eagerlm.kernels.model import Ops
 if TYPE_CHECKING:
     from eagerlm.kernels.model import Transformer
     from eagerlm.kernels.sampling import SamplingParams
+    from eagerlm.kernels.speculative import SpecBuffers, SpecSeq
     from eagerlm.vmm.device import DeviceBuffer, Stream
     from eagerlm.vmm.kv_layout import KVLayout
     from eagerlm.vmm.kv_region import KVRegion
@@ -129,6 +130,30 @@ class RoundBackend(Protocol[A]):
                       enabled: bool = True) -> DecodeRounds | None:
         """Fixed buffers (and CUDA graphs, when `enabled`) for pure-decode rounds, made
         once per dispatcher; None where the backend runs every round eagerly (numpy)."""
+        ...
+
+    # -- speculative decoding (kernels/speculative.py has the rules) ----------------------
+
+    # One more row in a round, as a fraction of a one-row round's time: what a draft row
+    # costs (dispatch/speculation.py weighs it against its expected gain).
+    draft_row_cost: float
+
+    def spec_prepare(self, meta: DeviceBuffer, buffers: SpecBuffers,
+                     seqs: Sequence[SpecSeq]) -> list[int]:
+        """Before a round's inputs are gathered: each speculating session's first position
+        (a decode row's from `buffers.lengths`, which only the device knows) and its
+        prompt-lookup proposal, kept in `buffers.proposals` and written into its draft
+        rows' host-id column of the round's metadata rows `meta`. Returns the positions
+        where the backend knows them on the host (cpu), else the sessions' `past` values
+        (cuda resolves them on the device)."""
+        ...
+
+    def spec_accept(self, out: DeviceBuffer, token_buf: DeviceBuffer, buffers: SpecBuffers,
+                    seqs: Sequence[SpecSeq], counts_at: int, stats_at: int) -> None:
+        """After a round's sampling (`out`: its samples, a speculating session's rows at
+        `out ..`): each speculating session's accepted run, its count and statistics into
+        `out` (int32 at `counts_at + j`, `stats_at + 3 j`), its new length and history in
+        `buffers`, its next input in `token_buf`."""
         ...
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from eagerlm.kernels import cpu_row_ops as row_ops
+from eagerlm.kernels import speculative
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cpu_attention import DecodeRows
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, by_output_features, by_rows
@@ -106,6 +107,9 @@ class NumpyOps:
     name = "cpu"
     kv_dtype = np.dtype(np.float32)  # the KV cache element
     stream: Stream | None = None  # it computes when called, on the dispatcher's own stream
+    # one more row in a round, relative to a one-row round (dispatch/speculation.py): the
+    # demo model's decode forward at 1 to 8 rows (docs/performance.md, speculative decoding)
+    draft_row_cost = 0.15
 
     def __init__(self) -> None:
         # rope setting -> (positions, cos, sin) of its last table (`_rope_table`)
@@ -190,6 +194,31 @@ class NumpyOps:
             for j, (tid, v) in enumerate(lp.top):
                 values[first_row + i, 1 + j] = v
                 top_ids[first_row + i, j] = tid
+
+    def spec_prepare(self, meta: DeviceBuffer, buffers: speculative.SpecBuffers,
+                     seqs: Sequence[speculative.SpecSeq]) -> list[int]:
+        """Speculating sessions' first positions (a decode row's from `buffers.lengths`)
+        and prompt-lookup proposals, written into their draft rows of the round's metadata
+        (kernels/speculative.py's `prepare_on_host`, on this backend's host memory)."""
+        b = buffers
+        return speculative.prepare_on_host(
+            _host_view(meta).reshape(-1, 2), _host_view(b.lengths),
+            _host_view(b.history).reshape(b.slots, -1),
+            _host_view(b.proposals).reshape(b.slots, -1), seqs, b.ngram_min, b.ngram_max)
+
+    def spec_accept(self, out: DeviceBuffer, token_buf: DeviceBuffer,
+                    buffers: speculative.SpecBuffers, seqs: Sequence[speculative.SpecSeq],
+                    counts_at: int, stats_at: int) -> None:
+        """Speculating sessions' accepted runs after the round's sampling: counts and
+        statistics into `out` (int32 offsets `counts_at`, `stats_at`), new lengths,
+        histories and next inputs (`accept_on_host`)."""
+        b, o = buffers, _host_view(out)
+        n = len(seqs)
+        speculative.accept_on_host(
+            o, _host_view(token_buf), _host_view(b.lengths),
+            _host_view(b.history).reshape(b.slots, -1),
+            _host_view(b.proposals).reshape(b.slots, -1), seqs, o[counts_at:counts_at + n],
+            o[stats_at:stats_at + n * speculative.SPEC_STATS].reshape(n, -1))
 
     def decode_graphs(self, transformer: Transformer, token_buf: DeviceBuffer, *,
                       max_batch: int, max_context: int, layout: KVLayout,

@@ -1,0 +1,137 @@
+"""Speculative decoding as the host plans it: the settings, each session's acceptance
+record, and how many draft rows each speculating session gets in a round.
+
+The device does the rest (kernels/speculative.py has the rules): the proposal, the
+verification in the same forward as every other row, the acceptance, the new length and
+the next input, all in buffers the next round reads. So a round is launched before the
+host knows how many tokens the round before accepted; the host learns it when it harvests
+that round's output (dispatch/control_thread.py), a round or two later, and only uses it
+to size later rounds: how many pages to map, how many drafts are worth their rows.
+
+**How many drafts (adaptive k).** A draft row costs a fraction of a one-row round
+(`row_cost`: the weights are read once per round whatever the rows, so on a memory-bound
+device an extra row is cheap; on the cpu backend less so). A session whose drafts are
+accepted at rate a gains a**j expected tokens from its j-th draft row (each draft needs
+every one before it accepted). The plan gives draft rows, best gain first, while a row's
+gain exceeds what the round already earns per unit of cost, so speculation never lowers
+the round's expected tokens per cost: a session whose proposals stop being accepted (free
+text, for prompt lookup) is given none, and a batch that is already wide gives fewer.
+The rate is estimated per session from its recent rounds (decayed counts, geometric-model
+maximum likelihood: a accepted of k rows is a successes and one failure unless a = k);
+a session given no draft rows still gets a proposal of one token on the device, checked
+against the token it then samples (its "shadow"), so its rate keeps being measured at no
+cost and speculation resumes when proposals start matching again.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from eagerlm.errors import InvalidParameters
+from eagerlm.kernels.sampling import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SamplingParams
+
+# the prior of a session's acceptance rate: as if it had accepted one of two drafts
+_PRIOR_HITS = 1.0
+_PRIOR_TRIALS = 2.0
+# how much of a session's acceptance record each round keeps (older rounds fade out)
+_DECAY = 0.8
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """The engine's speculative decoding (`--speculative`, `--num-speculative-tokens`);
+    a request may choose its own in `SamplingParams`."""
+
+    method: str = "off"  # "ngram" (prompt lookup), "draft" (a draft model) or "off"
+    num_tokens: int = 4  # draft tokens a session proposes per round, at most
+    ngram_min: int = 1  # prompt lookup: the shortest suffix looked up
+    ngram_max: int = 3  # and the longest (the longest that occurs wins)
+    # choose each round's draft rows by acceptance (off: always the most allowed)
+    adaptive: bool = True
+    # the cost of one more row in a round, relative to a round of one row (None: the
+    # backend's own estimate, RoundBackend.draft_row_cost)
+    row_cost: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidParameters(f"speculative must be one of "
+                                    f"{', '.join(SPECULATIVE_METHODS)}, not {self.method!r}",
+                                    param="speculative")
+        if not 0 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidParameters(f"num_speculative_tokens must be in [0, "
+                                    f"{MAX_SPECULATIVE_TOKENS}], not {self.num_tokens}",
+                                    param="num_speculative_tokens")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidParameters(f"ngram sizes must satisfy 1 <= min <= max, got "
+                                    f"{self.ngram_min} and {self.ngram_max}")
+        if self.row_cost is not None and not self.row_cost >= 0:
+            raise InvalidParameters(f"row_cost must be >= 0, not {self.row_cost}")
+
+    def method_for(self, params: SamplingParams) -> str:
+        """What a request speculates with: its own choice, else the engine's; "off" for
+        requests whose tokens cannot be verified row by row in one forward (penalties
+        count every earlier token, a grammar's mask needs the token before)."""
+        method = params.speculative or self.method
+        if params.penalized or params.constrained or self.tokens_for(params) == 0:
+            return "off"
+        return method
+
+    def tokens_for(self, params: SamplingParams) -> int:
+        k = params.num_speculative_tokens
+        return self.num_tokens if k is None else k
+
+
+@dataclass
+class SpecSession:
+    """A speculating session's host-side record: its method, its most drafts per round,
+    its acceptance rate, and whether the device already holds its history."""
+
+    method: str
+    k_max: int
+    hits: float = _PRIOR_HITS
+    trials: float = _PRIOR_TRIALS
+    history_sent: bool = False  # its tokens are in the device's history (per admission)
+
+    @property
+    def rate(self) -> float:
+        """The estimated probability that its next draft is accepted."""
+        return self.hits / self.trials
+
+    def observe(self, k: int, proposed: int, accepted: int, shadow: int) -> None:
+        """A harvested round: `k` draft rows, `proposed` real proposals among them,
+        `accepted` of them accepted; with no rows, `shadow` says whether the proposal
+        made anyway matched the sampled token (1), did not (0), or none was found (-1)."""
+        if k:
+            hits, trials = accepted, min(accepted + 1, k)
+        elif shadow >= 0 or self.method == "ngram":
+            hits, trials = max(shadow, 0), 1  # no proposal is a miss: its rows are wasted
+        else:
+            return
+        self.hits = self.hits * _DECAY + hits
+        self.trials = self.trials * _DECAY + trials
+
+
+def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: int,
+                    row_cost: float, budget: int) -> list[int]:
+    """Draft rows per speculating session (rates[i], at most caps[i]) in a round that
+    already has `n_decode` decoding sessions and `n_rows` rows: the rows go by expected
+    gain (rate**j for the j-th), each only while its gain exceeds `row_cost` times the
+    round's expected tokens per unit of cost so far (cost 1 + row_cost * (rows - 1)), and
+    at most `budget` in all."""
+    ks = [0] * len(rates)
+    heap = [(-rates[i], i) for i in range(len(rates)) if caps[i] > 0 and rates[i] > 0]
+    heapq.heapify(heap)
+    tokens, rows = float(n_decode), n_rows
+    while heap and budget > 0:
+        neg_gain, i = heapq.heappop(heap)
+        gain = -neg_gain
+        if gain <= row_cost * tokens / (1.0 + row_cost * max(0, rows - 1)):
+            break
+        ks[i] += 1
+        tokens += gain
+        rows += 1
+        budget -= 1
+        if ks[i] < caps[i]:
+            heapq.heappush(heap, (-gain * rates[i], i))
+    return ks

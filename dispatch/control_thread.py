@@ -47,6 +47,7 @@ from eagerlm.dispatch.messages import (
 )
 from eagerlm.dispatch.prefix_cache import PrefixCache
 from eagerlm.dispatch.round_work import (
+    DraftRound,
     RoundWork,
     SamplerState,
     SeqWork,
@@ -54,13 +55,12 @@ from eagerlm.dispatch.round_work import (
     sampled_order,
 )
 from eagerlm.dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
-from eagerlm.dispatch.speculation import SpecSession, SpeculationConfig
+from eagerlm.dispatch.speculation import SpecSession, SpeculationConfig, kv_layouts
 from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS
 from eagerlm.kernels.speculative import SPEC_STATS, SpecBuffers, SpecSeq
 from eagerlm.vmm.device import Device, Event, HostBuffer, StreamError
-from eagerlm.vmm.kv_layout import KVLayout
 from eagerlm.vmm.page_pool import OutOfPages, PagePool
 
 # ring slot metadata: per row [host token id, source slot or -1]; per session
@@ -99,8 +99,9 @@ class ControlThread:
     def __init__(self, device: Device, transformer: Transformer, pool: PagePool,
                  config: ControlConfig, inbox: queue.Queue, to_service: queue.Queue,
                  lookahead: threading.Semaphore, context_length: int,
-                 masks: MaskBoard | None = None) -> None:
+                 masks: MaskBoard | None = None, draft: Transformer | None = None) -> None:
         self.device = device
+        self.draft = draft  # the draft model, sharing each session's KV region
         self.masks = masks  # constrained sessions' token masks, posted by the service
         self.transformer = transformer
         self.backend: RoundBackend = transformer.ops  # what a round asks of the backend
@@ -110,9 +111,7 @@ class ControlThread:
         self.to_service = to_service
         self.lookahead = lookahead
         self.context_length = context_length
-        cfg = transformer.config
-        self.layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
-                               self.backend.kv_dtype)
+        self.layout, self.draft_layout = kv_layouts(transformer, draft)
         spec = config.speculation
         row_cost = spec.row_cost if spec.row_cost is not None else self.backend.draft_row_cost
         self.scheduler = Scheduler(
@@ -256,6 +255,8 @@ class ControlThread:
         s = Session(msg.session_id, list(msg.prompt_ids), msg.params, msg.max_new_tokens)
         spec = self.config.speculation
         method = spec.method_for(s.params)
+        if method == "draft" and self.draft is None:
+            method = "off"  # refused at submission (Dispatcher.submit); never guessed at
         if method != "off":
             s.spec = SpecSession(method, spec.tokens_for(s.params))
             if self._spec is None:
@@ -277,7 +278,7 @@ class ControlThread:
     def _reuse_prefix(self, s: Session) -> None:
         """Start `s` from the longest cached prefix of its prompt, if any."""
         assert self.cache is not None
-        entry, n = self.cache.longest(s.tokens)
+        entry, n = self.cache.longest(s.tokens, need_draft=_drafts(s))
         n = min(n, len(s.tokens) - 1)  # at least one token is computed, to sample from
         if entry is None or n <= 0:
             return
@@ -314,7 +315,7 @@ class ControlThread:
             return
         keep = min(len(msg.tokens), s.n_cached)
         if self.cache is not None and keep > 0 and s.region.n_pages:
-            self.cache.add(msg.tokens[:keep], s.region, s.last_event)
+            self.cache.add(msg.tokens[:keep], s.region, s.last_event, draft_kv=_drafts(s))
         else:
             s.region.release(after=s.last_event)
         s.region = None
@@ -375,7 +376,8 @@ class ControlThread:
                          self._sampled_dev[slot], n_rows, seq_rows, kvs, seq_work,
                          self._sampler_state, self._forget,
                          (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
-                         else None, masks=self.masks, trace=trace, spec=spec)
+                         else None, masks=self.masks, trace=trace, spec=spec,
+                         draft=self._draft_round(plan, spec, seq_rows))
         # a decode round: fixed buffers (one with constrained rows replays the forward
         # only, then samples its free rows before waiting for the masks)
         if self._graphs is not None and n_rows == n_seqs and spec is None:
@@ -435,16 +437,42 @@ class ControlThread:
                 out += 1
                 continue
             start = seq_rows[i][0]
-            if r.from_slot:  # a decode row: its position is on the device
-                propose = r.n_draft or (1 if s.spec.method == "ngram" else 0)
-                e = SpecSeq(s.slot, start, r.n_draft, propose, -1, out)
+            lookup = s.spec.method == "ngram"
+            if r.from_slot:  # a decode row: its position is on the device; with no draft
+                # rows, one token is still proposed, to measure (dispatch/speculation.py)
+                e = SpecSeq(s.slot, start, r.n_draft, r.n_draft or 1, -1, out, lookup)
             else:  # a prompt's last chunk: its last row samples the first token
-                e = SpecSeq(s.slot, start + r.n_new - 1, 0, 0, r.n_past + r.n_new - 1, out)
+                e = SpecSeq(s.slot, start + r.n_new - 1, 0, 0, r.n_past + r.n_new - 1, out,
+                            lookup)
             entry_of.append(len(entries))
             entries.append(e)
             out += 1 + e.k
         return SpecRound(self._spec, entries, offsets, entry_of, counts_at=out,
                          stats_at=out + len(entries))
+
+    def _draft_round(self, plan: RoundPlan, spec: SpecRound | None,
+                     seq_rows: list[tuple[int, int, int]]) -> DraftRound | None:
+        """The draft model's part of the round: its sessions' prompt rows, and the decode
+        entries it proposes for, each through its part of the session's region."""
+        if self.draft is None or not any(_drafts(r.session) for r in plan.rows):
+            return None
+        assert self._spec is not None and self.draft_layout is not None
+        entry_at = {} if spec is None else {e.start: j for j, e in enumerate(spec.seqs)
+                                            if e.past < 0}
+        kvs: list[object | None] = []
+        prefill, entries = [], []
+        for i, r in enumerate(plan.rows):
+            s = r.session
+            if not _drafts(s):
+                kvs.append(None)
+                continue
+            assert s.region is not None
+            kvs.append(self.backend.session_kv(s.region.part(self.draft_layout)))
+            if r.from_slot:
+                entries.append(entry_at[seq_rows[i][0]])
+            else:
+                prefill.append(i)
+        return DraftRound(self.draft, self._spec, kvs, prefill, entries)
 
     def _send_histories(self, slot: int, plan: RoundPlan) -> None:
         """Copy the tokens of speculating sessions new to their slot (admitted, or resumed
@@ -560,6 +588,11 @@ class ControlThread:
         for buf in buffers:
             with contextlib.suppress(Exception):  # a view still held keeps a host buffer
                 buf.free()
+
+
+def _drafts(s: Session) -> bool:
+    """Whether the session speculates with the draft model."""
+    return s.spec is not None and s.spec.method == "draft"
 
 
 def _sync(event: Event | None) -> None:

@@ -98,7 +98,8 @@ class RoundWork:
                  n_rows: int, seq_rows: list[tuple[int, int, int]], kvs: list[Any],
                  seq_work: list[SeqWork], state: SamplerState, forget: list[int],
                  logprob_out: tuple[Any, Any] | None, masks: MaskBoard | None = None,
-                 trace: RoundTrace | None = None, spec: SpecRound | None = None) -> None:
+                 trace: RoundTrace | None = None, spec: SpecRound | None = None,
+                 draft: DraftRound | None = None) -> None:
         self.transformer = transformer
         self.backend: RoundBackend = transformer.ops
         self.meta, self.token_buf, self.sampled = meta, token_buf, sampled
@@ -107,7 +108,7 @@ class RoundWork:
         self.state, self.forget = state, forget
         self.logprob_out = logprob_out
         self.masks, self.trace = masks, trace
-        self.spec = spec
+        self.spec, self.draft = spec, draft
         self.graph: tuple[DecodeRounds, np.ndarray] | None = None  # (graphs, host rows)
 
     def __call__(self) -> None:
@@ -118,6 +119,8 @@ class RoundWork:
         seq_rows = self.seq_rows
         if self.spec is not None:  # positions from the device, proposals into draft rows
             seq_rows = self._spec_prepare()
+        if self.draft is not None:
+            self._draft_steps(seq_rows)
         tokens = backend.round_inputs(self.meta, self.n_rows, self.token_buf)
         slices = [SeqSlice(st, n, past, kv)
                   for (st, n, past), kv in zip(seq_rows, self.kvs, strict=True)]
@@ -135,6 +138,44 @@ class RoundWork:
             backend.spec_accept(self.sampled, self.token_buf, s.buffers, s.seqs, s.counts_at,
                                 s.stats_at)
         self.kvs = []  # drop the views of the KV pages as soon as the work is done
+        if self.draft is not None:
+            self.draft.kvs = []
+
+    def _draft_steps(self, seq_rows: list[tuple[int, int, int]]) -> None:
+        """The draft model's forwards: step 0 takes its sessions' prompt rows and, per
+        decode entry, the tokens at its first position and the one before; each step
+        proposes one more token per entry still drafting (kernels/speculative.py)."""
+        assert self.draft is not None
+        d, backend = self.draft, self.backend
+        seq_of = {st: i for i, (st, _, _) in enumerate(seq_rows)}
+        entries = [self.spec.seqs[j] for j in d.entries] if self.spec is not None else []
+        prefill = [seq_rows[i][:2] for i in d.prefill]
+        slices, at = [], 0
+        for i in d.prefill:
+            _, n, past = seq_rows[i]
+            slices.append(SeqSlice(at, n, past, d.kvs[i]))
+            at += n
+        firsts = [seq_rows[seq_of[e.start]][2] for e in entries]
+        kvs = [d.kvs[seq_of[e.start]] for e in entries]
+        for first, kv in zip(firsts, kvs, strict=True):
+            slices.append(SeqSlice(at, 2, first - 1, kv))
+            at += 2
+        tokens = backend.draft_inputs(self.meta, d.buffers, entries, 0, prefill)
+        rows = np.array([s.end - 1 for s in slices[len(prefill):]], np.int64)
+        batch = ForwardBatch(tokens, slices, rows)
+        if not entries:  # prompt rows only: the draft's KV, no proposal
+            d.transformer.hidden_states(batch)
+            return
+        backend.draft_propose(d.transformer.forward(batch), self.meta, d.buffers, entries, 0)
+        for step in range(1, max(e.k for e in entries)):
+            live = [(e, first, kv) for e, first, kv in zip(entries, firsts, kvs, strict=True)
+                    if e.k > step]
+            tokens = backend.draft_inputs(self.meta, d.buffers, [e for e, _, _ in live], step)
+            batch = ForwardBatch(tokens, [SeqSlice(i, 1, first + step, kv)
+                                          for i, (_, first, kv) in enumerate(live)],
+                                 np.arange(len(live), dtype=np.int64))
+            backend.draft_propose(d.transformer.forward(batch), self.meta, d.buffers,
+                                  [e for e, _, _ in live], step)
 
     def _spec_prepare(self) -> list[tuple[int, int, int]]:
         """The round's rows with speculating sessions' decode positions read from the
@@ -274,6 +315,21 @@ class RoundWork:
         """Per session, how many of its rows in this round are still prompt tokens."""
         return [max(0, min(n, w.prompt_len - past))
                 for w, (_, n, past) in zip(self.seq_work, self.seq_rows, strict=True)]
+
+
+@dataclass
+class DraftRound:
+    """The draft model's part of a round (dispatch/speculation.py): its forward over its
+    sessions' prompt rows (`prefill`: seq indices), and its proposals for their decode
+    rows (`entries`: indices into the SpecRound's seqs), one draft step per proposed
+    token, each session reading and writing its KV through `kvs[seq]` (its part of the
+    session's region)."""
+
+    transformer: Transformer
+    buffers: SpecBuffers
+    kvs: list[Any | None]
+    prefill: list[int]
+    entries: list[int]
 
 
 def sampled_order(rows: list[Any]) -> list[Any]:

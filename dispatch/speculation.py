@@ -29,7 +29,9 @@ import heapq
 from dataclasses import dataclass
 
 from eagerlm.errors import InvalidParameters
+from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SamplingParams
+from eagerlm.vmm.kv_layout import KVLayout
 
 # the prior of a session's acceptance rate: as if it had accepted one of two drafts
 _PRIOR_HITS = 1.0
@@ -135,3 +137,17 @@ def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: 
         if ks[i] < caps[i]:
             heapq.heappush(heap, (-gain * rates[i], i))
     return ks
+
+
+def kv_layouts(transformer: Transformer,
+               draft: Transformer | None = None) -> tuple[KVLayout, KVLayout | None]:
+    """The sessions' KV layout, and the draft model's beside it in the same cache (one
+    region per session holds both models' KV token by token, so its pages, its prefix
+    cache entry, its swap and its release serve both)."""
+    cfg = transformer.config
+    layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, transformer.ops.kv_dtype)
+    if draft is None:
+        return layout, None
+    d = draft.config
+    return layout.shared_with(KVLayout(d.n_layers, d.n_kv_heads, d.head_dim,
+                                       draft.ops.kv_dtype))

@@ -220,6 +220,25 @@ class NumpyOps:
             _host_view(b.proposals).reshape(b.slots, -1), seqs, o[counts_at:counts_at + n],
             o[stats_at:stats_at + n * speculative.SPEC_STATS].reshape(n, -1))
 
+    def draft_inputs(self, meta: DeviceBuffer, buffers: speculative.SpecBuffers,
+                     seqs: Sequence[speculative.SpecSeq], step: int,
+                     prefill: Sequence[tuple[int, int]] = ()) -> np.ndarray:
+        """The draft model's input tokens at `step` of a round (`draft_inputs_on_host`)."""
+        b = buffers
+        return speculative.draft_inputs_on_host(
+            _host_view(meta).reshape(-1, 2), _host_view(b.lengths),
+            _host_view(b.history).reshape(b.slots, -1), seqs, step, prefill)
+
+    def draft_propose(self, logits: np.ndarray, meta: DeviceBuffer,
+                      buffers: speculative.SpecBuffers, seqs: Sequence[speculative.SpecSeq],
+                      step: int) -> None:
+        """The draft model's proposals at `step`, from its logits, into the draft rows
+        (`draft_propose_on_host`)."""
+        b = buffers
+        speculative.draft_propose_on_host(
+            logits, _host_view(meta).reshape(-1, 2),
+            _host_view(b.proposals).reshape(b.slots, -1), seqs, step)
+
     def decode_graphs(self, transformer: Transformer, token_buf: DeviceBuffer, *,
                       max_batch: int, max_context: int, layout: KVLayout,
                       enabled: bool = True) -> None:

@@ -78,8 +78,9 @@ class SpecSeq:
     """One speculating session's part of a round, as the device steps see it: its rows
     start at `start`; the first sampled one is its input at position `past` (-1: at
     `lengths[slot]`, which only the device knows: a decode row), then `k` draft rows.
-    `propose` tokens are looked up (k; 1 with no draft rows, a shadow proposal that only
-    measures; 0 for a prompt's last chunk). Its samples are the round's output tokens
+    `propose` tokens are proposed (k; 1 with no draft rows, a shadow proposal that only
+    measures; 0 for a prompt's last chunk): looked up in its history (`lookup`), else by
+    the draft model (the round's draft steps). Its samples are the round's output tokens
     `out .. out + k`."""
 
     slot: int
@@ -88,6 +89,7 @@ class SpecSeq:
     propose: int
     past: int
     out: int
+    lookup: bool = True
 
 
 def ngram_proposal(history: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:
@@ -131,7 +133,8 @@ def prepare_on_host(rows: np.ndarray, lengths: np.ndarray, history: np.ndarray,
     for e in seqs:
         first = int(lengths[e.slot]) if e.past < 0 else e.past
         firsts.append(first)
-        found = ngram_proposal(history[e.slot, :first + 1], e.propose, ngram_min, ngram_max)
+        found = (ngram_proposal(history[e.slot, :first + 1], e.propose, ngram_min, ngram_max)
+                 if e.lookup else np.zeros(0, np.int32))  # the draft model's come later
         proposals[e.slot, 0] = len(found)
         proposals[e.slot, 1:1 + len(found)] = found
         if e.k:
@@ -161,3 +164,33 @@ def accept_on_host(samples: np.ndarray, token_buf: np.ndarray, lengths: np.ndarr
         token_buf[e.slot] = x[a]
         counts[j] = a + 1
         stats[j] = (len(drafts), a, shadow)
+
+
+def draft_inputs_on_host(rows: np.ndarray, lengths: np.ndarray, history: np.ndarray,
+                         seqs: Sequence[SpecSeq], step: int,
+                         prefill: Sequence[tuple[int, int]] = ()) -> np.ndarray:
+    """The draft model's input tokens for step `step` of a round: at step 0, the rows of
+    `prefill` spans (start, n) of the round's metadata, then per decode entry the two
+    tokens before and at its first position (the one before rewrites the draft's KV of the
+    last accepted token, which it never computed when every draft was accepted); at step
+    j > 0, per entry its draft row j (the proposal the step before made)."""
+    if step == 0:
+        parts = [rows[st:st + n, 0] for st, n in prefill]
+        for e in seqs:
+            first = int(lengths[e.slot])
+            parts.append(history[e.slot, first - 1:first + 1])
+        return (np.concatenate(parts) if parts else np.zeros(0, np.int32)).astype(np.int32)
+    return np.array([rows[e.start + step, 0] for e in seqs], np.int32)
+
+
+def draft_propose_on_host(logits: np.ndarray, rows: np.ndarray, proposals: np.ndarray,
+                          seqs: Sequence[SpecSeq], step: int) -> None:
+    """The draft model's proposal at step `step`: per entry the argmax of its logits row
+    becomes its proposal `step` (kept in `proposals[slot]`), and its draft row `step + 1`
+    of the round's metadata when it has one."""
+    tokens = np.argmax(np.asarray(logits), axis=1).astype(np.int32)
+    for e, token in zip(seqs, tokens.tolist(), strict=True):
+        proposals[e.slot, 1 + step] = token
+        proposals[e.slot, 0] = step + 1
+        if e.k > step:
+            rows[e.start + 1 + step] = (token, -1)

@@ -40,7 +40,7 @@ def model(tmp_path_factory):
 
 
 def make(model, spec=NGRAM, *, sync=False, budget=1 << 22, max_batch=8, round_tokens=64,
-         preempt="recompute", prefix_cache=True, tokenizer=None):
+         preempt="recompute", prefix_cache=True, tokenizer=None, draft=None):
     m, tf = model
     cfg = DispatcherConfig(
         control=ControlConfig(SchedulerConfig(max_batch=max_batch,
@@ -48,7 +48,8 @@ def make(model, spec=NGRAM, *, sync=False, budget=1 << 22, max_batch=8, round_to
                                               preempt=preempt),
                               sync=sync, prefix_cache=prefix_cache, speculation=spec),
         kv_budget_bytes=budget)
-    return Dispatcher(open_device("cpu", page_size=PAGE), tf, tokenizer or m.tokenizer, cfg)
+    return Dispatcher(open_device("cpu", page_size=PAGE), tf, tokenizer or m.tokenizer, cfg,
+                      draft=draft)
 
 
 def alone(model, prompt, params, tokenizer=None):

@@ -6,7 +6,9 @@ model's own probabilities."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 
 import numpy as np
 import pytest
@@ -194,3 +196,33 @@ def _logits(tf, tokens: list[int]) -> np.ndarray:
     kv = tf.ops.contiguous_kv(KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim),
                               len(tokens))
     return np.asarray(tf.forward(ForwardBatch.single(tokens, 0, kv)), np.float64)[0]
+
+
+def test_the_engine_speculates_as_its_settings_and_each_request_say(model, tmp_path):
+    """`EngineSettings` (the CLI's --speculative, --num-speculative-tokens, --draft-model)
+    set the default, a request's `SamplingParams` its own; a draft model with another
+    vocabulary is refused when loading, naming the flag."""
+    from eagerlm.service.api.model_loading import DraftVocabularyMismatch
+    from eagerlm.service.api.sync_engine import SyncEngine
+
+    m, _ = model
+    path = str(m.path)
+    prompt = repetitive_prompt(model, 2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = alone(model, prompt, greedy)[0]
+    with SyncEngine.open(path, speculative="draft", draft_model=path,
+                         kv_budget_bytes=1 << 22) as engine:
+        dispatcher = engine.engine.dispatcher
+        stats = dispatcher.service.stats
+        for params in (greedy, dataclasses.replace(greedy, speculative="ngram"),
+                       dataclasses.replace(greedy, speculative="off")):
+            before = stats.draft_tokens
+            assert list(engine.complete(prompt, params).token_ids) == want
+            while stats.rounds < dispatcher.control.round_id:  # rounds still in flight
+                time.sleep(0.01)
+            assert (stats.draft_tokens > before) == (params.speculative != "off")
+    other = tmp_path / "other.gguf"
+    write_synthetic_model(other, tiny_spec("qwen3", vocab_size=300))
+    with pytest.raises(DraftVocabularyMismatch, match="300 tokens") as err:
+        SyncEngine.open(path, speculative="draft", draft_model=str(other))
+    assert err.value.param == "draft_model"

@@ -44,6 +44,7 @@ from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.grammar import GrammarMatcher
 from eagerlm.dispatch.messages import FinishReason, Output
 from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.dispatch.speculation import SpeculationConfig
 from eagerlm.errors import EagerLMError, EngineFailure, InvalidParameters
 from eagerlm.kernels.sampling import SamplingParams, TokenLogprob
 from eagerlm.loader.config import RopeOverride
@@ -55,8 +56,10 @@ from eagerlm.service.api.loop_bridge import LoopWaker
 from eagerlm.service.api.metrics import EngineMetrics, PrometheusText, recent_steady_bubble
 from eagerlm.service.api.model_loading import (
     WEIGHTS_CHOICES,
+    DraftModel,
     LoadedModel,
     ProgressCallback,
+    open_draft,
     open_model,
 )
 from eagerlm.service.api.progress import log_progress
@@ -97,12 +100,24 @@ class EngineSettings:
     # how the backend holds the matrices: "quantized" (the file's blocks, read by the
     # kernels), "float" (cpu: float32) or "bf16" (cuda); None: quantized
     weights: str | None = None
+    # speculative decoding for requests that do not choose (dispatch/speculation.py):
+    # "ngram" (prompt lookup), "draft" (needs draft_model) or "off"; drafts per round
+    speculative: str = SpeculationConfig.method
+    num_speculative_tokens: int = SpeculationConfig.num_tokens
+    draft_model: str | None = None  # a GGUF with the same vocabulary (--draft-model)
 
     def __post_init__(self) -> None:
         self.rope_override()  # bad values fail here, before anything is loaded
         if self.weights is not None and self.weights not in WEIGHTS_CHOICES:
             raise InvalidParameters(f"weights must be 'quantized' or 'float' (cpu), "
                                     f"'quantized' or 'bf16' (cuda), not {self.weights!r}")
+        self.speculation()  # likewise
+        if self.speculative == "draft" and self.draft_model is None:
+            raise InvalidParameters("speculative 'draft' needs a draft model "
+                                    "(--draft-model PATH)", param="draft_model")
+
+    def speculation(self) -> SpeculationConfig:
+        return SpeculationConfig(self.speculative, self.num_speculative_tokens)
 
     def rope_override(self) -> RopeOverride | None:
         """The rope scaling settings as the loader takes them (None: the file's)."""
@@ -113,7 +128,7 @@ class EngineSettings:
         control = ControlConfig(SchedulerConfig(max_batch=self.max_batch,
                                                 max_round_tokens=self.max_round_tokens),
                                 lookahead=self.lookahead, prefix_cache=self.prefix_cache,
-                                cuda_graphs=self.cuda_graphs)
+                                cuda_graphs=self.cuda_graphs, speculation=self.speculation())
         return DispatcherConfig(control=control, kv_budget_bytes=self.kv_budget_bytes,
                                 memory_fraction=self.memory_fraction,
                                 max_context=self.max_context)
@@ -423,13 +438,16 @@ class Engine:
     """One model on one device, with its dispatcher. Open it with `Engine.open` (async) or
     `Engine.load` (blocking); both end with `shutdown()`."""
 
-    def __init__(self, loaded: LoadedModel, settings: EngineSettings) -> None:
+    def __init__(self, loaded: LoadedModel, settings: EngineSettings,
+                 draft: DraftModel | None = None) -> None:
         self.settings = settings
         self.loaded = loaded
+        self.draft = draft
         self.model: ModelFile = loaded.model
         self.tokenizer: Tokenizer = loaded.model.tokenizer
         self.dispatcher = Dispatcher(loaded.device, loaded.transformer, self.tokenizer,
-                                     settings.dispatcher_config())
+                                     settings.dispatcher_config(),
+                                     draft=None if draft is None else draft.transformer)
         self.name = settings.model_name or Path(loaded.model.path).stem
         self.metrics = EngineMetrics()
         self.turns = TurnMemory(self.tokenizer, settings.chat_turns_remembered)
@@ -446,9 +464,14 @@ class Engine:
                             on_progress=on_progress or log_progress,
                             rope=config.rope_override(), max_context=config.max_context,
                             weights=config.weights)
+        draft = None
         try:
-            return cls(loaded, config)
+            if config.draft_model is not None:
+                draft = open_draft(config.draft_model, loaded, weights=config.weights)
+            return cls(loaded, config, draft)
         except BaseException:
+            if draft is not None:
+                draft.close()
             loaded.close()
             raise
 
@@ -638,6 +661,8 @@ class Engine:
                 return
             self._closed = True
         self.dispatcher.shutdown()
+        if self.draft is not None:
+            self.draft.close()
         self.loaded.close()
 
     def __enter__(self) -> Engine:

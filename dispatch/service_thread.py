@@ -62,7 +62,9 @@ class ServiceStats:
     rounds: int = 0
     tokens_accepted: int = 0
     tokens_discarded: int = 0  # produced by in-flight rounds after their session finished
-    # speculative decoding: proposals verified, and how many of them were accepted
+    # speculative decoding: sessions' rounds with draft rows, the proposals they verified,
+    # and how many of them were accepted
+    drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
@@ -207,6 +209,7 @@ class ServiceThread:
         stats = rd.spec.stats
         drafted = int(stats[:, 0].sum())
         accepted = int(stats[:, 1].sum())
+        self.stats.drafts += sum(1 for k in rd.spec.drafts if k)
         self.stats.draft_tokens += drafted
         self.stats.accepted_tokens += accepted
         if rd.trace is not None:

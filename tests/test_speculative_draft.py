@@ -202,8 +202,12 @@ def test_the_engine_speculates_as_its_settings_and_each_request_say(model, tmp_p
     """`EngineSettings` (the CLI's --speculative, --num-speculative-tokens, --draft-model)
     set the default, a request's `SamplingParams` its own; a draft model with another
     vocabulary is refused when loading, naming the flag."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from eagerlm.service.api.metrics import PrometheusText
     from eagerlm.service.api.model_loading import DraftVocabularyMismatch
     from eagerlm.service.api.sync_engine import SyncEngine
+    from eagerlm.service.api.vllm_metrics import write_vllm_metrics
 
     m, _ = model
     path = str(m.path)
@@ -221,6 +225,14 @@ def test_the_engine_speculates_as_its_settings_and_each_request_say(model, tmp_p
             while stats.rounds < dispatcher.control.round_id:  # rounds still in flight
                 time.sleep(0.01)
             assert (stats.draft_tokens > before) == (params.speculative != "off")
+        # vLLM's names for the counters (parsed by prometheus-client)
+        out = PrometheusText()
+        write_vllm_metrics(out, engine.engine.metrics, "m", engine.engine.vllm_gauges())
+        samples = {s.name: s.value for f in text_string_to_metric_families(out.text())
+                   for s in f.samples}
+        assert samples["vllm:spec_decode_num_draft_tokens_total"] == stats.draft_tokens > 0
+        assert samples["vllm:spec_decode_num_accepted_tokens_total"] == stats.accepted_tokens
+        assert 0 < samples["vllm:spec_decode_num_drafts_total"] <= stats.draft_tokens
     other = tmp_path / "other.gguf"
     write_synthetic_model(other, tiny_spec("qwen3", vocab_size=300))
     with pytest.raises(DraftVocabularyMismatch, match="300 tokens") as err:

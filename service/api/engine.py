@@ -63,6 +63,7 @@ from eagerlm.service.api.model_loading import (
     open_model,
 )
 from eagerlm.service.api.progress import log_progress
+from eagerlm.service.api.vllm_metrics import VllmGauges
 
 log = logging.getLogger("eagerlm")
 
@@ -653,6 +654,17 @@ class Engine:
         out.gauge("eagerlm_bubble_fraction",
                   "Device idle between rounds while sessions decode, over recent rounds.",
                   recent_steady_bubble(self.dispatcher.traces))
+        stats = self.dispatcher.service.stats
+        out.counter("eagerlm_spec_draft_tokens_total",
+                    "Speculative decoding: draft tokens verified.", stats.draft_tokens)
+        out.counter("eagerlm_spec_accepted_tokens_total",
+                    "Speculative decoding: draft tokens accepted.", stats.accepted_tokens)
+
+    def vllm_gauges(self, http_queued: int = 0) -> VllmGauges:
+        """What vLLM's metric names need beside `metrics` (service/api/vllm_metrics.py)."""
+        pool, stats = self.dispatcher.pool, self.dispatcher.service.stats
+        return VllmGauges(pool.n_pages - pool.n_free, pool.n_pages, http_queued,
+                          stats.drafts, stats.draft_tokens, stats.accepted_tokens)
 
     def shutdown(self) -> None:
         """Stop the dispatcher (running requests end with an error) and free the device."""

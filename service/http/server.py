@@ -78,7 +78,7 @@ from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.service.api.engine import Engine, MultiStream
 from eagerlm.service.api.metrics import PrometheusText
 from eagerlm.service.api.tool_calls import Reply, ToolCallParser
-from eagerlm.service.api.vllm_metrics import VllmGauges, write_vllm_metrics
+from eagerlm.service.api.vllm_metrics import write_vllm_metrics
 from eagerlm.service.http.admission import AdmissionGate, QueueFull, Ticket
 from eagerlm.service.http.config import ServerConfig
 from eagerlm.service.http.ignored_fields import log_once
@@ -357,9 +357,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None,
         for (route, status), n in sorted(response_counts.items()):
             out.sample("eagerlm_http_responses_total", n,
                        {"route": route, "status": str(status)})
-        pool = engine.dispatcher.pool
         write_vllm_metrics(out, engine.metrics, engine.name,  # service/api/vllm_metrics.py
-                           VllmGauges(pool.n_pages - pool.n_free, pool.n_pages, gate.queued))
+                           engine.vllm_gauges(gate.queued))
         return PlainTextResponse(out.text(), media_type="text/plain; version=0.0.4")
 
     add_sglang_worker_routes(app, engine, gate)  # GET /server_info, /get_load

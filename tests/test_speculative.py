@@ -264,3 +264,28 @@ def test_penalized_and_constrained_requests_do_not_speculate(model):
     assert cfg.method_for(SamplingParams(num_speculative_tokens=0)) == "off"
     assert cfg.method_for(SamplingParams(speculative="off")) == "off"
     assert SpeculationConfig().method_for(SamplingParams(speculative="ngram")) == "ngram"
+
+
+def test_constrained_requests_beside_speculating_ones_are_unchanged(model):
+    """A grammar's mask for token t + 1 needs token t, so constrained sessions do not
+    speculate; in the same rounds as speculating ones (their rows sampled last, after the
+    drafts' rows), they say what they say in an engine that does not speculate."""
+    from eagerlm.kernels.sampling import Constraint
+
+    m, _ = model
+    regex = r"[a-c]{2,5}-[0-9]{1,3}"
+    reqs = []
+    for key in range(6):
+        constraint = Constraint.regex(regex) if key % 2 else None
+        reqs.append((key, repetitive_prompt(model, key),
+                     SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                    constraint=constraint)))
+    with make(model) as d:
+        got = run(d, reqs)
+        assert d.service.stats.accepted_tokens > 0
+    with make(model, spec=SpeculationConfig()) as d:
+        plain = run(d, reqs)
+    for key, prompt, params in reqs:
+        assert got.result(key) == plain.result(key), key
+        if params.constraint is None:
+            assert got.result(key) == alone(model, prompt, params)

@@ -263,7 +263,7 @@ class ControlThread:
                 sc = self.config.scheduler
                 self._spec = SpecBuffers.alloc(self.device, sc.max_batch, self.context_length,
                                                MAX_SPECULATIVE_TOKENS, spec.ngram_min,
-                                               spec.ngram_max)
+                                               spec.ngram_max, sc.max_round_tokens)
         if not self.scheduler.can_ever_fit(s):  # a guard: the context fits the pool
             self.to_service.put(SessionFailed(s.id, (
                 f"the request needs {self.scheduler.pages_for(s.prompt_len + s.max_new)} KV "

@@ -116,11 +116,11 @@ class RoundWork:
         if self.graph is not None and self._replay(*self.graph):
             self.kvs = []
             return
-        seq_rows = self.seq_rows
+        seq_rows, past_of = self.seq_rows, None
         if self.spec is not None:  # positions from the device, proposals into draft rows
-            seq_rows = self._spec_prepare()
+            seq_rows, past_of = self._spec_prepare()
         if self.draft is not None:
-            self._draft_steps(seq_rows)
+            self._draft_steps(seq_rows, past_of is not None)
         tokens = backend.round_inputs(self.meta, self.n_rows, self.token_buf)
         slices = [SeqSlice(st, n, past, kv)
                   for (st, n, past), kv in zip(seq_rows, self.kvs, strict=True)]
@@ -132,7 +132,11 @@ class RoundWork:
         logit_rows = np.array([st + n - 1 - w.n_draft + j for w, (st, n, _) in work
                                for j in range(1 + w.n_draft)], dtype=np.int64)
         batch = ForwardBatch(tokens, slices, logit_rows)
-        self._sample(self.transformer.forward(batch), work, counts)
+        if past_of is not None:  # positions only the device knows (cuda)
+            assert self.spec is not None
+            self.backend.spec_positions(batch, self.spec.buffers, past_of)
+        self._sample(self.transformer.forward(batch), work, counts,
+                     None if past_of is None else batch.positions)
         if self.spec is not None:
             s = self.spec
             backend.spec_accept(self.sampled, self.token_buf, s.buffers, s.seqs, s.counts_at,
@@ -141,10 +145,27 @@ class RoundWork:
         if self.draft is not None:
             self.draft.kvs = []
 
-    def _draft_steps(self, seq_rows: list[tuple[int, int, int]]) -> None:
+    def _spec_prepare(self) -> tuple[list[tuple[int, int, int]],
+                                     list[tuple[int, int] | None] | None]:
+        """The round's rows with speculating sessions' decode positions where the host
+        learns them (cpu); else (cuda) the rows as planned (bounds) and, per session, the
+        slot whose device position it takes (`spec_positions`' `past_of`). Their proposals
+        are written into their draft rows meanwhile."""
+        assert self.spec is not None
+        s = self.spec
+        firsts = self.backend.spec_prepare(self.meta, s.buffers, s.seqs)
+        decode = {e.start: (j, e) for j, e in enumerate(s.seqs) if e.past < 0}
+        if firsts is not None:
+            return [(st, n, firsts[decode[st][0]] if st in decode else past)
+                    for st, n, past in self.seq_rows], None
+        return self.seq_rows, [(decode[st][1].slot, 0) if st in decode else None
+                               for st, _, _ in self.seq_rows]
+
+    def _draft_steps(self, seq_rows: list[tuple[int, int, int]], on_device: bool) -> None:
         """The draft model's forwards: step 0 takes its sessions' prompt rows and, per
         decode entry, the tokens at its first position and the one before; each step
-        proposes one more token per entry still drafting (kernels/speculative.py)."""
+        proposes one more token per entry still drafting (kernels/speculative.py). With
+        `on_device`, the entries' positions are the device's (`spec_positions`)."""
         assert self.draft is not None
         d, backend = self.draft, self.backend
         seq_of = {st: i for i, (st, _, _) in enumerate(seq_rows)}
@@ -160,9 +181,17 @@ class RoundWork:
         for first, kv in zip(firsts, kvs, strict=True):
             slices.append(SeqSlice(at, 2, first - 1, kv))
             at += 2
+
+        def place(batch: ForwardBatch, live: list[SpecSeq], delta: int) -> ForwardBatch:
+            if on_device:
+                past_of: list[tuple[int, int] | None] = [None] * (len(batch.seqs) - len(live))
+                backend.spec_positions(batch, d.buffers,
+                                       past_of + [(e.slot, delta) for e in live])
+            return batch
+
         tokens = backend.draft_inputs(self.meta, d.buffers, entries, 0, prefill)
         rows = np.array([s.end - 1 for s in slices[len(prefill):]], np.int64)
-        batch = ForwardBatch(tokens, slices, rows)
+        batch = place(ForwardBatch(tokens, slices, rows), entries, -1)
         if not entries:  # prompt rows only: the draft's KV, no proposal
             d.transformer.hidden_states(batch)
             return
@@ -174,25 +203,17 @@ class RoundWork:
             batch = ForwardBatch(tokens, [SeqSlice(i, 1, first + step, kv)
                                           for i, (_, first, kv) in enumerate(live)],
                                  np.arange(len(live), dtype=np.int64))
+            batch = place(batch, [e for e, _, _ in live], step)
             backend.draft_propose(d.transformer.forward(batch), self.meta, d.buffers,
                                   [e for e, _, _ in live], step)
 
-    def _spec_prepare(self) -> list[tuple[int, int, int]]:
-        """The round's rows with speculating sessions' decode positions read from the
-        device (their proposals written into their draft rows meanwhile)."""
-        assert self.spec is not None
-        s = self.spec
-        firsts = self.backend.spec_prepare(self.meta, s.buffers, s.seqs)
-        past_at = {e.start: first for e, first in zip(s.seqs, firsts, strict=True)
-                   if e.past < 0}
-        return [(st, n, past_at.get(st, past)) for st, n, past in self.seq_rows]
-
     def _sample(self, logits: Any, work: list[tuple[SeqWork, tuple[int, int, int]]],
-                counts: dict[int, Any]) -> None:
+                counts: dict[int, Any], device_positions: Any = None) -> None:
         """Sample the round's rows from their logits (in `sampled_order`, a speculating
         session's 1 + n_draft rows together): the unconstrained rows, then the constrained
         ones once their masks have come. A speculating session's rows write no token-buffer
-        slot: its acceptance writes its next input."""
+        slot: its acceptance writes its next input. `device_positions`: the batch's row
+        positions where only the device knows them (the draws' positions follow)."""
         backend = self.backend
         biases = dict(zip([w.session_id for w in self.seq_work], self._session_biases(),
                           strict=True))
@@ -205,13 +226,18 @@ class RoundWork:
             masks = self._take_masks([w for w, _ in part]) if constrained else None
             rows = [(w, past + n - w.n_draft + j) for w, (_, n, past) in part
                     for j in range(1 + w.n_draft)]
+            at = None if device_positions is None else (
+                device_positions, np.array([st + n - 1 - w.n_draft + j
+                                            for w, (st, n, _) in part
+                                            for j in range(1 + w.n_draft)], np.int64))
             backend.sample_round(
                 logits, [w.params for w, _ in rows], [pos for _, pos in rows],
                 [counts.get(w.session_id) for w, _ in rows],
                 [biases[w.session_id] for w, _ in rows], out=self.sampled,
                 token_buf=self.token_buf,
                 out_slots=[-1 if w.slot in speculating else w.slot for w, _ in rows],
-                logprobs_out=self.logprob_out, masks=masks, first_row=row)
+                logprobs_out=self.logprob_out, masks=masks, first_row=row,
+                positions_at=at)
             row += len(rows)
 
     def _take_masks(self, work: list[SeqWork]) -> list[np.ndarray | None]:

@@ -27,6 +27,7 @@ import numpy as np
 from eagerlm.kernels.model import Ops
 
 if TYPE_CHECKING:
+    from eagerlm.kernels.batch import ForwardBatch
     from eagerlm.kernels.model import Transformer
     from eagerlm.kernels.sampling import SamplingParams
     from eagerlm.kernels.speculative import SpecBuffers, SpecSeq
@@ -113,7 +114,7 @@ class RoundBackend(Protocol[A]):
                      token_buf: DeviceBuffer, out_slots: Sequence[int],
                      logprobs_out: tuple[DeviceBuffer, DeviceBuffer] | None = None,
                      masks: Sequence[np.ndarray | None] | None = None,
-                     first_row: int = 0) -> None:
+                     first_row: int = 0, positions_at: Any = None) -> None:
         """Sample one token per logit row into `out` (int32) and into the token buffer at
         `out_slots` (a negative slot writes none): the next round reads its decode inputs
         there. Penalized rows need their `counts`, biased rows their `biases`,
@@ -122,7 +123,10 @@ class RoundBackend(Protocol[A]):
         [n, 1 + MAX_LOGPROBS], int32 [n, MAX_LOGPROBS]) for rows whose params ask for them.
         The rows sampled are `first_row .. first_row + len(params)` of `logits`, written to
         the same rows of `out` and the logprob buffers: a round samples its unconstrained
-        rows first and its constrained rows once their masks have come."""
+        rows first and its constrained rows once their masks have come. `positions_at`
+        (row positions on the device, rows of the forward batch) replaces `positions`
+        where only the device knows them (speculation, cuda): row i draws at the position
+        after its batch row's."""
         ...
 
     def decode_graphs(self, transformer: Transformer, token_buf: DeviceBuffer, *,
@@ -148,12 +152,33 @@ class RoundBackend(Protocol[A]):
         (cuda resolves them on the device)."""
         ...
 
+    def spec_positions(self, batch: ForwardBatch, buffers: SpecBuffers,
+                       past_of: Sequence[tuple[int, int] | None]) -> None:
+        """Where `spec_prepare` returned no positions (cuda): make `batch`'s positions and
+        per-session descriptors the device's, for sessions with `past_of[i]` = (slot,
+        delta): their first row at the position `spec_prepare` found for the slot, plus
+        delta. (Their `SeqSlice.n_past` are bounds, good for sizing only.)"""
+        ...
+
     def spec_accept(self, out: DeviceBuffer, token_buf: DeviceBuffer, buffers: SpecBuffers,
                     seqs: Sequence[SpecSeq], counts_at: int, stats_at: int) -> None:
         """After a round's sampling (`out`: its samples, a speculating session's rows at
         `out ..`): each speculating session's accepted run, its count and statistics into
         `out` (int32 at `counts_at + j`, `stats_at + 3 j`), its new length and history in
         `buffers`, its next input in `token_buf`."""
+        ...
+
+    def draft_inputs(self, meta: DeviceBuffer, buffers: SpecBuffers, seqs: Sequence[SpecSeq],
+                     step: int, prefill: Sequence[tuple[int, int]] = ()) -> Any:
+        """The draft model's input tokens at `step` of a round (kernels/speculative.py's
+        `draft_inputs_on_host`): at 0 the rows of the `prefill` spans of `meta`, then two
+        per entry; at j > 0 one per entry, its draft row j."""
+        ...
+
+    def draft_propose(self, logits: A, meta: DeviceBuffer, buffers: SpecBuffers,
+                      seqs: Sequence[SpecSeq], step: int) -> None:
+        """The draft model's greedy proposals at `step` (one logits row per entry) into
+        the entries' proposals and draft rows (`draft_propose_on_host`)."""
         ...
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -168,13 +168,14 @@ class NumpyOps:
                      out: DeviceBuffer, token_buf: DeviceBuffer, out_slots: Sequence[int],
                      logprobs_out: tuple[DeviceBuffer, DeviceBuffer] | None = None,
                      masks: Sequence[np.ndarray | None] | None = None,
-                     first_row: int = 0) -> None:
+                     first_row: int = 0, positions_at: Any = None) -> None:
         """Sample one token per row into `out` and into the token buffer at `out_slots`;
         rows with penalties need their `counts`, rows with a logit bias their `biases`
         (from `logit_bias`), constrained rows their allowed-token `masks`. With
         `logprobs_out`, also each row's logprobs (rows whose params ask for them). The
         rows are `logits[first_row:first_row + len(params)]`, and so are their places in
-        `out` and the logprob buffers."""
+        `out` and the logprob buffers. (`positions_at` is for backends whose positions only
+        the device knows; here `positions` are exact, kernels/speculative.py.)"""
         n = len(params)
         logits = np.asarray(logits, dtype=np.float32)[first_row:first_row + n]
         tokens = sample(logits, params, positions, counts, biases, masks).astype(np.int32)
@@ -205,6 +206,11 @@ class NumpyOps:
             _host_view(meta).reshape(-1, 2), _host_view(b.lengths),
             _host_view(b.history).reshape(b.slots, -1),
             _host_view(b.proposals).reshape(b.slots, -1), seqs, b.ngram_min, b.ngram_max)
+
+    def spec_positions(self, batch: ForwardBatch, buffers: speculative.SpecBuffers,
+                       past_of: Sequence[tuple[int, int] | None]) -> None:
+        """Never needed here: `spec_prepare` gives the host the positions."""
+        raise NotImplementedError("the cpu backend's positions are known on the host")
 
     def spec_accept(self, out: DeviceBuffer, token_buf: DeviceBuffer,
                     buffers: speculative.SpecBuffers, seqs: Sequence[speculative.SpecSeq],

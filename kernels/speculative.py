@@ -55,6 +55,8 @@ class SpecBuffers:
     lengths: Any  # DeviceBuffer, int32 [slots]: positions holding accepted KV
     history: Any  # DeviceBuffer, int32 [slots, context + 1]: tokens by position
     proposals: Any  # DeviceBuffer, int32 [slots, 1 + k_max]: a round's count, then tokens
+    firsts: Any  # DeviceBuffer, int32 [slots]: a round's first positions (cuda's steps)
+    draft_rows: Any  # DeviceBuffer, int32 [rows, 2]: the draft model's inputs (cuda)
     slots: int
     context: int
     k_max: int
@@ -63,13 +65,15 @@ class SpecBuffers:
 
     @classmethod
     def alloc(cls, device: Any, slots: int, context: int, k_max: int, ngram_min: int,
-              ngram_max: int) -> SpecBuffers:
+              ngram_max: int, round_rows: int) -> SpecBuffers:
         return cls(device.alloc(slots * 4), device.alloc(slots * (context + 1) * 4),
-                   device.alloc(slots * (1 + k_max) * 4), slots, context, k_max, ngram_min,
-                   ngram_max)
+                   device.alloc(slots * (1 + k_max) * 4), device.alloc(slots * 4),
+                   device.alloc((round_rows + 2 * slots) * 8), slots, context, k_max,
+                   ngram_min, ngram_max)
 
     def free(self) -> None:
-        for buf in (self.lengths, self.history, self.proposals):
+        for buf in (self.lengths, self.history, self.proposals, self.firsts,
+                    self.draft_rows):
             buf.free()
 
 

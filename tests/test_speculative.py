@@ -272,7 +272,6 @@ def test_constrained_requests_beside_speculating_ones_are_unchanged(model):
     drafts' rows), they say what they say in an engine that does not speculate."""
     from eagerlm.kernels.sampling import Constraint
 
-    m, _ = model
     regex = r"[a-c]{2,5}-[0-9]{1,3}"
     reqs = []
     for key in range(6):

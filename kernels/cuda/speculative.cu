@@ -25,7 +25,7 @@ static_assert(sizeof(SpecEntry) == 32, "must match SPEC_ENTRY in kernels/cuda_sp
 
 constexpr int SPEC_THREADS = 256;
 
-// One block per entry: its first position (into firsts[entry]) and, for a prompt-lookup
+// One block per entry: its first position (into firsts[slot]) and, for a prompt-lookup
 // entry, its proposal: the tokens after the most recent earlier occurrence of the longest
 // suffix of n_max down to n_min tokens, copied through their own end; written to its
 // proposal and its draft rows' host-id column of the round's metadata (filler 0 past it).
@@ -70,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(SPEC_THREADS)
     }
   }
   if (tid == 0) {
-    firsts[blockIdx.x] = first;
+    firsts[e.slot] = first;
     prop[0] = n_found;
   }
 }
@@ -88,7 +88,7 @@ extern "C" __global__ void spec_accept(const SpecEntry* __restrict__ entries, in
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const SpecEntry e = entries[i];
-  const int first = firsts[i];
+  const int first = firsts[e.slot];
   const int* x = out + e.out;
   const int* prop = proposals + (i64)e.slot * prop_stride;
   const int m = prop[0];
@@ -107,15 +107,16 @@ extern "C" __global__ void spec_accept(const SpecEntry* __restrict__ entries, in
 }
 
 // One block: sessions whose position only the device knows get it in their descriptor
-// (past_of[2 s] >= 0: n_past = firsts[past_of[2 s]] + past_of[2 s + 1]), then every row its
-// position (its session's n_past + its offset in the session).
+// (past_of[2 s] is a slot, or -1 for a session the host placed: n_past =
+// firsts[slot] + past_of[2 s + 1]), then every row its position (its session's n_past +
+// its offset in the session).
 extern "C" __global__ void __launch_bounds__(SPEC_THREADS)
     spec_positions(SeqDesc* __restrict__ seqs, const int* __restrict__ past_of,
                    const int* __restrict__ firsts, int n_seqs,
                    const int* __restrict__ row_seq, int n_rows, int* __restrict__ positions) {
   for (int s = threadIdx.x; s < n_seqs; s += blockDim.x) {
-    const int entry = past_of[2 * s];
-    if (entry >= 0) seqs[s].n_past = firsts[entry] + past_of[2 * s + 1];
+    const int slot = past_of[2 * s];
+    if (slot >= 0) seqs[s].n_past = firsts[slot] + past_of[2 * s + 1];
   }
   __syncthreads();
   for (int r = threadIdx.x; r < n_rows; r += blockDim.x) {
@@ -146,7 +147,7 @@ extern "C" __global__ void draft_rows(const SpecEntry* __restrict__ entries, int
   if (i >= n) return;
   const SpecEntry e = entries[i];
   if (step == 0) {
-    const int* h = history + (i64)e.slot * hist_stride + firsts[i];
+    const int* h = history + (i64)e.slot * hist_stride + firsts[e.slot];
     rows_out[4 * i] = h[-1];
     rows_out[4 * i + 1] = -1;
     rows_out[4 * i + 2] = h[0];

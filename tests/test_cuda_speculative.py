@@ -214,7 +214,7 @@ NGRAM = SpeculationConfig("ngram", 3, adaptive=False)
 DRAFT = SpeculationConfig("draft", 3, adaptive=False)
 CONFIGS = {
     "draft": dict(spec=DRAFT, draft=True),
-    "ngram": dict(spec=NGRAM),
+    "ngram": pytest.param(dict(spec=NGRAM), marks=pytest.mark.slow),
     "draft, sync": pytest.param(dict(spec=DRAFT, draft=True, sync=True),
                                 marks=pytest.mark.slow),
 }

@@ -24,7 +24,6 @@ before each plan, without waiting), and uses them only to bound later rounds.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import queue
 import threading
 import time
@@ -55,7 +54,12 @@ from eagerlm.dispatch.round_work import (
     sampled_order,
 )
 from eagerlm.dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
-from eagerlm.dispatch.speculation import SpecSession, SpeculationConfig, kv_layouts
+from eagerlm.dispatch.speculation import (
+    SpecSession,
+    SpeculationConfig,
+    kv_layouts,
+    linear_cost,
+)
 from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS
@@ -113,11 +117,11 @@ class ControlThread:
         self.context_length = context_length
         self.layout, self.draft_layout = kv_layouts(transformer, draft)
         spec = config.speculation
-        row_cost = spec.row_cost if spec.row_cost is not None else self.backend.draft_row_cost
-        self.scheduler = Scheduler(
-            dataclasses.replace(config.scheduler, adaptive_drafts=spec.adaptive,
-                                draft_row_cost=row_cost),
-            pool, self.layout, context_length, sync_event=_sync)
+        self.scheduler = Scheduler(config.scheduler, pool, self.layout, context_length,
+                                   sync_event=_sync)
+        if spec.adaptive:
+            self.scheduler.round_cost = (self.backend.round_cost if spec.row_cost is None
+                                         else linear_cost(spec.row_cost))
         self.scheduler.resolve_tokens = self._generated_tokens
         self.cache = PrefixCache(config.prefix_cache_entries) if config.prefix_cache else None
         self.scheduler.evict_cached = self._evict_cached

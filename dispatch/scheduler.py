@@ -104,10 +104,6 @@ class SchedulerConfig:
     max_round_tokens: int = 256  # prefill + decode tokens per round (chunked prefill)
     map_ahead: int = 16  # tokens of pages mapped beyond what the round writes
     preempt: str = "recompute"  # or "swap": a preempted session's KV waits in host memory
-    # speculation: choose draft rows by acceptance (else the most each session allows),
-    # and what a row costs relative to a one-row round (dispatch/speculation.py)
-    adaptive_drafts: bool = True
-    draft_row_cost: float = 0.15
 
     def __post_init__(self) -> None:
         if self.preempt not in ("recompute", "swap"):
@@ -131,6 +127,10 @@ class Scheduler:
         self.evict_cached: Callable[[], bool] = lambda: False
         # set by the control thread: makes a preempted session's generated tokens known
         self.resolve_tokens: Callable[[Session], list[int]] = lambda s: []
+        # set by the control thread: a round's cost by its rows, relative to a one-row
+        # round, by which speculating sessions' draft rows are chosen; None: always the
+        # most each session allows (dispatch/speculation.py)
+        self.round_cost: Callable[[int], float] | None = None
 
     # -- planning ----------------------------------------------------------------------
 
@@ -171,14 +171,18 @@ class Scheduler:
             return
         caps = [max(0, min(r.session.spec.k_max, r.session.max_new - r.session.n_sampled - 1,
                            self.context_length - r.session.n_cached - 1)) for r in spec]
-        cfg = self.config
-        rates = [r.session.spec.rate if cfg.adaptive_drafts else 1.0 for r in spec]
-        ks = allocate_drafts(rates, caps, len(rows), len(rows),
-                             cfg.draft_row_cost if cfg.adaptive_drafts else 0.0,
-                             cfg.max_round_tokens - len(rows))
+        if self.round_cost is None:
+            ks = caps
+        else:
+            ks = allocate_drafts([r.session.spec.rate for r in spec], caps, len(rows),
+                                 len(rows), self.round_cost,
+                                 self.config.max_round_tokens - len(rows))
+        budget = self.config.max_round_tokens - len(rows)
         for r, k in zip(spec, ks, strict=True):
             s = r.session
             assert s.region is not None
+            k = min(k, budget)
+            budget -= k
             try:
                 if k:
                     s.region.ensure(s.n_cached + 1 + k)

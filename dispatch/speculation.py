@@ -8,14 +8,15 @@ host knows how many tokens the round before accepted; the host learns it when it
 that round's output (dispatch/control_thread.py), a round or two later, and only uses it
 to size later rounds: how many pages to map, how many drafts are worth their rows.
 
-**How many drafts (adaptive k).** A draft row costs a fraction of a one-row round
-(`row_cost`: the weights are read once per round whatever the rows, so on a memory-bound
-device an extra row is cheap; on the cpu backend less so). A session whose drafts are
-accepted at rate a gains a**j expected tokens from its j-th draft row (each draft needs
-every one before it accepted). The plan gives draft rows, best gain first, while a row's
-gain exceeds what the round already earns per unit of cost, so speculation never lowers
-the round's expected tokens per cost: a session whose proposals stop being accepted (free
-text, for prompt lookup) is given none, and a batch that is already wide gives fewer.
+**How many drafts (adaptive k).** A round of R rows costs `RoundBackend.round_cost(R)`
+times a one-row round (the weights are read once per round whatever the rows, so on a
+memory-bound device an extra row is cheap; on the cpu backend it is not, and the cost
+grows in steps of four rows). A session whose drafts are accepted at rate a gains a**j
+expected tokens from its j-th draft row (each draft needs every one before it accepted).
+The plan takes draft rows best gain first, as many as maximise the round's expected tokens
+per unit of cost, so speculation never lowers them: a session whose proposals stop being
+accepted (free text, for prompt lookup) is given none, and a batch that is already wide
+gives fewer.
 The rate is estimated per session from its recent rounds (decayed counts, geometric-model
 maximum likelihood: a accepted of k rows is a successes and one failure unless a = k);
 a session given no draft rows still gets a proposal of one token on the device, checked
@@ -26,6 +27,7 @@ cost and speculation resumes when proposals start matching again.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from eagerlm.errors import InvalidParameters
@@ -52,7 +54,7 @@ class SpeculationConfig:
     # choose each round's draft rows by acceptance (off: always the most allowed)
     adaptive: bool = True
     # the cost of one more row in a round, relative to a round of one row (None: the
-    # backend's own estimate, RoundBackend.draft_row_cost)
+    # backend's own cost of a round by its rows, RoundBackend.round_cost)
     row_cost: float | None = None
 
     def __post_init__(self) -> None:
@@ -114,28 +116,39 @@ class SpecSession:
         self.trials = self.trials * _DECAY + trials
 
 
+def linear_cost(row_cost: float) -> Callable[[int], float]:
+    """A round's cost when each row beyond the first adds `row_cost` (relative to a
+    one-row round)."""
+    return lambda rows: 1.0 + row_cost * max(0, rows - 1)
+
+
 def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: int,
-                    row_cost: float, budget: int) -> list[int]:
+                    cost: Callable[[int], float], budget: int) -> list[int]:
     """Draft rows per speculating session (rates[i], at most caps[i]) in a round that
-    already has `n_decode` decoding sessions and `n_rows` rows: the rows go by expected
-    gain (rate**j for the j-th), each only while its gain exceeds `row_cost` times the
-    round's expected tokens per unit of cost so far (cost 1 + row_cost * (rows - 1)), and
-    at most `budget` in all."""
-    ks = [0] * len(rates)
-    heap = [(-rates[i], i) for i in range(len(rates)) if caps[i] > 0 and rates[i] > 0]
+    already has `n_decode` decoding sessions and `n_rows` rows, costing `cost(rows)`
+    relative to a one-row round: the rows in order of expected gain (rate**j for a
+    session's j-th), as many of them (at most `budget`) as maximise the round's expected
+    tokens per unit of cost. (The cost need not be linear: the cpu backend's grows in steps
+    of four rows, kernels/numpy_ops.py.)"""
+    order: list[int] = []
+    heap = [(-rates[i], i, 1) for i in range(len(rates)) if caps[i] > 0 and rates[i] > 0]
     heapq.heapify(heap)
-    tokens, rows = float(n_decode), n_rows
-    while heap and budget > 0:
-        neg_gain, i = heapq.heappop(heap)
-        gain = -neg_gain
-        if gain <= row_cost * tokens / (1.0 + row_cost * max(0, rows - 1)):
-            break
-        ks[i] += 1
+    gains, tokens = [], float(n_decode)
+    while heap and len(order) < budget:
+        neg_gain, i, j = heapq.heappop(heap)
+        order.append(i)
+        gains.append(-neg_gain)
+        if j < caps[i]:
+            heapq.heappush(heap, (neg_gain * rates[i], i, j + 1))
+    best_n, best = 0, tokens / cost(n_rows)
+    for m, gain in enumerate(gains, 1):
         tokens += gain
-        rows += 1
-        budget -= 1
-        if ks[i] < caps[i]:
-            heapq.heappush(heap, (-gain * rates[i], i))
+        ratio = tokens / cost(n_rows + m)
+        if ratio > best:
+            best_n, best = m, ratio
+    ks = [0] * len(rates)
+    for i in order[:best_n]:
+        ks[i] += 1
     return ks
 
 

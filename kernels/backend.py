@@ -138,9 +138,11 @@ class RoundBackend(Protocol[A]):
 
     # -- speculative decoding (kernels/speculative.py has the rules) ----------------------
 
-    # One more row in a round, as a fraction of a one-row round's time: what a draft row
-    # costs (dispatch/speculation.py weighs it against its expected gain).
-    draft_row_cost: float
+    def round_cost(self, rows: int) -> float:
+        """A round of `rows` rows (a decode round's forward and sampling) relative to one of
+        one row: what draft rows cost (dispatch/speculation.py weighs them against their
+        expected gain)."""
+        ...
 
     def spec_prepare(self, meta: DeviceBuffer, buffers: SpecBuffers,
                      seqs: Sequence[SpecSeq]) -> list[int]:

@@ -43,10 +43,11 @@ def spec_entries(seqs: Sequence[SpecSeq]) -> np.ndarray:
 class CudaSpeculation:
     """The speculation methods of CudaOps (a mixin: they enqueue on the ops' stream)."""
 
-    # One more row of a decode round, as a fraction of a one-row round: not measured on a
-    # GPU yet; a memory-bound decode reads the weights once for all its rows, so a small
-    # cost (the cpu backend's is measured, NumpyOps.draft_row_cost)
-    draft_row_cost = 0.05
+    def round_cost(self, rows: int) -> float:
+        """A round of `rows` rows relative to one of one row (dispatch/speculation.py). Not
+        measured on a GPU yet: a memory-bound decode reads the weights once for all its
+        rows, so each row is taken to add 5% (the cpu backend's is measured)."""
+        return 1.0 + 0.05 * max(0, rows - 1)
 
     if TYPE_CHECKING:
         kernels: KernelLibrary

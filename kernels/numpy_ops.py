@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from eagerlm.vmm.kv_region import KVRegion
 
 _GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+# NumpyOps.round_cost: a round of 2 .. 4 rows costs BASE + COST one-row rounds, each further
+# four rows COST more
+ROW_PASS_BASE = 1.0
+ROW_PASS_COST = 0.85
 
 
 def _gated(gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
@@ -107,9 +111,6 @@ class NumpyOps:
     name = "cpu"
     kv_dtype = np.dtype(np.float32)  # the KV cache element
     stream: Stream | None = None  # it computes when called, on the dispatcher's own stream
-    # one more row in a round, relative to a one-row round (dispatch/speculation.py): the
-    # demo model's decode forward at 1 to 8 rows (docs/performance.md, speculative decoding)
-    draft_row_cost = 0.15
 
     def __init__(self) -> None:
         # rope setting -> (positions, cos, sin) of its last table (`_rope_table`)
@@ -195,6 +196,15 @@ class NumpyOps:
             for j, (tid, v) in enumerate(lp.top):
                 values[first_row + i, 1 + j] = v
                 top_ids[first_row + i, j] = tid
+
+    def round_cost(self, rows: int) -> float:
+        """A round of `rows` rows relative to one of one row (dispatch/speculation.py): on
+        this backend a decode round is mostly the products over the weights, and from two
+        rows of x on they take `gemv_rows`, four rows of x per pass over each decoded
+        weight row; so the cost grows in steps of four rows. The constants are the demo
+        model's decode forward at 1 to 12 rows (docs/performance.md, speculative
+        decoding)."""
+        return 1.0 if rows <= 1 else ROW_PASS_BASE + ROW_PASS_COST * -(-rows // 4)
 
     def spec_prepare(self, meta: DeviceBuffer, buffers: speculative.SpecBuffers,
                      seqs: Sequence[speculative.SpecSeq]) -> list[int]:

@@ -18,8 +18,14 @@ from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.messages import FinishReason
 from eagerlm.dispatch.scheduler import SchedulerConfig
-from eagerlm.dispatch.speculation import SpecSession, SpeculationConfig, allocate_drafts
+from eagerlm.dispatch.speculation import (
+    SpecSession,
+    SpeculationConfig,
+    allocate_drafts,
+    linear_cost,
+)
 from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.kernels.speculative import accepted_run, ngram_proposal
 from eagerlm.loader.model_file import ModelFile
@@ -114,16 +120,20 @@ def test_the_accepted_run_is_the_longest_prefix_where_samples_equal_drafts():
 
 
 def test_draft_rows_go_by_expected_gain_while_they_pay_for_themselves():
-    # one session at batch 1, a row costing 0.2: drafts whose gain rate**j beats the
-    # round's tokens per cost so far
-    assert allocate_drafts([0.95], [8], 1, 1, 0.2, 100) == [8]
-    assert allocate_drafts([0.9], [8], 1, 1, 0.2, 100) == [7]  # 0.9**8 < 0.2 * 2.57
-    assert allocate_drafts([0.1], [8], 1, 1, 0.2, 100) == [0]
+    # one session at batch 1, each row costing 0.2 of a one-row round: as many drafts as
+    # maximise the expected tokens per cost
+    lin = linear_cost(0.2)
+    assert allocate_drafts([0.95], [8], 1, 1, lin, 100) == [8]
+    assert allocate_drafts([0.9], [8], 1, 1, lin, 100) == [7]  # 8 drafts: 5.13/2.6 < 4.7/2.4
+    assert allocate_drafts([0.1], [8], 1, 1, lin, 100) == [0]
     # a wide batch earns more per cost: a draft must be likelier to pay
-    assert allocate_drafts([0.5], [8], 1, 1, 0.2, 100)[0] > allocate_drafts(
-        [0.5] + [0.0] * 7, [8] * 8, 8, 8, 0.2, 100)[0]
+    assert allocate_drafts([0.5], [8], 1, 1, lin, 100)[0] > allocate_drafts(
+        [0.5] + [0.0] * 7, [8] * 8, 8, 8, lin, 100)[0]
     # the better session gets the rows first, within the budget
-    assert allocate_drafts([0.9, 0.5], [4, 4], 2, 2, 0.0, 3) == [3, 0]
+    assert allocate_drafts([0.9, 0.5], [4, 4], 2, 2, linear_cost(0.0), 3) == [3, 0]
+    # a cost in steps of four rows: three drafts cost what one does, so they come together
+    steps = NumpyOps().round_cost
+    assert allocate_drafts([0.7], [8], 1, 1, steps, 100) == [3]
     # the record moves toward what is observed, shadows included
     s = SpecSession("ngram", 4)
     for _ in range(20):

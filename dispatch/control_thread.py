@@ -376,15 +376,17 @@ class ControlThread:
         if spec is not None:
             self._send_histories(slot, plan)
         trace.device_start = self.compute.record(self.device.event())
+        draft = self._draft_round(plan, spec, seq_rows)
         run = RoundWork(self.transformer, self._meta_dev, self._token_buf,
                          self._sampled_dev[slot], n_rows, seq_rows, kvs, seq_work,
                          self._sampler_state, self._forget,
                          (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
-                         else None, masks=self.masks, trace=trace, spec=spec,
-                         draft=self._draft_round(plan, spec, seq_rows))
+                         else None, masks=self.masks, trace=trace, spec=spec, draft=draft)
         # a decode round: fixed buffers (one with constrained rows replays the forward
-        # only, then samples its free rows before waiting for the masks)
-        if self._graphs is not None and n_rows == n_seqs and spec is None:
+        # only, then samples its free rows before waiting for the masks; one with
+        # speculating sessions runs their steps there too)
+        if self._graphs is not None and plan.n_decode == n_seqs and (
+                n_rows == n_seqs if spec is None else draft is None):
             run.graph = (self._graphs, rows.copy())
         self._forget = []
         self.compute.launch(run)

@@ -261,6 +261,8 @@ class RoundWork:
         general path."""
         if not all(w.samples for w in self.seq_work):
             return False
+        if self.spec is not None:
+            return self._replay_spec(graphs, rows)
         counts = [None if c is None else (c, split)
                   for c, split in zip(self._session_counts(), self._prompt_rows(),
                                       strict=True)]
@@ -270,6 +272,23 @@ class RoundWork:
                           [w.params for w in self.seq_work], self.sampled,
                           [w.slot for w in self.seq_work], counts, self.logprob_out,
                           self._session_biases())
+
+    def _replay_spec(self, graphs: DecodeRounds, rows: np.ndarray) -> bool:
+        """A decode round with speculating sessions through the graphs' speculative rounds
+        (kernels/cuda_spec_graphs.py): the proposal, positions, forward, sampling and
+        acceptance in fixed buffers. Rounds with constraints, penalties or a logit bias,
+        or the draft model, take the general path."""
+        assert self.spec is not None
+        if self.draft is not None or any(w.params.constrained or w.params.adjusts_logits
+                                         for w in self.seq_work):
+            return False
+        s = self.spec
+        speculating = {e.slot for e in s.seqs}
+        return graphs.run_spec(rows, self.seq_rows, self.kvs,
+                               [w.params for w in self.seq_work],
+                               [-1 if w.slot in speculating else w.slot
+                                for w in self.seq_work], s.seqs, s.buffers, s.counts_at,
+                               s.stats_at, self.sampled, self.logprob_out)
 
     def _replay_forward(self, graphs: DecodeRounds, rows: np.ndarray,
                         counts: list[Any]) -> bool:

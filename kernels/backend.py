@@ -61,6 +61,16 @@ class DecodeRounds(Protocol):
         it does not fit a bucket."""
         ...
 
+    def run_spec(self, rows: np.ndarray, seq_rows: Sequence[tuple[int, int, int]],
+                 kvs: Sequence[Any], params: Sequence[SamplingParams],
+                 out_slots: Sequence[int], seqs: Sequence[SpecSeq], buffers: SpecBuffers,
+                 counts_at: int, stats_at: int, out: Any,
+                 logprobs_out: tuple[Any, Any] | None = None) -> bool:
+        """A decode round with speculating sessions (every row sampled, in row order;
+        `seq_rows` (start, rows, n_past bound) per session): the speculation steps, the
+        forward and the sampler through fixed buffers; False when it fits no bucket."""
+        ...
+
     def close(self) -> None:
         """Free the graphs and their buffers, after the stream has finished every replay."""
         ...

@@ -167,6 +167,7 @@ class DecodeGraphs:
         self.forward_replays = 0  # and of forward-only graphs (rounds with constraints)
         self.captured = 0
         self.eager_rounds = 0  # rounds through the fixed buffers launched one by one
+        self.spec: Any = None  # speculative rounds' buffers and graphs (cuda_spec_graphs)
 
     # -- per round -----------------------------------------------------------------------
 
@@ -237,15 +238,13 @@ class DecodeGraphs:
         if step is None:
             step = self.steps[key] = self._step(*key)
         if self.enabled and step.exec is None and key not in self.failures:
-            self._capture(step)
+            self.capture(step, self._blob(step.batch, np.zeros((0, 2), np.int32), [], [], []),
+                         key)
         blob = self._blob(b, rows, n_pasts, kvs, params, out_slots, counts, biases,
                           penalties=penalties, order=order)
         self.ops._ring.upload(blob, DeviceTensor(step.inputs.ptr, (blob.size,), "u8"))
-        d = driver()
-        self.ops.ctx.bind()
-        s = self.ops.stream.handle
         if step.exec is not None:
-            check(d.cuGraphLaunch(step.exec, s), "cuGraphLaunch")
+            self.replay(step)
             self.replays += 1
             self.adjusted_replays += kind.adjusted
             self.logprob_replays += kind.logprobs
@@ -361,13 +360,13 @@ class DecodeGraphs:
 
         return _Step(b, ctx, kind, launch, inputs, out_buf, lp_values, lp_ids, logits_buf)
 
-    def _capture(self, step: _Step) -> None:
-        """Record `step`'s launches as a graph. They run once first, on padding only (every
+    def capture(self, step: Any, warm_blob: np.ndarray, key: Any) -> None:
+        """Record `step`'s launches as a graph (a `_Step`, or a speculative round's,
+        kernels/cuda_spec_graphs.py). They run once first on `warm_blob` (padding only: every
         row a padding row), to load modules and plan GEMMs outside the capture; if the
-        capture fails, the step stays eager and the reason is kept in `failures`."""
+        capture fails, the step stays eager and the reason is kept in `failures[key]`."""
         ops, d = self.ops, driver()
-        blob = self._blob(step.batch, np.zeros((0, 2), np.int32), [], [], [])
-        ops._ring.upload(blob, DeviceTensor(step.inputs.ptr, (blob.size,), "u8"))
+        ops._ring.upload(warm_blob, DeviceTensor(step.inputs.ptr, (warm_blob.size,), "u8"))
         stream = ops.stream.handle
         try:
             step.launch()  # warm-up
@@ -389,15 +388,38 @@ class DecodeGraphs:
                 cu("cuGraphDestroy", graph)
                 raise
         except Exception as exc:  # this bucket stays eager; the reason is kept
-            self.failures[(step.batch, step.context, step.kind)] = f"{type(exc).__name__}: {exc}"
+            self.failures[key] = f"{type(exc).__name__}: {exc}"
             ops.synchronize()
             return
         step.graph, step.exec = graph, exec_
         self.captured += 1
 
+    def replay(self, step: Any) -> None:
+        """Launch `step`'s captured graph on the ops' stream."""
+        self.ops.ctx.bind()
+        check(driver().cuGraphLaunch(step.exec, self.ops.stream.handle), "cuGraphLaunch")
+
+    def run_spec(self, rows: np.ndarray, seq_rows: Sequence[tuple[int, int, int]],
+                 kvs: Sequence[Any], params: Sequence[SamplingParams],
+                 out_slots: Sequence[int], seqs: Sequence[Any], buffers: Any,
+                 counts_at: int, stats_at: int, out: Any,
+                 logprobs_out: tuple[Any, Any] | None = None) -> bool:
+        """A decode round with speculating sessions through fixed buffers (and its graph):
+        kernels/cuda_spec_graphs.py's `SpecRounds.run`."""
+        from eagerlm.kernels.cuda_spec_graphs import SpecRounds
+
+        if self.spec is None or self.spec.buffers is not buffers:
+            if self.spec is not None:
+                self.spec.close()
+            self.spec = SpecRounds(self, buffers)
+        return self.spec.run(rows, seq_rows, kvs, params, out_slots, seqs, counts_at,
+                             stats_at, out, logprobs_out)
+
     def close(self) -> None:
         """After the stream has finished every replay."""
         self.ops.synchronize()
+        if self.spec is not None:
+            self.spec.close()
         for step in self.steps.values():
             if step.exec is not None:
                 cu("cuGraphExecDestroy", step.exec)

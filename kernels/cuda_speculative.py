@@ -32,9 +32,11 @@ SPEC_ENTRY = np.dtype([("slot", "<i4"), ("start", "<i4"), ("k", "<i4"), ("propos
 SPEC_THREADS = 256  # the block size speculative.cu's one-block kernels are written for
 
 
-def spec_entries(seqs: Sequence[SpecSeq]) -> np.ndarray:
-    """The entries' table (SPEC_ENTRY rows)."""
-    table = np.zeros(max(1, len(seqs)), SPEC_ENTRY)
+def spec_entries(seqs: Sequence[SpecSeq], rows: int = 0) -> np.ndarray:
+    """The entries' table (SPEC_ENTRY rows), padded to `rows` with entries every kernel
+    skips (slot -1)."""
+    table = np.zeros(max(1, len(seqs), rows), SPEC_ENTRY)
+    table["slot"] = -1
     for i, e in enumerate(seqs):
         table[i] = (e.slot, e.start, e.k, e.propose, e.past, e.out, int(e.lookup), 0)
     return table
@@ -70,12 +72,19 @@ class CudaSpeculation:
         proposal into its draft rows of `meta` (spec_prepare); None: the positions stay on
         the device (`spec_positions` uses them)."""
         if seqs:
-            b, entries = buffers, self._entries(seqs)  # held until the launch is enqueued
-            self.kernels["spec_prepare"].launch(
-                self._s, len(seqs), SPEC_THREADS, entries.ptr, meta.ptr,
-                b.lengths.ptr, b.history.ptr, b.context + 1, b.proposals.ptr, b.k_max + 1,
-                b.firsts.ptr, b.ngram_min, b.ngram_max)
+            entries = self._entries(seqs)  # held until the launch is enqueued
+            self.spec_prepare_device(entries, len(seqs), meta.ptr, buffers)
         return None
+
+    def spec_prepare_device(self, entries: DeviceTensor, n: int, rows_ptr: int,
+                            buffers: SpecBuffers) -> None:
+        """`spec_prepare` with its table (SPEC_ENTRY rows, padding ones skipped) already on
+        the device: the form a decode graph captures."""
+        b = buffers
+        self.kernels["spec_prepare"].launch(
+            self._s, n, SPEC_THREADS, entries.ptr, rows_ptr, b.lengths.ptr, b.history.ptr,
+            b.context + 1, b.proposals.ptr, b.k_max + 1, b.firsts.ptr, b.ngram_min,
+            b.ngram_max)
 
     def spec_positions(self, batch: ForwardBatch, buffers: SpecBuffers,
                        past_of: Sequence[tuple[int, int] | None]) -> None:
@@ -86,12 +95,17 @@ class CudaSpeculation:
         table = self.upload(np.array([(-1, 0) if p is None else p for p in past_of],
                                      np.int32), "i32")
         positions = self.empty((len(batch.tokens),), "i32")
-        self.kernels["spec_positions"].launch(
-            self._s, 1, SPEC_THREADS, meta.seqs.ptr, table.ptr,
-            buffers.firsts.ptr, meta.n_seqs, meta.row_seq.ptr, len(batch.tokens),
-            positions.ptr)
+        self.spec_positions_device(meta, table, buffers, positions)
         batch.device_meta = meta
         batch.positions = positions  # type: ignore[assignment]  # on the device
+
+    def spec_positions_device(self, meta: BatchMeta, past_of: DeviceTensor,
+                              buffers: SpecBuffers, positions: DeviceTensor) -> None:
+        """`spec_positions` on descriptors and a (slot, delta) table already on the
+        device, into `positions` (int32 per row)."""
+        self.kernels["spec_positions"].launch(
+            self._s, 1, SPEC_THREADS, meta.seqs.ptr, past_of.ptr, buffers.firsts.ptr,
+            meta.n_seqs, meta.row_seq.ptr, positions.shape[0], positions.ptr)
 
     def spec_accept(self, out: Any, token_buf: Any, buffers: SpecBuffers,
                     seqs: Sequence[SpecSeq], counts_at: int, stats_at: int) -> None:
@@ -99,11 +113,19 @@ class CudaSpeculation:
         histories and next inputs (spec_accept)."""
         if not seqs:
             return
-        b, n, entries = buffers, len(seqs), self._entries(seqs)
+        entries = self._entries(seqs)
+        self.spec_accept_device(entries, len(seqs), out.ptr, counts_at, stats_at,
+                                token_buf.ptr, buffers)
+
+    def spec_accept_device(self, entries: DeviceTensor, n: int, out_ptr: int,
+                           counts_at: int, stats_at: int, token_buf_ptr: int,
+                           buffers: SpecBuffers) -> None:
+        """`spec_accept` with its table already on the device (padding entries skipped)."""
+        b = buffers
         self.kernels["spec_accept"].launch(
-            self._s, -(-n // 64), 64, entries.ptr, n, out.ptr, counts_at,
-            stats_at, token_buf.ptr, b.lengths.ptr, b.history.ptr, b.context + 1,
-            b.proposals.ptr, b.k_max + 1, b.firsts.ptr)
+            self._s, -(-n // 64), 64, entries.ptr, n, out_ptr, counts_at, stats_at,
+            token_buf_ptr, b.lengths.ptr, b.history.ptr, b.context + 1, b.proposals.ptr,
+            b.k_max + 1, b.firsts.ptr)
 
     def draft_inputs(self, meta: Any, buffers: SpecBuffers, seqs: Sequence[SpecSeq],
                      step: int, prefill: Sequence[tuple[int, int]] = ()) -> DeviceIds:
@@ -140,5 +162,10 @@ class CudaSpeculation:
         `table` draws at positions[logit_rows[i]] + 1 (spec_draw_positions)."""
         positions, logit_rows = positions_at
         rows = self.upload(np.asarray(logit_rows, np.int64), "i64")
+        self.draw_positions_device(table, positions, rows, n)
+
+    def draw_positions_device(self, table: DeviceTensor, positions: DeviceTensor,
+                              logit_rows: DeviceTensor, n: int) -> None:
+        """`draw_positions` with the logit rows (int64) already on the device."""
         self.kernels["spec_draw_positions"].launch(self._s, -(-n // 64), 64, table.ptr,
-                                                   positions.ptr, rows.ptr, n)
+                                                   positions.ptr, logit_rows.ptr, n)

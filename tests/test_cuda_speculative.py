@@ -8,7 +8,6 @@ in tests/test_cuda_dispatch.py)."""
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import numpy as np
 import pytest
@@ -31,6 +30,7 @@ from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from tests.cuda_testing import device, ops, rng  # noqa: F401  (fixtures)
 from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
 from tests.test_dispatcher import Collector
+from tests.test_speculative import repetitive_prompt
 
 SLOTS, CONTEXT, K_MAX = 6, 48, 6
 
@@ -155,9 +155,8 @@ def model(gpu, tmp_path_factory):
     from eagerlm.kernels.cuda_backend import cuda_transformer
     from eagerlm.kernels.cuda_ops import CudaOps
 
-    spec = tiny_spec("qwen3", n_layers=2, n_kv_heads=2, n_heads=4, head_dim=32, d_model=64,
-                     context_length=160)
     path = tmp_path_factory.mktemp("m") / "qwen3.gguf"
+    spec = tiny_spec("qwen3", context_length=160)  # tests/test_speculative.py's model
     m = ModelFile.open(write_synthetic_model(path, spec))
     target = cuda_transformer(m, ops=CudaOps(gpu))
     draft = cuda_transformer(m, ops=CudaOps.beside(target.ops))  # the model as its draft
@@ -180,17 +179,13 @@ def _dispatcher(gpu, model, spec, *, pages=None, draft=False, **control) -> Disp
 
 @pytest.fixture(scope="module")
 def workload(model):
+    """Greedy and sampled, logprobs or not; the first one's greedy output soon repeats one
+    token, which prompt lookup then proposes and the target accepts."""
     m = model[0]
-    rng_ = random.Random(3)
-    reqs = []
-    for key in range(4):
-        words = " ".join(rng_.choice(["alpha", "beta", "gamma", "the", "cat"])
-                         for _ in range(rng_.randint(3, 5)))
-        prompt = m.tokenizer.encode(" ".join([words] * 3))
-        reqs.append((key, prompt, SamplingParams(
-            temperature=[0.0, 0.9][key % 2], seed=key, max_tokens=16, ignore_eos=True,
-            logprobs=[None, 2][key % 3 == 0])))
-    return reqs
+    return [(key, repetitive_prompt((m, None), i), SamplingParams(
+                temperature=[0.0, 0.9][key % 2], seed=key, max_tokens=16, ignore_eos=True,
+                logprobs=[None, 2][key % 3 == 0]))
+            for key, i in enumerate((2, 1, 5, 3))]
 
 
 @pytest.fixture(scope="module")
@@ -213,8 +208,10 @@ def _run(d: Dispatcher, reqs) -> Collector:
 NGRAM = SpeculationConfig("ngram", 3, adaptive=False)
 DRAFT = SpeculationConfig("draft", 3, adaptive=False)
 CONFIGS = {
+    "ngram, graphs": dict(spec=NGRAM),
     "draft": dict(spec=DRAFT, draft=True),
-    "ngram": pytest.param(dict(spec=NGRAM), marks=pytest.mark.slow),
+    "ngram, eager launches": pytest.param(dict(spec=NGRAM, cuda_graphs=False),
+                                          marks=pytest.mark.slow),
     "draft, sync": pytest.param(dict(spec=DRAFT, draft=True, sync=True),
                                 marks=pytest.mark.slow),
 }
@@ -224,18 +221,20 @@ CONFIGS = {
 def test_speculating_requests_equal_their_runs_alone(gpu, model, workload, alone,
                                                      config) -> None:
     """Every configuration gives each request exactly its tokens alone (greedy and sampled:
-    the draws' positions come from the device). With the model as its own draft, drafts
-    are accepted (the greedy requests' all of them, the sampled ones' as often as the
-    target's draw agrees with the greedy proposal): a check that the device's acceptance,
-    lengths and token buffer carry the runs. Prompt lookup on this random model rarely
-    finds what it will say, so it is checked for proposals only."""
+    the draws' positions come from the device), with drafts accepted: a check that the
+    device's acceptance, lengths and token buffer carry the runs. Prompt lookup's rounds
+    are decode graphs (kernels/cuda_spec_graphs.py), replayed, or with graphs off the same
+    launches one by one; the draft model's take the general path."""
     kw = dict(config)
     with _dispatcher(gpu, model, kw.pop("spec"), **kw) as d:
         col = _run(d, workload)
         stats = d.service.stats
-    assert stats.drafts > 0
-    if kw.get("draft"):
-        assert stats.accepted_tokens > 0.2 * stats.draft_tokens > 0
+        spec_rounds = d.control._graphs.spec
+    assert stats.accepted_tokens > 0.2 * stats.draft_tokens > 0
+    if not kw.get("draft"):
+        assert spec_rounds is not None
+        assert (spec_rounds.replays if kw.get("cuda_graphs", True)
+                else spec_rounds.eager_rounds) > 0
     differ = {k: (col.result(k)[0], alone[k][0]) for k, _, _ in workload
               if col.result(k) != alone[k]}
     assert not differ, differ
@@ -243,12 +242,13 @@ def test_speculating_requests_equal_their_runs_alone(gpu, model, workload, alone
 
 @pytest.mark.slow
 def test_speculating_sessions_preempted_midway_say_what_they_say_alone(gpu, model):
-    """Three sessions of about 60 tokens of KV in a pool of three 64-token pages: each
-    needs a second page midway, so the newest give way (their KV dropped, the draft's with
-    it, recomputed on resume) in the middle of their speculative runs."""
+    """Three sessions of about 130 tokens of KV in a pool of three 128-token pages (the
+    target's and the draft's KV, 512 bytes a token): each needs a second page midway, so
+    the newest give way (their KV dropped, the draft's with it, recomputed on resume) in
+    the middle of their speculative runs."""
     m = model[0]
-    words = m.tokenizer.encode(" ".join(["gamma delta the cat"] * 20))
-    reqs = [(key, [5 + key] + words[:55],  # 56 tokens: the second page comes midway
+    words = m.tokenizer.encode(" ".join(["gamma delta the cat"] * 40))
+    reqs = [(key, [5 + key] + words[:119],  # 120 tokens: the second page comes midway
              SamplingParams(temperature=[0.0, 0.9][key % 2], seed=key, max_tokens=16,
                             ignore_eos=True)) for key in range(3)]
     with _dispatcher(gpu, model, DRAFT, draft=True, pages=3) as d:

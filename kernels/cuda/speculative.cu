@@ -10,7 +10,9 @@
 // proposal at proposals[slot * prop_stride]: the count, then the tokens.
 #include "common.cuh"
 
-// Mirrors SPEC_ENTRY in kernels/cuda_speculative.py (kernels/speculative.py's SpecSeq).
+// Mirrors SPEC_ENTRY in kernels/cuda_speculative.py (kernels/speculative.py's SpecSeq). An
+// entry whose slot is -1 is padding (a captured graph's table is as long as its bucket):
+// every kernel skips it.
 struct SpecEntry {
   int slot;
   int start;    // its first row in the round
@@ -36,6 +38,7 @@ extern "C" __global__ void __launch_bounds__(SPEC_THREADS)
                  int* __restrict__ firsts, int n_min, int n_max) {
   __shared__ int best;
   const SpecEntry e = entries[blockIdx.x];
+  if (e.slot < 0) return;  // a padding entry (a graph's table): the whole block leaves
   const int tid = threadIdx.x;
   const int first = e.past >= 0 ? e.past : lengths[e.slot];
   const int* h = history + (i64)e.slot * hist_stride;
@@ -88,6 +91,7 @@ extern "C" __global__ void spec_accept(const SpecEntry* __restrict__ entries, in
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const SpecEntry e = entries[i];
+  if (e.slot < 0) return;  // a padding entry
   const int first = firsts[e.slot];
   const int* x = out + e.out;
   const int* prop = proposals + (i64)e.slot * prop_stride;

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import queue
 import random
 
@@ -298,3 +299,29 @@ def test_constrained_requests_beside_speculating_ones_are_unchanged(model):
         assert got.result(key) == plain.result(key), key
         if params.constraint is None:
             assert got.result(key) == alone(model, prompt, params)
+
+
+def test_speculative_rounds_are_launched_before_the_last_ones_tokens_are_known(
+        model, monkeypatch):
+    """No host wait is added: with acceptance decided on the device, round n + 1 (its
+    positions and inputs depending on how many tokens round n accepted) is launched before
+    round n's tokens reach the service thread, as without speculation (each forward made
+    to take 20 ms, as tests/test_dispatcher.py's eagerness test does)."""
+    _, tf = model
+    forward = tf.forward
+
+    def slow_forward(batch):
+        import time
+
+        time.sleep(0.02)
+        return forward(batch)
+
+    monkeypatch.setattr(tf, "forward", slow_forward)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with make(model) as d:
+        got = run(d, [(0, repetitive_prompt(model, 2), params)]).result(0)
+        traces = sorted(d.traces, key=lambda t: t.round_id)
+        assert d.service.stats.accepted_tokens > 10
+    assert got == alone(model, repetitive_prompt(model, 2), params)
+    overlapped = sum(1 for a, b in itertools.pairwise(traces) if b.launch_end < a.tokens_ready)
+    assert overlapped > (len(traces) - 1) // 2, (overlapped, len(traces))

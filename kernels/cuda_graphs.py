@@ -7,7 +7,8 @@ GPU idles between launches. A graph captured once replays them all with a single
 host-to-device copy, one launch, one device-to-device copy of the sampled tokens.
 
 A graph may be replayed only if nothing it reads moved, so everything that changes from
-round to round lives in fixed device buffers that the round overwrites (laid out by `_Layout`):
+round to round lives in fixed device buffers that the round overwrites (laid out by
+`BlobLayout`):
 - per row: [host token id, token-buffer slot] (decode rows read the previous round's
   sample from the token buffer on the device, as in the eager path);
 - per session: the SeqDesc (start, n_new = 1, n_past, KV base address: a session's KV
@@ -92,21 +93,19 @@ def context_bucket(n_total: int, max_context: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """Byte offsets of each field in a graph's input blob for `batch` rows."""
+class BlobLayout:
+    """Where each field of a graph's input blob lies: `rows` entries of each field's size
+    (bytes per entry), each field 16-byte aligned."""
 
-    batch: int
+    rows: int
+    fields: tuple[tuple[str, int], ...]
 
     @functools.cached_property
     def _offsets(self) -> dict[str, int]:
-        b, at, out = self.batch, 0, {}
-        for name, size in (("rows", 8 * b), ("seqs", SEQ_DESC.itemsize * b), ("row_seq", 4 * b),
-                           ("positions", 4 * b), ("logit_rows", 8 * b),
-                           ("params", SAMPLE_PARAMS.itemsize * b), ("out_slots", 4 * b),
-                           ("count_spans", COUNT_SPAN.itemsize * b),
-                           ("penalties", PENALTY_ROW.itemsize * b), ("logprob_n", 4 * b)):
+        at, out = 0, {}
+        for name, size in self.fields:
             out[name] = at
-            at += -(-size // 16) * 16
+            at += -(-size * self.rows // 16) * 16
         out["end"] = at
         return out
 
@@ -116,6 +115,24 @@ class _Layout:
     @property
     def nbytes(self) -> int:
         return self._offsets["end"]
+
+    def view(self, blob: np.ndarray, name: str, dtype: Any, per_row: int = 1) -> np.ndarray:
+        """The field in a host blob, as `rows * per_row` values of `dtype`."""
+        dt = np.dtype(dtype)
+        at = self.offset(name)
+        return blob[at:at + self.rows * per_row * dt.itemsize].view(dt)
+
+    def tensor(self, buffer: Any, name: str, shape: tuple[int, ...],
+               dtype: str) -> DeviceTensor:
+        """The field in the device blob `buffer`, as a tensor a launch reads."""
+        return DeviceTensor(buffer.ptr + self.offset(name), shape, dtype, buffer)
+
+
+# a decode graph's blob, per row (kernels/cuda_spec_graphs.py has the speculative one's)
+DECODE_FIELDS = (("rows", 8), ("seqs", SEQ_DESC.itemsize), ("row_seq", 4), ("positions", 4),
+                 ("logit_rows", 8), ("params", SAMPLE_PARAMS.itemsize), ("out_slots", 4),
+                 ("count_spans", COUNT_SPAN.itemsize), ("penalties", PENALTY_ROW.itemsize),
+                 ("logprob_n", 4))
 
 
 @dataclass(frozen=True)
@@ -261,13 +278,11 @@ class DecodeGraphs:
               penalties: bool = True, order: Sequence[int] | None = None) -> np.ndarray:
         """The graph's inputs for this round; rows past the real ones are padding."""
         n = len(n_pasts)
-        lay = _Layout(b)
+        lay = BlobLayout(b, DECODE_FIELDS)
         blob = np.zeros(lay.nbytes, np.uint8)
 
         def field(name: str, dtype: Any, per_row: int = 1) -> np.ndarray:
-            dt = np.dtype(dtype)
-            at = lay.offset(name)
-            return blob[at:at + b * per_row * dt.itemsize].view(dt)
+            return lay.view(blob, name, dtype, per_row)
 
         r = field("rows", np.int32, 2).reshape(b, 2)
         r[:n] = rows[:n]
@@ -312,7 +327,7 @@ class DecodeGraphs:
     def _step(self, b: int, ctx: int, kind: _Kind) -> _Step:
         """The bucket's buffers and its round: every launch reads its inputs from them."""
         ops = self.ops
-        lay = _Layout(b)
+        lay = BlobLayout(b, DECODE_FIELDS)
         inputs = ops.device.alloc(lay.nbytes)
         out_buf = ops.device.alloc(b * 4)
         lp_values = ops.device.alloc(b * (1 + MAX_LOGPROBS) * 4) if kind.logprobs else None
@@ -321,7 +336,7 @@ class DecodeGraphs:
         logits_buf = ops.device.alloc(b * vocab * 4) if kind.forward_only else None
 
         def tensor(name: str, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
-            return DeviceTensor(inputs.ptr + lay.offset(name), shape, dtype, inputs)
+            return lay.tensor(inputs, name, shape, dtype)
 
         k0 = self.scratch.k_view(0)
         meta = BatchMeta(batch=None, n_seqs=b, seqs=tensor("seqs", (b * SEQ_DESC.itemsize,), "u8"),

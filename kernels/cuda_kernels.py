@@ -16,10 +16,15 @@ import ctypes
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagerlm.kernels.nvrtc_build import compile_kernel
 from eagerlm.vmm.cuda_driver import CudaContext, check, cu, driver
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from eagerlm.kernels.device_tensor import DeviceTensor
 
 # Parameter kinds: p = device pointer, i = int32, q = int64, f = float32, d = float64.
 _KIND_SIZE = {"p": 8, "i": 4, "q": 8, "f": 4, "d": 8}
@@ -206,3 +211,19 @@ class KernelLibrary:
             self.ctx.bind()
             for m in modules.values():
                 cu("cuModuleUnload", m.handle)
+
+
+class OpsMixin:
+    """What CudaOps' mixins (CudaSampling, CudaSpeculation) use of it: its kernels, its
+    stream's handle, uploads and fresh tensors (declared for type checkers; CudaOps has
+    them)."""
+
+    if TYPE_CHECKING:
+        kernels: KernelLibrary
+
+        @property
+        def _s(self) -> Any: ...
+
+        def upload(self, array: np.ndarray, dtype: str | None = None) -> DeviceTensor: ...
+
+        def empty(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor: ...

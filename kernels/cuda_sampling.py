@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eagerlm.kernels.cuda_kernels import OpsMixin
 from eagerlm.kernels.device_tensor import DeviceIds, DeviceTensor, check_tensor
 from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,
@@ -27,9 +28,6 @@ from eagerlm.kernels.sampling import (
     dense_logit_bias,
     mask_words,
 )
-
-if TYPE_CHECKING:
-    from eagerlm.kernels.cuda_kernels import KernelLibrary
 
 # Mirror `struct SampleParams`, `struct PenaltyRow` and `struct CountSpan`
 # (kernels/cuda/sampler.cu); tests/test_kernel_build.py checks SAMPLE_PARAMS.
@@ -42,20 +40,11 @@ COUNT_SPAN = np.dtype([("counts", "<u8"), ("start", "<i4"), ("n", "<i4"), ("spli
 SAMPLER_THREADS = 1024  # sample_rows is written for exactly this block size
 
 
-class CudaSampling:
+class CudaSampling(OpsMixin):
     """The sampling methods of CudaOps (a mixin: they enqueue on the ops' stream with its
     `upload`, `empty` and `kernels`)."""
 
     if TYPE_CHECKING:
-        kernels: KernelLibrary
-
-        @property
-        def _s(self) -> Any: ...
-
-        def upload(self, array: np.ndarray, dtype: str | None = None) -> DeviceTensor: ...
-
-        def empty(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor: ...
-
         def draw_positions(self, table: DeviceTensor, positions_at: Any, n: int) -> None: ...
 
     # -- a round's sampling, as the dispatcher asks for it -------------------------------

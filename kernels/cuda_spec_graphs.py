@@ -24,7 +24,6 @@ general eager path (RoundWork's), which runs the same kernels launched one by on
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ import numpy as np
 
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cuda_attention import SEQ_DESC, BatchMeta
+from eagerlm.kernels.cuda_graphs import BlobLayout, context_bucket
 from eagerlm.kernels.cuda_sampling import SAMPLE_PARAMS, logprob_table, sample_table
 from eagerlm.kernels.cuda_speculative import SPEC_ENTRY, spec_entries
 from eagerlm.kernels.device_tensor import DeviceIds, DeviceTensor
@@ -61,31 +61,11 @@ def rows_bucket(n: int) -> int:
         b *= 2
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Byte offsets of each field in a speculative graph's input blob for `rows` rows."""
-
-    rows: int
-
-    @functools.cached_property
-    def _offsets(self) -> dict[str, int]:
-        r, at, out = self.rows, 0, {}
-        for name, size in (("rows", 8 * r), ("seqs", SEQ_DESC.itemsize * r),
-                           ("row_seq", 4 * r), ("positions", 4 * r), ("logit_rows", 8 * r),
-                           ("params", SAMPLE_PARAMS.itemsize * r), ("out_slots", 4 * r),
-                           ("logprob_n", 4 * r), ("entries", SPEC_ENTRY.itemsize * r),
-                           ("past_of", 8 * r)):
-            out[name] = at
-            at += -(-size // 16) * 16
-        out["end"] = at
-        return out
-
-    def offset(self, name: str) -> int:
-        return self._offsets[name]
-
-    @property
-    def nbytes(self) -> int:
-        return self._offsets["end"]
+# the blob of a speculative round's graph, per row (and per session or entry: at most as
+# many as rows)
+SPEC_FIELDS = (("rows", 8), ("seqs", SEQ_DESC.itemsize), ("row_seq", 4), ("positions", 4),
+               ("logit_rows", 8), ("params", SAMPLE_PARAMS.itemsize), ("out_slots", 4),
+               ("logprob_n", 4), ("entries", SPEC_ENTRY.itemsize), ("past_of", 8))
 
 
 @dataclass(frozen=True)
@@ -138,8 +118,6 @@ class SpecRounds:
                      any(p.logprobs is not None for p in params))
         if kind.logprobs and logprobs_out is None:
             raise ValueError("a round with logprobs needs buffers for them")
-        from eagerlm.kernels.cuda_graphs import context_bucket
-
         ctx = context_bucket(max(past + n for _, n, past in seq_rows), g.max_context)
         key = (r, ctx, kind)
         step = self.steps.get(key)
@@ -177,13 +155,11 @@ class SpecRounds:
         """The graph's inputs: the real rows and sessions, then one padding session per
         padding row, then empty sessions; per row the sampler's parameters (its session's)."""
         g = self.graphs
-        lay = _Layout(r)
+        lay = BlobLayout(r, SPEC_FIELDS)
         blob = np.zeros(lay.nbytes, np.uint8)
 
         def field(name: str, dtype: Any, per_row: int = 1) -> np.ndarray:
-            dt = np.dtype(dtype)
-            at = lay.offset(name)
-            return blob[at:at + r * per_row * dt.itemsize].view(dt)
+            return lay.view(blob, name, dtype, per_row)
 
         n_rows, n_seqs = len(rows), len(seq_rows)
         table = field("rows", np.int32, 2).reshape(r, 2)
@@ -226,14 +202,14 @@ class SpecRounds:
         """The bucket's buffers and its round: every launch reads its inputs from them."""
         g = self.graphs
         ops, buffers = g.ops, self.buffers
-        lay = _Layout(r)
+        lay = BlobLayout(r, SPEC_FIELDS)
         inputs = ops.device.alloc(lay.nbytes)
         out_buf = ops.device.alloc(r * (2 + SPEC_STATS) * 4)
         lp_values = ops.device.alloc(r * (1 + MAX_LOGPROBS) * 4) if kind.logprobs else None
         lp_ids = ops.device.alloc(r * MAX_LOGPROBS * 4) if kind.logprobs else None
 
         def tensor(name: str, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
-            return DeviceTensor(inputs.ptr + lay.offset(name), shape, dtype, inputs)
+            return lay.tensor(inputs, name, shape, dtype)
 
         k0 = g.scratch.k_view(0)
         meta = BatchMeta(batch=None, n_seqs=r, seqs=tensor("seqs", (r * SEQ_DESC.itemsize,),

@@ -12,18 +12,16 @@ batch's per-session descriptors, row positions and (through `sample_round`'s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cuda_attention import BatchMeta
+from eagerlm.kernels.cuda_kernels import OpsMixin
 from eagerlm.kernels.device_tensor import DeviceIds, DeviceTensor
 from eagerlm.kernels.speculative import SpecBuffers, SpecSeq
 from eagerlm.vmm.cuda_driver import cu, driver
-
-if TYPE_CHECKING:
-    from eagerlm.kernels.cuda_kernels import KernelLibrary
 
 # Mirrors `struct SpecEntry` (kernels/cuda/speculative.cu); tests/test_kernel_build.py checks
 # the kernels' parameters, tests/test_cuda_speculative.py the layout through the kernels.
@@ -42,7 +40,7 @@ def spec_entries(seqs: Sequence[SpecSeq], rows: int = 0) -> np.ndarray:
     return table
 
 
-class CudaSpeculation:
+class CudaSpeculation(OpsMixin):
     """The speculation methods of CudaOps (a mixin: they enqueue on the ops' stream)."""
 
     def round_cost(self, rows: int) -> float:
@@ -50,16 +48,6 @@ class CudaSpeculation:
         measured on a GPU yet: a memory-bound decode reads the weights once for all its
         rows, so each row is taken to add 5% (the cpu backend's is measured)."""
         return 1.0 + 0.05 * max(0, rows - 1)
-
-    if TYPE_CHECKING:
-        kernels: KernelLibrary
-
-        @property
-        def _s(self) -> Any: ...
-
-        def upload(self, array: np.ndarray, dtype: str | None = None) -> DeviceTensor: ...
-
-        def empty(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor: ...
 
     def _entries(self, seqs: Sequence[SpecSeq]) -> DeviceTensor:
         """The entries' table on the device. (Hold it in a variable until the launch that

@@ -28,7 +28,7 @@ from eagerlm.kernels.speculative import (
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from tests.cuda_testing import device, ops, rng  # noqa: F401  (fixtures)
-from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
+from tests.test_cuda_dispatch import gpu  # noqa: F401  (fixture: the emulated GPU, row-exact)
 from tests.test_dispatcher import Collector
 from tests.test_speculative import repetitive_prompt
 
@@ -139,16 +139,6 @@ def test_draft_proposals_are_the_argmax_with_ties_to_the_lower_id(ops) -> None:
 
 
 # -- the dispatcher on the emulated GPU ------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def gpu():
-    from eagerlm.vmm.device import open_device
-
-    with emulated_gpu_for_test(row_exact_gemm=True):
-        d = open_device("cuda")
-        yield d
-        d.close()
-
 
 @pytest.fixture(scope="module")
 def model(gpu, tmp_path_factory):

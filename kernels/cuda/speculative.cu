@@ -181,14 +181,7 @@ extern "C" __global__ void __launch_bounds__(SPEC_THREADS)
       id = t;
     }
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(FULL_MASK, v, o);
-    const int oi = __shfl_xor_sync(FULL_MASK, id, o);
-    if (ov > v || (ov == v && oi < id)) {
-      v = ov;
-      id = oi;
-    }
-  }
+  warp_argmax(v, id);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) {
     best_v[warp] = v;

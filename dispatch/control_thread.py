@@ -45,8 +45,8 @@ from eagerlm.dispatch.messages import (
     StopSession,
 )
 from eagerlm.dispatch.prefix_cache import PrefixCache
+from eagerlm.dispatch.round_speculation import RoundSpeculation, drafts
 from eagerlm.dispatch.round_work import (
-    DraftRound,
     RoundWork,
     SamplerState,
     SeqWork,
@@ -55,15 +55,14 @@ from eagerlm.dispatch.round_work import (
 )
 from eagerlm.dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
 from eagerlm.dispatch.speculation import (
-    SpecSession,
     SpeculationConfig,
     kv_layouts,
     linear_cost,
 )
 from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.model import Transformer
-from eagerlm.kernels.sampling import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS
-from eagerlm.kernels.speculative import SPEC_STATS, SpecBuffers, SpecSeq
+from eagerlm.kernels.sampling import MAX_LOGPROBS
+from eagerlm.kernels.speculative import SPEC_STATS
 from eagerlm.vmm.device import Device, Event, HostBuffer, StreamError
 from eagerlm.vmm.page_pool import OutOfPages, PagePool
 
@@ -105,7 +104,6 @@ class ControlThread:
                  lookahead: threading.Semaphore, context_length: int,
                  masks: MaskBoard | None = None, draft: Transformer | None = None) -> None:
         self.device = device
-        self.draft = draft  # the draft model, sharing each session's KV region
         self.masks = masks  # constrained sessions' token masks, posted by the service
         self.transformer = transformer
         self.backend: RoundBackend = transformer.ops  # what a round asks of the backend
@@ -115,7 +113,7 @@ class ControlThread:
         self.to_service = to_service
         self.lookahead = lookahead
         self.context_length = context_length
-        self.layout, self.draft_layout = kv_layouts(transformer, draft)
+        self.layout, _ = kv_layouts(transformer, draft)
         spec = config.speculation
         self.scheduler = Scheduler(config.scheduler, pool, self.layout, context_length,
                                    sync_event=_sync)
@@ -157,10 +155,10 @@ class ControlThread:
         self._lp_host = [device.alloc_host(out_rows * lp_cols * 4) for _ in range(n_slots)]
         self._lp_ids_host = [device.alloc_host(out_rows * MAX_LOGPROBS * 4)
                              for _ in range(n_slots)]
-        # speculating sessions' lengths and histories on the device, made at the first
-        # one; per ring slot, the host staging of the histories a round sends
-        self._spec: SpecBuffers | None = None
-        self._history_host: list[HostBuffer | None] = [None] * n_slots
+        # speculating sessions' device state and rounds (dispatch/round_speculation.py)
+        self.spec = RoundSpeculation(config.speculation, device, self.backend, transformer,
+                                     draft, slots=sc.max_batch, context=context_length,
+                                     round_rows=sc.max_round_tokens, n_slots=n_slots)
         # penalty token counts live with the sampler, touched only by work on the compute
         # stream; the control thread only says when to rebuild or forget a session's
         self._sampler_state = SamplerState(transformer.config.vocab_size)
@@ -257,17 +255,7 @@ class ControlThread:
 
     def _add(self, msg: AddSession) -> None:
         s = Session(msg.session_id, list(msg.prompt_ids), msg.params, msg.max_new_tokens)
-        spec = self.config.speculation
-        method = spec.method_for(s.params)
-        if method == "draft" and self.draft is None:
-            method = "off"  # refused at submission (Dispatcher.submit); never guessed at
-        if method != "off":
-            s.spec = SpecSession(method, spec.tokens_for(s.params))
-            if self._spec is None:
-                sc = self.config.scheduler
-                self._spec = SpecBuffers.alloc(self.device, sc.max_batch, self.context_length,
-                                               MAX_SPECULATIVE_TOKENS, spec.ngram_min,
-                                               spec.ngram_max, sc.max_round_tokens)
+        s.spec = self.spec.session(s.params)
         if not self.scheduler.can_ever_fit(s):  # a guard: the context fits the pool
             self.to_service.put(SessionFailed(s.id, (
                 f"the request needs {self.scheduler.pages_for(s.prompt_len + s.max_new)} KV "
@@ -282,7 +270,7 @@ class ControlThread:
     def _reuse_prefix(self, s: Session) -> None:
         """Start `s` from the longest cached prefix of its prompt, if any."""
         assert self.cache is not None
-        entry, n = self.cache.longest(s.tokens, need_draft=_drafts(s))
+        entry, n = self.cache.longest(s.tokens, need_draft=drafts(s))
         n = min(n, len(s.tokens) - 1)  # at least one token is computed, to sample from
         if entry is None or n <= 0:
             return
@@ -319,7 +307,7 @@ class ControlThread:
             return
         keep = min(len(msg.tokens), s.n_cached)
         if self.cache is not None and keep > 0 and s.region.n_pages:
-            self.cache.add(msg.tokens[:keep], s.region, s.last_event, draft_kv=_drafts(s))
+            self.cache.add(msg.tokens[:keep], s.region, s.last_event, draft_kv=drafts(s))
         else:
             s.region.release(after=s.last_event)
         s.region = None
@@ -367,16 +355,16 @@ class ControlThread:
             start += r.n_new
         n_meta = (n_rows * _ROW_FIELDS + n_seqs * _SEQ_FIELDS) * 4
         sampled_rows = sampled_order(sampled_rows)  # as RoundWork writes the samples
-        spec = self._spec_round(plan, sampled_rows, seq_rows)
+        spec = self.spec.round(plan, sampled_rows, seq_rows)
         n_out = spec.counts_at if spec is not None else len(sampled_rows)
         logprob_n = [s.params.logprobs for s, _, _ in sampled_rows]
         want_logprobs = any(n is not None for n in logprob_n)
 
         self.compute.copy_h2d(self._meta_dev, self._meta_host[slot], n_meta)
         if spec is not None:
-            self._send_histories(slot, plan)
+            self.spec.send_histories(slot, plan, self.compute)
         trace.device_start = self.compute.record(self.device.event())
-        draft = self._draft_round(plan, spec, seq_rows)
+        draft = self.spec.draft_round(plan, spec, seq_rows)
         run = RoundWork(self.transformer, self._meta_dev, self._token_buf,
                          self._sampled_dev[slot], n_rows, seq_rows, kvs, seq_work,
                          self._sampler_state, self._forget,
@@ -427,85 +415,6 @@ class ControlThread:
             spec=None if spec is None else spec.output(host_out)))
         self.round_id += 1
 
-    def _spec_round(self, plan: RoundPlan, sampled: list[tuple[Session, int, int]],
-                    seq_rows: list[tuple[int, int, int]]) -> SpecRound | None:
-        """The round's speculating sessions as the device steps take them (SpecSeq), and
-        where each sampled session's tokens land in the round's output: a speculating
-        session's every row is sampled, in order."""
-        if self._spec is None or not any(s.spec is not None for s, _, _ in sampled):
-            return None
-        entries, offsets, entry_of, out = [], [], [], 0
-        for s, _, i in sampled:
-            r = plan.rows[i]
-            offsets.append(out)
-            if s.spec is None:
-                entry_of.append(-1)
-                out += 1
-                continue
-            start = seq_rows[i][0]
-            lookup = s.spec.method == "ngram"
-            if r.from_slot:  # a decode row: its position is on the device; with no draft
-                # rows, one token is still proposed, to measure (dispatch/speculation.py)
-                e = SpecSeq(s.slot, start, r.n_draft, r.n_draft or 1, -1, out, lookup)
-            else:  # a prompt's last chunk: its last row samples the first token
-                e = SpecSeq(s.slot, start + r.n_new - 1, 0, 0, r.n_past + r.n_new - 1, out,
-                            lookup)
-            entry_of.append(len(entries))
-            entries.append(e)
-            out += 1 + e.k
-        return SpecRound(self._spec, entries, offsets, entry_of, counts_at=out,
-                         stats_at=out + len(entries))
-
-    def _draft_round(self, plan: RoundPlan, spec: SpecRound | None,
-                     seq_rows: list[tuple[int, int, int]]) -> DraftRound | None:
-        """The draft model's part of the round: its sessions' prompt rows, and the decode
-        entries it proposes for, each through its part of the session's region."""
-        if self.draft is None or not any(_drafts(r.session) for r in plan.rows):
-            return None
-        assert self._spec is not None and self.draft_layout is not None
-        entry_at = {} if spec is None else {e.start: j for j, e in enumerate(spec.seqs)
-                                            if e.past < 0}
-        kvs: list[object | None] = []
-        prefill, entries = [], []
-        for i, r in enumerate(plan.rows):
-            s = r.session
-            if not _drafts(s):
-                kvs.append(None)
-                continue
-            assert s.region is not None
-            kvs.append(self.backend.session_kv(s.region.part(self.draft_layout)))
-            if r.from_slot:
-                entries.append(entry_at[seq_rows[i][0]])
-            else:
-                prefill.append(i)
-        return DraftRound(self.draft, self._spec, kvs, prefill, entries)
-
-    def _send_histories(self, slot: int, plan: RoundPlan) -> None:
-        """Copy the tokens of speculating sessions new to their slot (admitted, or resumed
-        after a preemption) into their device history, on the compute stream before the
-        round: the prompt lookup searches them, the acceptance appends to them."""
-        assert self._spec is not None
-        fresh = [r.session for r in plan.rows
-                 if r.session.spec is not None and not r.session.spec.history_sent]
-        if not fresh:
-            return
-        n = sum(len(s.tokens) for s in fresh)
-        host = self._history_host[slot]
-        if host is None or host.nbytes < n * 4:
-            if host is not None:  # its last copy ran before this slot's round was harvested
-                host.free()
-            host = self._history_host[slot] = self.device.alloc_host(max(n, 1024) * 4)
-        staged = host.array.view(np.int32)
-        row_bytes = (self._spec.context + 1) * 4
-        at = 0
-        for s in fresh:
-            assert s.spec is not None and s.slot is not None
-            staged[at:at + len(s.tokens)] = s.tokens
-            self.compute.copy_h2d(self._spec.history, host, len(s.tokens) * 4,
-                                  dst_offset=s.slot * row_bytes, src_offset=at * 4)
-            at += len(s.tokens)
-            s.spec.history_sent = True
-
     def _harvest(self, slot: int) -> None:
         """Copy a finished round's samples into the sessions' histories (needed only to
         recompute a preempted session) before its ring slot is reused; for speculating
@@ -528,22 +437,12 @@ class ControlThread:
                 got = out.tokens_of(j, tokens)
                 e = rec.spec.entry_of[j]
                 if e >= 0:
-                    self._spec_harvested(s, rec.spec.seqs[e], out.stats[e])
+                    self.spec.harvested(s, rec.spec.seqs[e], out.stats[e])
                     if hist is not None:
                         hist.extend(got)
                 elif hist is not None and len(hist) == gen:
                     hist.extend(got)
         rec.harvested = True
-
-    def _spec_harvested(self, s: Session, e: SpecSeq, stats: np.ndarray) -> None:
-        """A speculating session's part of a harvested round: `stats` = (proposals
-        checked, accepted, shadow)."""
-        assert s.spec is not None
-        proposed, accepted, shadow = (int(x) for x in stats)
-        s.n_cached -= e.k - accepted  # rows launched but not accepted
-        s.n_sampled += accepted  # tokens beyond the one counted at launch
-        if e.past < 0:  # a decode row: its acceptance measures the proposer
-            s.spec.observe(e.k, proposed, accepted, shadow)
 
     def _harvest_ready(self) -> None:
         """Harvest, oldest first, every round whose output has landed, without waiting."""
@@ -587,18 +486,12 @@ class ControlThread:
         self._records = [None] * len(self._records)  # their host arrays view the buffers
         buffers = [self._meta_dev, self._token_buf, *self._meta_host, *self._tokens_host,
                    *self._sampled_dev, *self._lp_dev, *self._lp_ids_dev, *self._lp_host,
-                   *self._lp_ids_host, *(b for b in self._history_host if b is not None)]
-        if self._spec is not None:
-            with contextlib.suppress(Exception):
-                self._spec.free()
+                   *self._lp_ids_host]
+        with contextlib.suppress(Exception):
+            self.spec.free()
         for buf in buffers:
             with contextlib.suppress(Exception):  # a view still held keeps a host buffer
                 buf.free()
-
-
-def _drafts(s: Session) -> bool:
-    """Whether the session speculates with the draft model."""
-    return s.spec is not None and s.spec.method == "draft"
 
 
 def _sync(event: Event | None) -> None:

@@ -208,7 +208,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF (default: the demo model)")
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--k", type=int, default=8, help="eagerlm: most drafts per round")
+    ap.add_argument("--k", type=int, default=16,
+                    help="eagerlm: most drafts per round (16, the most allowed; the "
+                         "adaptive choice takes fewer where they do not pay)")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--peer-draft", type=int, default=2,
                     help="llama.cpp lookup: num_pred_tokens (its README: 2 for CPU)")
@@ -288,10 +290,21 @@ def main() -> None:
                 line += f"{per_forward:16.2f}{rate:10.1%}{median(cell['bubble']):8.1%}"
             summary[workload][c] = row
             print(line)
+        # the same prompt in the same pass, with and without: drift on a shared machine
+        # falls on both sides of each ratio
+        pairs = [a / b for a, b in zip(cells["eagerlm ngram"]["decode_tok_s"],
+                                       cells["eagerlm"]["decode_tok_s"], strict=True)]
+        summary[workload]["eagerlm ngram"]["pair_ratios"] = pairs
+        print(f"eagerlm ngram / eagerlm, per request pair: median {median(pairs):.2f}x "
+              f"(geometric mean {statistics.geometric_mean(pairs):.2f}x, "
+              f"{min(pairs):.2f}-{max(pairs):.2f})")
         if peer is not None:
-            ratio = median(cells["eagerlm ngram"]["decode_tok_s"]) / median(
-                cells["llama.cpp lookup"]["decode_tok_s"])
-            print(f"eagerlm ngram / llama.cpp lookup: {ratio:.2f}x")
+            vs = [a / b for a, b in zip(cells["eagerlm ngram"]["decode_tok_s"],
+                                        cells["llama.cpp lookup"]["decode_tok_s"],
+                                        strict=True)]
+            summary[workload]["eagerlm ngram"]["vs_llama_lookup"] = vs
+            print(f"eagerlm ngram / llama.cpp lookup, per request pair: median "
+                  f"{median(vs):.2f}x ({min(vs):.2f}-{max(vs):.2f})")
     concurrent: dict[str, list[float]] = {}
     if not args.no_concurrent:
         prompts = [*INPUT_GROUNDED.values(), *FREE_TEXT.values()]

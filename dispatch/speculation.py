@@ -40,6 +40,9 @@ _PRIOR_HITS = 1.0
 _PRIOR_TRIALS = 2.0
 # how much of a session's acceptance record each round keeps (older rounds fade out)
 _DECAY = 0.8
+# draft rows are added only where the expected tokens per cost beat the round without them
+# by this factor (allocate_drafts)
+MARGIN = 1.2
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class SpeculationConfig:
     a request may choose its own in `SamplingParams`."""
 
     method: str = "off"  # "ngram" (prompt lookup), "draft" (a draft model) or "off"
-    num_tokens: int = 4  # draft tokens a session proposes per round, at most
+    num_tokens: int = 8  # draft tokens a session proposes per round, at most
     ngram_min: int = 1  # prompt lookup: the shortest suffix looked up
     ngram_max: int = 3  # and the longest (the longest that occurs wins)
     # choose each round's draft rows by acceptance (off: always the most allowed)
@@ -123,13 +126,16 @@ def linear_cost(row_cost: float) -> Callable[[int], float]:
 
 
 def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: int,
-                    cost: Callable[[int], float], budget: int) -> list[int]:
+                    cost: Callable[[int], float], budget: int,
+                    margin: float = MARGIN) -> list[int]:
     """Draft rows per speculating session (rates[i], at most caps[i]) in a round that
     already has `n_decode` decoding sessions and `n_rows` rows, costing `cost(rows)`
     relative to a one-row round: the rows in order of expected gain (rate**j for a
     session's j-th), as many of them (at most `budget`) as maximise the round's expected
-    tokens per unit of cost. (The cost need not be linear: the cpu backend's grows in steps
-    of four rows, kernels/numpy_ops.py.)"""
+    tokens per unit of cost, and none unless that beats the round without drafts by
+    `margin` (the rates are estimates: a draft row that only just pays on paper costs
+    where the estimate is high, as on free text after a few lucky matches). (The cost need
+    not be linear: the cpu backend's grows in steps of four rows, kernels/numpy_ops.py.)"""
     order: list[int] = []
     heap = [(-rates[i], i, 1) for i in range(len(rates)) if caps[i] > 0 and rates[i] > 0]
     heapq.heapify(heap)
@@ -140,7 +146,7 @@ def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: 
         gains.append(-neg_gain)
         if j < caps[i]:
             heapq.heappush(heap, (neg_gain * rates[i], i, j + 1))
-    best_n, best = 0, tokens / cost(n_rows)
+    best_n, best = 0, margin * tokens / cost(n_rows)
     for m, gain in enumerate(gains, 1):
         tokens += gain
         ratio = tokens / cost(n_rows + m)

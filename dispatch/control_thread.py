@@ -13,6 +13,12 @@ Per round (shared/DESIGN.md, "One round, eagerly"):
 6. the only wait is the bounded lookahead: at most `k` rounds not yet consumed by the
    service thread. In `sync` mode the thread instead waits for each round to be consumed
    (tokens seen, stop decisions made) before planning the next.
+
+Speculating sessions (dispatch/speculation.py) keep their length and tokens on the device
+(kernels/speculative.py): their decode rows read both there, and the round writes back how
+many tokens it accepted. The thread learns those counts when it harvests a round's output
+(at the latest when its ring slot is reused; rounds whose copy has completed are harvested
+before each plan, without waiting), and uses them only to bound later rounds.
 """
 
 from __future__ import annotations
@@ -39,13 +45,25 @@ from eagerlm.dispatch.messages import (
     StopSession,
 )
 from eagerlm.dispatch.prefix_cache import PrefixCache
-from eagerlm.dispatch.round_work import RoundWork, SamplerState, SeqWork, sampled_order
+from eagerlm.dispatch.round_speculation import RoundSpeculation, drafts
+from eagerlm.dispatch.round_work import (
+    RoundWork,
+    SamplerState,
+    SeqWork,
+    SpecRound,
+    sampled_order,
+)
 from eagerlm.dispatch.scheduler import RoundPlan, Scheduler, SchedulerConfig, Session
+from eagerlm.dispatch.speculation import (
+    SpeculationConfig,
+    kv_layouts,
+    linear_cost,
+)
 from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import MAX_LOGPROBS
+from eagerlm.kernels.speculative import SPEC_STATS
 from eagerlm.vmm.device import Device, Event, HostBuffer, StreamError
-from eagerlm.vmm.kv_layout import KVLayout
 from eagerlm.vmm.page_pool import OutOfPages, PagePool
 
 # ring slot metadata: per row [host token id, source slot or -1]; per session
@@ -64,6 +82,8 @@ class ControlConfig:
     # replay decode rounds as CUDA graphs (on backends that can); off, the same padded
     # launches are made one by one, so the tokens are the same
     cuda_graphs: bool = True
+    # speculative decoding, the engine's default for requests (dispatch/speculation.py)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
 
 @dataclass
@@ -72,8 +92,9 @@ class _RoundRecord:
     reused: which sessions it sampled for, where their tokens land on the host."""
 
     rows: list[tuple[Session, int]]  # (session, generation index)
-    host_tokens: np.ndarray
+    host_tokens: np.ndarray  # the round's output (tokens, then speculation's counts, stats)
     copied: Event
+    spec: SpecRound | None = None  # its speculating sessions
     harvested: bool = False
 
 
@@ -81,7 +102,7 @@ class ControlThread:
     def __init__(self, device: Device, transformer: Transformer, pool: PagePool,
                  config: ControlConfig, inbox: queue.Queue, to_service: queue.Queue,
                  lookahead: threading.Semaphore, context_length: int,
-                 masks: MaskBoard | None = None) -> None:
+                 masks: MaskBoard | None = None, draft: Transformer | None = None) -> None:
         self.device = device
         self.masks = masks  # constrained sessions' token masks, posted by the service
         self.transformer = transformer
@@ -92,11 +113,13 @@ class ControlThread:
         self.to_service = to_service
         self.lookahead = lookahead
         self.context_length = context_length
-        cfg = transformer.config
-        self.layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
-                               self.backend.kv_dtype)
+        self.layout, _ = kv_layouts(transformer, draft)
+        spec = config.speculation
         self.scheduler = Scheduler(config.scheduler, pool, self.layout, context_length,
                                    sync_event=_sync)
+        if spec.adaptive:
+            self.scheduler.round_cost = (self.backend.round_cost if spec.row_cost is None
+                                         else linear_cost(spec.row_cost))
         self.scheduler.resolve_tokens = self._generated_tokens
         self.cache = PrefixCache(config.prefix_cache_entries) if config.prefix_cache else None
         self.scheduler.evict_cached = self._evict_cached
@@ -116,18 +139,26 @@ class ControlThread:
         meta_ints = sc.max_round_tokens * _ROW_FIELDS + sc.max_batch * _SEQ_FIELDS
         self._meta_host: list[HostBuffer] = [device.alloc_host(meta_ints * 4)
                                              for _ in range(n_slots)]
-        self._tokens_host: list[HostBuffer] = [device.alloc_host(sc.max_batch * 4)
+        # a round's output: a token per sampled row (a speculating session samples each of
+        # its rows), then per speculating session its accepted count and statistics
+        out_rows = max(sc.max_batch, sc.max_round_tokens)
+        out_ints = out_rows + sc.max_batch * (1 + SPEC_STATS)
+        self._tokens_host: list[HostBuffer] = [device.alloc_host(out_ints * 4)
                                                for _ in range(n_slots)]
         self._meta_dev = device.alloc(meta_ints * 4)
-        self._sampled_dev = [device.alloc(sc.max_batch * 4) for _ in range(n_slots)]
+        self._sampled_dev = [device.alloc(out_ints * 4) for _ in range(n_slots)]
         self._token_buf = device.alloc(sc.max_batch * 4)  # each session's last sample
         lp_cols = 1 + MAX_LOGPROBS
-        self._lp_dev = [device.alloc(sc.max_batch * lp_cols * 4) for _ in range(n_slots)]
-        self._lp_ids_dev = [device.alloc(sc.max_batch * MAX_LOGPROBS * 4)
+        self._lp_dev = [device.alloc(out_rows * lp_cols * 4) for _ in range(n_slots)]
+        self._lp_ids_dev = [device.alloc(out_rows * MAX_LOGPROBS * 4)
                             for _ in range(n_slots)]
-        self._lp_host = [device.alloc_host(sc.max_batch * lp_cols * 4) for _ in range(n_slots)]
-        self._lp_ids_host = [device.alloc_host(sc.max_batch * MAX_LOGPROBS * 4)
+        self._lp_host = [device.alloc_host(out_rows * lp_cols * 4) for _ in range(n_slots)]
+        self._lp_ids_host = [device.alloc_host(out_rows * MAX_LOGPROBS * 4)
                              for _ in range(n_slots)]
+        # speculating sessions' device state and rounds (dispatch/round_speculation.py)
+        self.spec = RoundSpeculation(config.speculation, device, self.backend, transformer,
+                                     draft, slots=sc.max_batch, context=context_length,
+                                     round_rows=sc.max_round_tokens, n_slots=n_slots)
         # penalty token counts live with the sampler, touched only by work on the compute
         # stream; the control thread only says when to rebuild or forget a session's
         self._sampler_state = SamplerState(transformer.config.vocab_size)
@@ -182,6 +213,7 @@ class ControlThread:
             self.lookahead.release()
             return False
         self.pool.reclaim()
+        self._harvest_ready()
         plan = self.scheduler.plan()
         self._stalled = not plan.rows
         if not plan.rows:
@@ -223,6 +255,7 @@ class ControlThread:
 
     def _add(self, msg: AddSession) -> None:
         s = Session(msg.session_id, list(msg.prompt_ids), msg.params, msg.max_new_tokens)
+        s.spec = self.spec.session(s.params)
         if not self.scheduler.can_ever_fit(s):  # a guard: the context fits the pool
             self.to_service.put(SessionFailed(s.id, (
                 f"the request needs {self.scheduler.pages_for(s.prompt_len + s.max_new)} KV "
@@ -237,7 +270,7 @@ class ControlThread:
     def _reuse_prefix(self, s: Session) -> None:
         """Start `s` from the longest cached prefix of its prompt, if any."""
         assert self.cache is not None
-        entry, n = self.cache.longest(s.tokens)
+        entry, n = self.cache.longest(s.tokens, need_draft=drafts(s))
         n = min(n, len(s.tokens) - 1)  # at least one token is computed, to sample from
         if entry is None or n <= 0:
             return
@@ -274,7 +307,7 @@ class ControlThread:
             return
         keep = min(len(msg.tokens), s.n_cached)
         if self.cache is not None and keep > 0 and s.region.n_pages:
-            self.cache.add(msg.tokens[:keep], s.region, s.last_event)
+            self.cache.add(msg.tokens[:keep], s.region, s.last_event, draft_kv=drafts(s))
         else:
             s.region.release(after=s.last_event)
         s.region = None
@@ -303,6 +336,7 @@ class ControlThread:
             s = r.session
             if r.from_slot:
                 rows[start] = (0, s.slot)
+                rows[start + 1:start + r.n_new] = (0, -1)  # drafts: written on the device
             else:
                 rows[start:start + r.n_new, 0] = s.tokens[r.n_past:r.n_past + r.n_new]
                 rows[start:start + r.n_new, 1] = -1
@@ -315,33 +349,40 @@ class ControlThread:
                 rebuild = s.tokens[:r.n_past]
                 s.counts_valid = True
             seq_work.append(SeqWork(s.id, s.prompt_len, s.params, r.samples, s.slot,
-                                    rebuild, s.n_sampled))
+                                    rebuild, s.n_sampled, n_draft=r.n_draft))
             if r.samples:
-                sampled_rows.append((s, s.n_sampled))
+                sampled_rows.append((s, s.n_sampled, i))
             start += r.n_new
         n_meta = (n_rows * _ROW_FIELDS + n_seqs * _SEQ_FIELDS) * 4
         sampled_rows = sampled_order(sampled_rows)  # as RoundWork writes the samples
-        logprob_n = [s.params.logprobs for s, _ in sampled_rows]
+        spec = self.spec.round(plan, sampled_rows, seq_rows)
+        n_out = spec.counts_at if spec is not None else len(sampled_rows)
+        logprob_n = [s.params.logprobs for s, _, _ in sampled_rows]
         want_logprobs = any(n is not None for n in logprob_n)
 
         self.compute.copy_h2d(self._meta_dev, self._meta_host[slot], n_meta)
+        if spec is not None:
+            self.spec.send_histories(slot, plan, self.compute)
         trace.device_start = self.compute.record(self.device.event())
+        draft = self.spec.draft_round(plan, spec, seq_rows)
         run = RoundWork(self.transformer, self._meta_dev, self._token_buf,
                          self._sampled_dev[slot], n_rows, seq_rows, kvs, seq_work,
                          self._sampler_state, self._forget,
                          (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
-                         else None, masks=self.masks, trace=trace)
+                         else None, masks=self.masks, trace=trace, spec=spec, draft=draft)
         # a decode round: fixed buffers (one with constrained rows replays the forward
-        # only, then samples its free rows before waiting for the masks)
-        if self._graphs is not None and n_rows == n_seqs:
+        # only, then samples its free rows before waiting for the masks; one with
+        # speculating sessions runs their steps there too)
+        if self._graphs is not None and plan.n_decode == n_seqs and (
+                n_rows == n_seqs if spec is None else draft is None):
             run.graph = (self._graphs, rows.copy())
         self._forget = []
         self.compute.launch(run)
         done = self.compute.record(self.device.event())
         trace.device_end = done
         self.copy.wait_event(done)
-        n_out = len(sampled_rows)
-        self.copy.copy_d2h(self._tokens_host[slot], self._sampled_dev[slot], n_out * 4)
+        n_copy = n_out if spec is None else spec.stats_at + len(spec.seqs) * SPEC_STATS
+        self.copy.copy_d2h(self._tokens_host[slot], self._sampled_dev[slot], n_copy * 4)
         lp_values = lp_ids = None
         if want_logprobs:
             cols = 1 + MAX_LOGPROBS
@@ -355,33 +396,65 @@ class ControlThread:
         copied = self.copy.record(self.device.event(timing=False))
         self.scheduler.launched(plan, done)
         self.last_event = done
-        host_tokens = self._tokens_host[slot].array.view(np.int32)[:n_out]
-        self._records[slot] = _RoundRecord(sampled_rows, host_tokens, copied)
+        host_out = self._tokens_host[slot].array.view(np.int32)[:n_copy]
+        rec_rows = [(s, g) for s, g, _ in sampled_rows]
+        self._records[slot] = _RoundRecord(rec_rows, host_out, copied, spec)
         trace.launch_end = time.perf_counter()
         trace.n_decode = plan.n_decode
-        trace.n_prefill_tokens = plan.n_tokens - plan.n_decode
+        trace.n_prefill_tokens = plan.n_tokens - plan.n_decode - plan.n_draft
+        trace.n_draft_rows = plan.n_draft
         trace.n_sessions = n_seqs
         trace.pages_in_use = self.pool.n_pages - self.pool.n_free
         prefill = {r.session.id: r.session.n_reused for r in plan.rows if r.samples
                    and not r.from_slot}
         self.to_service.put(RoundDone(
-            self.round_id, [s.id for s, _ in sampled_rows], [g for _, g in sampled_rows],
-            host_tokens, copied, logprob_n=logprob_n, logprob_values=lp_values,
-            logprob_ids=lp_ids, prefill_tokens=prefill, trace=trace))
+            self.round_id, [s.id for s, _ in rec_rows],
+            [-1 if s.spec is not None else g for s, g in rec_rows],
+            host_out, copied, logprob_n=logprob_n, logprob_values=lp_values,
+            logprob_ids=lp_ids, prefill_tokens=prefill, trace=trace,
+            spec=None if spec is None else spec.output(host_out)))
         self.round_id += 1
 
     def _harvest(self, slot: int) -> None:
         """Copy a finished round's samples into the sessions' histories (needed only to
-        recompute a preempted session) before its ring slot is reused."""
+        recompute a preempted session) before its ring slot is reused; for speculating
+        sessions, also correct their bounds with the counts the device accepted and
+        record their acceptance."""
         rec = self._records[slot]
         if rec is None or rec.harvested:
             return
         rec.copied.synchronize()
-        for (s, gen), token in zip(rec.rows, rec.host_tokens.tolist(), strict=True):
-            hist = self.generated.get(s.id)
-            if hist is not None and len(hist) == gen:
-                hist.append(token)
+        tokens = rec.host_tokens.tolist()
+        if rec.spec is None:
+            for (s, gen), token in zip(rec.rows, tokens, strict=True):
+                hist = self.generated.get(s.id)
+                if hist is not None and len(hist) == gen:
+                    hist.append(token)
+        else:
+            out = rec.spec.output(rec.host_tokens)
+            for j, (s, gen) in enumerate(rec.rows):
+                hist = self.generated.get(s.id)
+                got = out.tokens_of(j, tokens)
+                e = rec.spec.entry_of[j]
+                if e >= 0:
+                    self.spec.harvested(s, rec.spec.seqs[e], out.stats[e])
+                    if hist is not None:
+                        hist.extend(got)
+                elif hist is not None and len(hist) == gen:
+                    hist.extend(got)
         rec.harvested = True
+
+    def _harvest_ready(self) -> None:
+        """Harvest, oldest first, every round whose output has landed, without waiting."""
+        n = len(self._records)
+        for k in range(n):
+            idx = (self.round_id + k) % n
+            rec = self._records[idx]
+            if rec is None or rec.harvested:
+                continue
+            if not rec.copied.query():
+                return
+            self._harvest(idx)
 
     def _generated_tokens(self, s: Session) -> list[int]:
         """Every token sampled for `s` so far (waits for rounds in flight)."""
@@ -414,6 +487,8 @@ class ControlThread:
         buffers = [self._meta_dev, self._token_buf, *self._meta_host, *self._tokens_host,
                    *self._sampled_dev, *self._lp_dev, *self._lp_ids_dev, *self._lp_host,
                    *self._lp_ids_host]
+        with contextlib.suppress(Exception):
+            self.spec.free()
         for buf in buffers:
             with contextlib.suppress(Exception):  # a view still held keeps a host buffer
                 buf.free()

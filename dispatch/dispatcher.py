@@ -35,12 +35,12 @@ from eagerlm.dispatch.messages import (
     Submit,
 )
 from eagerlm.dispatch.service_thread import ServiceThread
+from eagerlm.dispatch.speculation import kv_layouts
 from eagerlm.errors import EngineClosed
 from eagerlm.kernels.model import Transformer
-from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.kernels.sampling import InvalidSamplingParams, SamplingParams
 from eagerlm.loader.tokenizer import Tokenizer
 from eagerlm.vmm.device import Device
-from eagerlm.vmm.kv_layout import KVLayout
 from eagerlm.vmm.page_pool import PagePool
 
 log = logging.getLogger("eagerlm")
@@ -64,13 +64,16 @@ class DispatcherConfig:
 
 class Dispatcher:
     def __init__(self, device: Device, transformer: Transformer, tokenizer: Tokenizer,
-                 config: DispatcherConfig | None = None) -> None:
+                 config: DispatcherConfig | None = None,
+                 draft: Transformer | None = None) -> None:
+        """`draft`: a draft model for speculative decoding (dispatch/speculation.py), on the
+        same device, with the same vocabulary (the engine checks it when loading)."""
         self.config = config or DispatcherConfig()
         self.device = device
         self.tokenizer = tokenizer
+        self.draft = draft
         cfg = transformer.config
-        layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
-                          transformer.ops.kv_dtype)
+        layout, _ = kv_layouts(transformer, draft)  # both models' KV per token
         # the pool and the context, sized together: one session alone can always reach
         # the context (KVPoolTooSmall for a --ctx it cannot)
         self.capacity: KVCapacity = plan_capacity(
@@ -97,7 +100,7 @@ class Dispatcher:
                                      masks=self.masks)
         self.control = ControlThread(device, transformer, self.pool, ctl, to_control,
                                      to_service, self.lookahead, self.context_length,
-                                     masks=self.masks)
+                                     masks=self.masks, draft=draft)
         self._ids = itertools.count(1)
         self._closed = False
         self.service.start()
@@ -118,6 +121,10 @@ class Dispatcher:
             raise PromptTooLong(len(prompt_ids), self.context_length)
         TokenOutOfVocabulary.check(prompt_ids, self.tokenizer.vocab_size, params,
                                    self.control.transformer.config.vocab_size)
+        if (self.config.control.speculation.method_for(params) == "draft"
+                and self.draft is None):
+            raise InvalidSamplingParams("speculative", "is 'draft', but the engine has no "
+                                        "draft model (--draft-model)")
         if params.constraint is None:
             grammar = None
         elif grammar is None:

@@ -125,11 +125,32 @@ class DeviceCall:
 # -- control thread -> service thread --------------------------------------------------
 
 @dataclass
+class SpecOutput:
+    """Where a round with speculating sessions put each sampled session's tokens in its
+    output (dispatch/round_work.py's SpecRound): session j's first at `offsets[j]`, one
+    token unless it speculated (`entry_of[j]` >= 0): then `counts[entry]` of them. The
+    arrays view the round's host buffer (valid once its copy completes)."""
+
+    offsets: list[int]
+    entry_of: list[int]
+    counts: np.ndarray  # int32 [entries]: tokens accepted (the drafts' and one more)
+    stats: np.ndarray  # int32 [entries, 3]: proposals checked, accepted, shadow match
+    drafts: list[int]  # per entry: its draft rows
+
+    def tokens_of(self, j: int, tokens: list[int]) -> list[int]:
+        """Sampled session j's tokens, from the round's output as a list."""
+        e, at = self.entry_of[j], self.offsets[j]
+        return tokens[at:at + (1 if e < 0 else int(self.counts[e]))]
+
+
+@dataclass
 class RoundDone:
     """A launched round. Rows of `tokens` (a host buffer, valid once `copied` completes)
     hold the token sampled for each session in `sessions`; `generation` counts how many
     tokens each session had sampled before this round (so the service thread can discard
-    tokens of rounds it has already seen past a stop)."""
+    tokens of rounds it has already seen past a stop; -1 for a speculating session, whose
+    count only the device knows). With speculating sessions, `spec` says where each
+    session's tokens are (then the logprob rows follow the same layout)."""
 
     round_id: int
     sessions: list[int]
@@ -143,6 +164,13 @@ class RoundDone:
     logprob_ids: np.ndarray | None = None  # int32 [rows, MAX_LOGPROBS]
     prefill_tokens: dict[int, int] = field(default_factory=dict)  # session -> cached
     trace: RoundTrace | None = None
+    spec: SpecOutput | None = None
+
+    def session_tokens(self, tokens: list[int]) -> list[list[int]]:
+        """Each session's tokens (in `sessions` order), from `tokens` as a list."""
+        if self.spec is None:
+            return [[t] for t in tokens]
+        return [self.spec.tokens_of(j, tokens) for j in range(len(self.sessions))]
 
 
 @dataclass
@@ -181,3 +209,8 @@ class RoundTrace:
     # (written on the compute stream, read once the round's tokens have landed)
     n_constrained: int = 0
     mask_wait: float = 0.0
+    # speculation: draft rows in the round; proposals checked and accepted (filled in
+    # once the round's output has landed)
+    n_draft_rows: int = 0
+    n_draft_tokens: int = 0
+    n_accepted_tokens: int = 0

@@ -22,6 +22,9 @@ class CachedPrefix:
     # recorded after the last work that touched the region: the round that wrote it last,
     # or a later copy of its partial page into a session that shares its prefix
     event: Event | None
+    # the draft model's part of the cache holds these tokens too (a session that
+    # speculated with the draft model wrote it; dispatch/speculation.py)
+    draft_kv: bool = False
 
 
 class PrefixCache:
@@ -35,17 +38,23 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, tokens: list[int], region: KVRegion, event: Event | None) -> None:
-        """Keep `region` (holding the KV of `tokens`); evicts the oldest beyond capacity."""
-        self._entries[self._next] = CachedPrefix(tuple(tokens), region, event)
+    def add(self, tokens: list[int], region: KVRegion, event: Event | None,
+            draft_kv: bool = False) -> None:
+        """Keep `region` (holding the KV of `tokens`, the draft model's too with
+        `draft_kv`); evicts the oldest beyond capacity."""
+        self._entries[self._next] = CachedPrefix(tuple(tokens), region, event, draft_kv)
         self._next += 1
         while len(self._entries) > self.max_entries:
             self.evict_one()
 
-    def longest(self, tokens: list[int]) -> tuple[CachedPrefix | None, int]:
-        """The entry sharing the longest prefix with `tokens`, and that prefix's length."""
+    def longest(self, tokens: list[int],
+                need_draft: bool = False) -> tuple[CachedPrefix | None, int]:
+        """The entry sharing the longest prefix with `tokens`, and that prefix's length
+        (only among entries holding the draft model's KV too, with `need_draft`)."""
         best, best_n, best_key = None, 0, None
         for key, entry in self._entries.items():
+            if need_draft and not entry.draft_kv:
+                continue
             n = _common_prefix(entry.tokens, tokens)
             if n > best_n:
                 best, best_n, best_key = entry, n, key

@@ -12,6 +12,11 @@ Constrained rows (a JSON schema, a grammar) need a mask that depends on the toke
 session sampled in the previous round, which the host may not have yet: the round samples
 its other rows first, then takes the constrained rows' masks from the `MaskBoard` (waiting
 only if the host is late; dispatch/mask_board.py) and samples those.
+
+Speculating sessions (`SpecRound`; kernels/speculative.py) add two device steps: before the
+forward, their positions are read from the device and their proposals written into their
+draft rows (`spec_prepare`); after the sampling, which samples each of their rows, the
+accepted runs update their lengths, histories and next inputs (`spec_accept`).
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from typing import Any
 import numpy as np
 
 from eagerlm.dispatch.mask_board import MaskBoard
-from eagerlm.dispatch.messages import RoundTrace
+from eagerlm.dispatch.messages import RoundTrace, SpecOutput
 from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.kernels.speculative import SPEC_STATS, SpecBuffers, SpecSeq
 
 
 @dataclass
@@ -42,6 +48,30 @@ class SeqWork:
     slot: int  # the token-buffer row its sample goes to
     rebuild: list[int] | None
     generation: int = 0  # which of its tokens it samples (0: the first): its mask's key
+    n_draft: int = 0  # rows after its first that verify proposals (each one sampled)
+
+
+@dataclass
+class SpecRound:
+    """A round's speculating sessions: their device steps' entries (`seqs`, in output
+    order), and where each sampled session's tokens land in the round's output (int32):
+    session j's at `offsets[j]`, one token unless it is speculation entry `entry_of[j]`,
+    whose accepted count is at `counts_at + entry` and statistics at `stats_at`."""
+
+    buffers: SpecBuffers
+    seqs: list[SpecSeq]
+    offsets: list[int]
+    entry_of: list[int]
+    counts_at: int
+    stats_at: int
+
+    def output(self, host_out: np.ndarray) -> SpecOutput:
+        """The round's output buffer (on the host) read as each session's tokens."""
+        n = len(self.seqs)
+        return SpecOutput(self.offsets, self.entry_of,
+                          host_out[self.counts_at:self.counts_at + n],
+                          host_out[self.stats_at:self.stats_at + n * SPEC_STATS].reshape(
+                              n, SPEC_STATS), [e.k for e in self.seqs])
 
 
 class SamplerState:
@@ -68,7 +98,8 @@ class RoundWork:
                  n_rows: int, seq_rows: list[tuple[int, int, int]], kvs: list[Any],
                  seq_work: list[SeqWork], state: SamplerState, forget: list[int],
                  logprob_out: tuple[Any, Any] | None, masks: MaskBoard | None = None,
-                 trace: RoundTrace | None = None) -> None:
+                 trace: RoundTrace | None = None, spec: SpecRound | None = None,
+                 draft: DraftRound | None = None) -> None:
         self.transformer = transformer
         self.backend: RoundBackend = transformer.ops
         self.meta, self.token_buf, self.sampled = meta, token_buf, sampled
@@ -77,6 +108,7 @@ class RoundWork:
         self.state, self.forget = state, forget
         self.logprob_out = logprob_out
         self.masks, self.trace = masks, trace
+        self.spec, self.draft = spec, draft
         self.graph: tuple[DecodeRounds, np.ndarray] | None = None  # (graphs, host rows)
 
     def __call__(self) -> None:
@@ -84,38 +116,129 @@ class RoundWork:
         if self.graph is not None and self._replay(*self.graph):
             self.kvs = []
             return
+        seq_rows, past_of = self.seq_rows, None
+        if self.spec is not None:  # positions from the device, proposals into draft rows
+            seq_rows, past_of = self._spec_prepare()
+        if self.draft is not None:
+            self._draft_steps(seq_rows, past_of is not None)
         tokens = backend.round_inputs(self.meta, self.n_rows, self.token_buf)
         slices = [SeqSlice(st, n, past, kv)
-                  for (st, n, past), kv in zip(self.seq_rows, self.kvs, strict=True)]
+                  for (st, n, past), kv in zip(seq_rows, self.kvs, strict=True)]
         counts = self._count_inputs(tokens)
         # sampled rows, unconstrained first: they never wait for the host
         work = sampled_order([(w, (st, n, past)) for w, (st, n, past)
-                              in zip(self.seq_work, self.seq_rows, strict=True) if w.samples])
-        logit_rows = np.array([st + n - 1 for _, (st, n, _) in work], dtype=np.int64)
+                              in zip(self.seq_work, seq_rows, strict=True) if w.samples])
+        # a speculating session's every row is sampled: the first, then its drafts'
+        logit_rows = np.array([st + n - 1 - w.n_draft + j for w, (st, n, _) in work
+                               for j in range(1 + w.n_draft)], dtype=np.int64)
         batch = ForwardBatch(tokens, slices, logit_rows)
-        self._sample(self.transformer.forward(batch), work, counts)
+        if past_of is not None:  # positions only the device knows (cuda)
+            assert self.spec is not None
+            self.backend.spec_positions(batch, self.spec.buffers, past_of)
+        self._sample(self.transformer.forward(batch), work, counts,
+                     None if past_of is None else batch.positions)
+        if self.spec is not None:
+            s = self.spec
+            backend.spec_accept(self.sampled, self.token_buf, s.buffers, s.seqs, s.counts_at,
+                                s.stats_at)
         self.kvs = []  # drop the views of the KV pages as soon as the work is done
+        if self.draft is not None:
+            self.draft.kvs = []
+
+    def _spec_prepare(self) -> tuple[list[tuple[int, int, int]],
+                                     list[tuple[int, int] | None] | None]:
+        """The round's rows with speculating sessions' decode positions where the host
+        learns them (cpu); else (cuda) the rows as planned (bounds) and, per session, the
+        slot whose device position it takes (`spec_positions`' `past_of`). Their proposals
+        are written into their draft rows meanwhile."""
+        assert self.spec is not None
+        s = self.spec
+        firsts = self.backend.spec_prepare(self.meta, s.buffers, s.seqs)
+        decode = {e.start: (j, e) for j, e in enumerate(s.seqs) if e.past < 0}
+        if firsts is not None:
+            return [(st, n, firsts[decode[st][0]] if st in decode else past)
+                    for st, n, past in self.seq_rows], None
+        return self.seq_rows, [(decode[st][1].slot, 0) if st in decode else None
+                               for st, _, _ in self.seq_rows]
+
+    def _draft_steps(self, seq_rows: list[tuple[int, int, int]], on_device: bool) -> None:
+        """The draft model's forwards: step 0 takes its sessions' prompt rows and, per
+        decode entry, the tokens at its first position and the one before; each step
+        proposes one more token per entry still drafting (kernels/speculative.py). With
+        `on_device`, the entries' positions are the device's (`spec_positions`)."""
+        assert self.draft is not None
+        d, backend = self.draft, self.backend
+        seq_of = {st: i for i, (st, _, _) in enumerate(seq_rows)}
+        entries = [self.spec.seqs[j] for j in d.entries] if self.spec is not None else []
+        prefill = [seq_rows[i][:2] for i in d.prefill]
+        slices, at = [], 0
+        for i in d.prefill:
+            _, n, past = seq_rows[i]
+            slices.append(SeqSlice(at, n, past, d.kvs[i]))
+            at += n
+        firsts = [seq_rows[seq_of[e.start]][2] for e in entries]
+        kvs = [d.kvs[seq_of[e.start]] for e in entries]
+        for first, kv in zip(firsts, kvs, strict=True):
+            slices.append(SeqSlice(at, 2, first - 1, kv))
+            at += 2
+
+        def place(batch: ForwardBatch, live: list[SpecSeq], delta: int) -> ForwardBatch:
+            if on_device:
+                past_of: list[tuple[int, int] | None] = [None] * (len(batch.seqs) - len(live))
+                backend.spec_positions(batch, d.buffers,
+                                       past_of + [(e.slot, delta) for e in live])
+            return batch
+
+        tokens = backend.draft_inputs(self.meta, d.buffers, entries, 0, prefill)
+        rows = np.array([s.end - 1 for s in slices[len(prefill):]], np.int64)
+        batch = place(ForwardBatch(tokens, slices, rows), entries, -1)
+        if not entries:  # prompt rows only: the draft's KV, no proposal
+            d.transformer.hidden_states(batch)
+            return
+        backend.draft_propose(d.transformer.forward(batch), self.meta, d.buffers, entries, 0)
+        for step in range(1, max(e.k for e in entries)):
+            live = [(e, first, kv) for e, first, kv in zip(entries, firsts, kvs, strict=True)
+                    if e.k > step]
+            tokens = backend.draft_inputs(self.meta, d.buffers, [e for e, _, _ in live], step)
+            batch = ForwardBatch(tokens, [SeqSlice(i, 1, first + step, kv)
+                                          for i, (_, first, kv) in enumerate(live)],
+                                 np.arange(len(live), dtype=np.int64))
+            batch = place(batch, [e for e, _, _ in live], step)
+            backend.draft_propose(d.transformer.forward(batch), self.meta, d.buffers,
+                                  [e for e, _, _ in live], step)
 
     def _sample(self, logits: Any, work: list[tuple[SeqWork, tuple[int, int, int]]],
-                counts: dict[int, Any]) -> None:
-        """Sample the round's rows from their logits (row i of `logits` is work[i]'s, in
-        `sampled_order`): the unconstrained rows, then the constrained ones once their
-        masks have come."""
+                counts: dict[int, Any], device_positions: Any = None) -> None:
+        """Sample the round's rows from their logits (in `sampled_order`, a speculating
+        session's 1 + n_draft rows together): the unconstrained rows, then the constrained
+        ones once their masks have come. A speculating session's rows write no token-buffer
+        slot: its acceptance writes its next input. `device_positions`: the batch's row
+        positions where only the device knows them (the draws' positions follow)."""
         backend = self.backend
         biases = dict(zip([w.session_id for w in self.seq_work], self._session_biases(),
                           strict=True))
         n_free = sum(not w.params.constrained for w, _ in work)
-        for first, part, constrained in ((0, work[:n_free], False),
-                                         (n_free, work[n_free:], True)):
+        speculating = set() if self.spec is None else {e.slot for e in self.spec.seqs}
+        row = 0
+        for part, constrained in ((work[:n_free], False), (work[n_free:], True)):
             if not part:
                 continue
             masks = self._take_masks([w for w, _ in part]) if constrained else None
+            rows = [(w, past + n - w.n_draft + j) for w, (_, n, past) in part
+                    for j in range(1 + w.n_draft)]
+            at = None if device_positions is None else (
+                device_positions, np.array([st + n - 1 - w.n_draft + j
+                                            for w, (st, n, _) in part
+                                            for j in range(1 + w.n_draft)], np.int64))
             backend.sample_round(
-                logits, [w.params for w, _ in part], [past + n for _, (_, n, past) in part],
-                [counts.get(w.session_id) for w, _ in part],
-                [biases[w.session_id] for w, _ in part], out=self.sampled,
-                token_buf=self.token_buf, out_slots=[w.slot for w, _ in part],
-                logprobs_out=self.logprob_out, masks=masks, first_row=first)
+                logits, [w.params for w, _ in rows], [pos for _, pos in rows],
+                [counts.get(w.session_id) for w, _ in rows],
+                [biases[w.session_id] for w, _ in rows], out=self.sampled,
+                token_buf=self.token_buf,
+                out_slots=[-1 if w.slot in speculating else w.slot for w, _ in rows],
+                logprobs_out=self.logprob_out, masks=masks, first_row=row,
+                positions_at=at)
+            row += len(rows)
 
     def _take_masks(self, work: list[SeqWork]) -> list[np.ndarray | None]:
         """The constrained rows' masks, waiting for the host where it has not posted them
@@ -138,6 +261,8 @@ class RoundWork:
         general path."""
         if not all(w.samples for w in self.seq_work):
             return False
+        if self.spec is not None:
+            return self._replay_spec(graphs, rows)
         counts = [None if c is None else (c, split)
                   for c, split in zip(self._session_counts(), self._prompt_rows(),
                                       strict=True)]
@@ -147,6 +272,23 @@ class RoundWork:
                           [w.params for w in self.seq_work], self.sampled,
                           [w.slot for w in self.seq_work], counts, self.logprob_out,
                           self._session_biases())
+
+    def _replay_spec(self, graphs: DecodeRounds, rows: np.ndarray) -> bool:
+        """A decode round with speculating sessions through the graphs' speculative rounds
+        (kernels/cuda_spec_graphs.py): the proposal, positions, forward, sampling and
+        acceptance in fixed buffers. Rounds with constraints, penalties or a logit bias,
+        or the draft model, take the general path."""
+        assert self.spec is not None
+        if self.draft is not None or any(w.params.constrained or w.params.adjusts_logits
+                                         for w in self.seq_work):
+            return False
+        s = self.spec
+        speculating = {e.slot for e in s.seqs}
+        return graphs.run_spec(rows, self.seq_rows, self.kvs,
+                               [w.params for w in self.seq_work],
+                               [-1 if w.slot in speculating else w.slot
+                                for w in self.seq_work], s.seqs, s.buffers, s.counts_at,
+                               s.stats_at, self.sampled, self.logprob_out)
 
     def _replay_forward(self, graphs: DecodeRounds, rows: np.ndarray,
                         counts: list[Any]) -> bool:
@@ -218,6 +360,21 @@ class RoundWork:
         """Per session, how many of its rows in this round are still prompt tokens."""
         return [max(0, min(n, w.prompt_len - past))
                 for w, (_, n, past) in zip(self.seq_work, self.seq_rows, strict=True)]
+
+
+@dataclass
+class DraftRound:
+    """The draft model's part of a round (dispatch/speculation.py): its forward over its
+    sessions' prompt rows (`prefill`: seq indices), and its proposals for their decode
+    rows (`entries`: indices into the SpecRound's seqs), one draft step per proposed
+    token, each session reading and writing its KV through `kvs[seq]` (its part of the
+    session's region)."""
+
+    transformer: Transformer
+    buffers: SpecBuffers
+    kvs: list[Any | None]
+    prefill: list[int]
+    entries: list[int]
 
 
 def sampled_order(rows: list[Any]) -> list[Any]:

@@ -1,8 +1,9 @@
 """Sessions as the control thread sees them, and the planning of one round.
 
 A round is planned in one readable function (`Scheduler.plan`): every running session
-decodes one token; waiting sessions contribute prefill chunks, oldest first, under the
-round's token budget and the batch size. Pages for the positions the round writes are
+decodes one token, a speculating one with as many draft rows after it as are worth their
+cost (dispatch/speculation.py); waiting sessions contribute prefill chunks, oldest first,
+under the round's token budget and the batch size. Pages for the positions the round writes are
 mapped before it is launched; when the pool runs dry the scheduler evicts cached prefixes,
 then preempts the newest sessions (their KV dropped, recomputed when they resume).
 The scheduler never looks at token values: it only counts.
@@ -15,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from eagerlm.dispatch.speculation import SpecSession, allocate_drafts
 from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.vmm.device import Event
 from eagerlm.vmm.kv_layout import KVLayout
@@ -30,6 +32,12 @@ class Session:
 
     `tokens` are the inputs whose KV the session must hold before it decodes: the prompt,
     and after a preemption also the tokens generated so far (recomputed on resume).
+
+    A speculating session (`spec`) accepts a number of tokens per round that the device
+    decides: until its rounds are harvested, `n_cached` counts every row launched (an
+    upper bound: pages are mapped for it) and `n_sampled` one token per round (a lower
+    bound: launching goes on until the service thread stops the session); the harvest of
+    each round corrects both (ControlThread._harvest).
     """
 
     id: int
@@ -45,6 +53,7 @@ class Session:
     last_event: Event | None = None  # recorded after the last work that touched its KV
     stopped: bool = False
     counts_valid: bool = False  # the sampler's penalty counts match what is cached
+    spec: SpecSession | None = None  # speculative decoding, if the session does it
     prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +78,7 @@ class Row:
     n_past: int
     from_slot: bool  # decode: input is the session's last sample on the device
     samples: bool  # the last row's logits are sampled
+    n_draft: int = 0  # decode rows after the first that verify proposals (speculation)
 
 
 @dataclass
@@ -82,6 +92,10 @@ class RoundPlan:
     @property
     def n_decode(self) -> int:
         return sum(1 for r in self.rows if r.from_slot)
+
+    @property
+    def n_draft(self) -> int:
+        return sum(r.n_draft for r in self.rows)
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,10 @@ class Scheduler:
         self.evict_cached: Callable[[], bool] = lambda: False
         # set by the control thread: makes a preempted session's generated tokens known
         self.resolve_tokens: Callable[[Session], list[int]] = lambda s: []
+        # set by the control thread: a round's cost by its rows, relative to a one-row
+        # round, by which speculating sessions' draft rows are chosen; None: always the
+        # most each session allows (dispatch/speculation.py)
+        self.round_cost: Callable[[int], float] | None = None
 
     # -- planning ----------------------------------------------------------------------
 
@@ -124,10 +142,13 @@ class Scheduler:
         for s in sorted(self.running, key=lambda x: x.arrival):
             if s.stopped or s.exhausted or s not in self.running:
                 continue
+            if s.n_cached >= self.context_length:
+                continue  # a speculating session's bound: wait for its rounds' harvest
             if not self._make_room(s, s.n_cached + 1):
                 continue  # s itself gave way
             rows.append(Row(s, 1, s.n_cached, from_slot=True, samples=True))
-        budget = cfg.max_round_tokens - len(rows)
+        self._add_drafts(rows)
+        budget = cfg.max_round_tokens - sum(r.n_new for r in rows)
         for s in list(self.waiting):
             if budget <= 0 or len(rows) >= cfg.max_batch:
                 break
@@ -140,6 +161,34 @@ class Scheduler:
             rows.append(Row(s, n, s.n_cached, from_slot=False, samples=done))
             budget -= n
         return RoundPlan(rows)
+
+    def _add_drafts(self, rows: list[Row]) -> None:
+        """Give speculating sessions' decode rows their draft rows (allocate_drafts),
+        within the round's token budget, the session's remaining tokens and the context;
+        pages are mapped for them if the pool has them free (drafts never preempt)."""
+        spec = [r for r in rows if r.session.spec is not None]
+        if not spec:
+            return
+        caps = [max(0, min(r.session.spec.k_max, r.session.max_new - r.session.n_sampled - 1,
+                           self.context_length - r.session.n_cached - 1)) for r in spec]
+        if self.round_cost is None:
+            ks = caps
+        else:
+            ks = allocate_drafts([r.session.spec.rate for r in spec], caps, len(rows),
+                                 len(rows), self.round_cost,
+                                 self.config.max_round_tokens - len(rows))
+        budget = self.config.max_round_tokens - len(rows)
+        for r, k in zip(spec, ks, strict=True):
+            s = r.session
+            assert s.region is not None
+            k = min(k, budget)
+            budget -= k
+            try:
+                if k:
+                    s.region.ensure(s.n_cached + 1 + k)
+            except OutOfPages:
+                k = 0
+            r.n_draft, r.n_new = k, 1 + k
 
     def launched(self, plan: RoundPlan, event: Event) -> None:
         """Account for a launched round: positions written, samples taken."""
@@ -231,6 +280,8 @@ class Scheduler:
         the last sampled token (whose KV was never written) is computed on resume."""
         self.preemptions += 1
         s.tokens = s.tokens[: s.prompt_len] + self.resolve_tokens(s)
+        if s.spec is not None:
+            s.spec.history_sent = False  # its next slot's history is sent again
         self._sync(s.last_event)
         if s.region is not None and self.config.preempt == "swap" and s.n_cached:
             s.region.swap_out(after=s.last_event)

@@ -62,6 +62,11 @@ class ServiceStats:
     rounds: int = 0
     tokens_accepted: int = 0
     tokens_discarded: int = 0  # produced by in-flight rounds after their session finished
+    # speculative decoding: sessions' rounds with draft rows, the proposals they verified,
+    # and how many of them were accepted
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -169,26 +174,46 @@ class ServiceThread:
             rd.copied.synchronize()
             if rd.trace is not None:
                 rd.trace.tokens_ready = time.perf_counter()
+            # read everything before the round's host buffers may be reused
             tokens = rd.tokens.tolist()
-            logprobs = _logprobs(rd, tokens)
+            per_session = rd.session_tokens(tokens)
+            logprobs = _logprobs(rd, per_session)
+            if rd.spec is not None:
+                self._count_speculation(rd)
         finally:
             self.lookahead.release()  # whatever happens, the control thread goes on
         self.stats.rounds += 1
         for sid, cached in rd.prefill_tokens.items():
             if sid in self._requests:
                 self._requests[sid].cached_tokens = cached
-        rows = list(zip(rd.sessions, rd.generation, tokens, logprobs, strict=True))
+        rows = list(zip(rd.sessions, rd.generation, per_session, logprobs, strict=True))
         # constrained sessions first: a round in flight may be waiting for their masks
         rows.sort(key=lambda r: r[0] not in self._requests
                   or not self._requests[r[0]].judge.constrained)
-        for sid, gen, token, lp in rows:
+        for sid, gen, toks, lps in rows:
             req = self._requests.get(sid)
-            if req is None or req.done or gen != len(req.generated):
-                self.stats.tokens_discarded += 1
+            if req is None or req.done or (gen >= 0 and gen != len(req.generated)):
+                self.stats.tokens_discarded += len(toks)
                 continue
-            self._accept(req, token, lp)
+            for i, token in enumerate(toks):  # a speculating session's accepted run
+                if req.done:  # ended inside the run: the rest is never shown
+                    self.stats.tokens_discarded += len(toks) - i
+                    break
+                self._accept(req, token, lps[i])
         if self.on_round is not None:
             self.on_round(rd)
+
+    def _count_speculation(self, rd: RoundDone) -> None:
+        """Proposals checked and accepted in the round (decode rows with drafts)."""
+        assert rd.spec is not None
+        stats = rd.spec.stats
+        drafted = int(stats[:, 0].sum())
+        accepted = int(stats[:, 1].sum())
+        self.stats.drafts += sum(1 for k in rd.spec.drafts if k)
+        self.stats.draft_tokens += drafted
+        self.stats.accepted_tokens += accepted
+        if rd.trace is not None:
+            rd.trace.n_draft_tokens, rd.trace.n_accepted_tokens = drafted, accepted
 
     def _accept(self, req: _Request, token: int, lp: TokenLogprob | None) -> None:
         self.stats.tokens_accepted += 1
@@ -237,16 +262,22 @@ class ServiceThread:
                 self._finish(req, FinishReason.CANCELLED, "")
 
 
-def _logprobs(rd: RoundDone, tokens: list[int]) -> list[TokenLogprob | None]:
-    """The sampler's logprobs of a round, as objects, for the sessions that asked."""
+def _logprobs(rd: RoundDone,
+              per_session: list[list[int]]) -> list[list[TokenLogprob | None]]:
+    """The sampler's logprobs of a round, as objects, per session and token (None for the
+    sessions that did not ask)."""
     if rd.logprob_values is None or rd.logprob_ids is None:
-        return [None] * len(tokens)
-    out: list[TokenLogprob | None] = []
-    for i, (token, n) in enumerate(zip(tokens, rd.logprob_n, strict=True)):
+        return [[None] * len(toks) for toks in per_session]
+    out: list[list[TokenLogprob | None]] = []
+    for j, (toks, n) in enumerate(zip(per_session, rd.logprob_n, strict=True)):
         if n is None:
-            out.append(None)
+            out.append([None] * len(toks))
             continue
-        values, ids = rd.logprob_values[i], rd.logprob_ids[i]
-        out.append(TokenLogprob(token, float(values[0]), tuple(
-            (int(ids[j]), float(values[1 + j])) for j in range(n))))
+        at = j if rd.spec is None else rd.spec.offsets[j]
+        row: list[TokenLogprob | None] = []
+        for i, token in enumerate(toks):
+            values, ids = rd.logprob_values[at + i], rd.logprob_ids[at + i]
+            row.append(TokenLogprob(token, float(values[0]), tuple(
+                (int(ids[k]), float(values[1 + k])) for k in range(n))))
+        out.append(row)
     return out

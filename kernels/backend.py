@@ -27,8 +27,10 @@ import numpy as np
 from eagerlm.kernels.model import Ops
 
 if TYPE_CHECKING:
+    from eagerlm.kernels.batch import ForwardBatch
     from eagerlm.kernels.model import Transformer
     from eagerlm.kernels.sampling import SamplingParams
+    from eagerlm.kernels.speculative import SpecBuffers, SpecSeq
     from eagerlm.vmm.device import DeviceBuffer, Stream
     from eagerlm.vmm.kv_layout import KVLayout
     from eagerlm.vmm.kv_region import KVRegion
@@ -57,6 +59,16 @@ class DecodeRounds(Protocol):
         """The decode round's forward only (a round with constrained rows, whose sampling
         waits for the host): its logits [n, vocab], row j of session `order[j]`; None when
         it does not fit a bucket."""
+        ...
+
+    def run_spec(self, rows: np.ndarray, seq_rows: Sequence[tuple[int, int, int]],
+                 kvs: Sequence[Any], params: Sequence[SamplingParams],
+                 out_slots: Sequence[int], seqs: Sequence[SpecSeq], buffers: SpecBuffers,
+                 counts_at: int, stats_at: int, out: Any,
+                 logprobs_out: tuple[Any, Any] | None = None) -> bool:
+        """A decode round with speculating sessions (every row sampled, in row order;
+        `seq_rows` (start, rows, n_past bound) per session): the speculation steps, the
+        forward and the sampler through fixed buffers; False when it fits no bucket."""
         ...
 
     def close(self) -> None:
@@ -112,7 +124,7 @@ class RoundBackend(Protocol[A]):
                      token_buf: DeviceBuffer, out_slots: Sequence[int],
                      logprobs_out: tuple[DeviceBuffer, DeviceBuffer] | None = None,
                      masks: Sequence[np.ndarray | None] | None = None,
-                     first_row: int = 0) -> None:
+                     first_row: int = 0, positions_at: Any = None) -> None:
         """Sample one token per logit row into `out` (int32) and into the token buffer at
         `out_slots` (a negative slot writes none): the next round reads its decode inputs
         there. Penalized rows need their `counts`, biased rows their `biases`,
@@ -121,7 +133,10 @@ class RoundBackend(Protocol[A]):
         [n, 1 + MAX_LOGPROBS], int32 [n, MAX_LOGPROBS]) for rows whose params ask for them.
         The rows sampled are `first_row .. first_row + len(params)` of `logits`, written to
         the same rows of `out` and the logprob buffers: a round samples its unconstrained
-        rows first and its constrained rows once their masks have come."""
+        rows first and its constrained rows once their masks have come. `positions_at`
+        (row positions on the device, rows of the forward batch) replaces `positions`
+        where only the device knows them (speculation, cuda): row i draws at the position
+        after its batch row's."""
         ...
 
     def decode_graphs(self, transformer: Transformer, token_buf: DeviceBuffer, *,
@@ -129,6 +144,53 @@ class RoundBackend(Protocol[A]):
                       enabled: bool = True) -> DecodeRounds | None:
         """Fixed buffers (and CUDA graphs, when `enabled`) for pure-decode rounds, made
         once per dispatcher; None where the backend runs every round eagerly (numpy)."""
+        ...
+
+    # -- speculative decoding (kernels/speculative.py has the rules) ----------------------
+
+    def round_cost(self, rows: int) -> float:
+        """A round of `rows` rows (a decode round's forward and sampling) relative to one of
+        one row: what draft rows cost (dispatch/speculation.py weighs them against their
+        expected gain)."""
+        ...
+
+    def spec_prepare(self, meta: DeviceBuffer, buffers: SpecBuffers,
+                     seqs: Sequence[SpecSeq]) -> list[int]:
+        """Before a round's inputs are gathered: each speculating session's first position
+        (a decode row's from `buffers.lengths`, which only the device knows) and its
+        prompt-lookup proposal, kept in `buffers.proposals` and written into its draft
+        rows' host-id column of the round's metadata rows `meta`. Returns the positions
+        where the backend knows them on the host (cpu), else the sessions' `past` values
+        (cuda resolves them on the device)."""
+        ...
+
+    def spec_positions(self, batch: ForwardBatch, buffers: SpecBuffers,
+                       past_of: Sequence[tuple[int, int] | None]) -> None:
+        """Where `spec_prepare` returned no positions (cuda): make `batch`'s positions and
+        per-session descriptors the device's, for sessions with `past_of[i]` = (slot,
+        delta): their first row at the position `spec_prepare` found for the slot, plus
+        delta. (Their `SeqSlice.n_past` are bounds, good for sizing only.)"""
+        ...
+
+    def spec_accept(self, out: DeviceBuffer, token_buf: DeviceBuffer, buffers: SpecBuffers,
+                    seqs: Sequence[SpecSeq], counts_at: int, stats_at: int) -> None:
+        """After a round's sampling (`out`: its samples, a speculating session's rows at
+        `out ..`): each speculating session's accepted run, its count and statistics into
+        `out` (int32 at `counts_at + j`, `stats_at + 3 j`), its new length and history in
+        `buffers`, its next input in `token_buf`."""
+        ...
+
+    def draft_inputs(self, meta: DeviceBuffer, buffers: SpecBuffers, seqs: Sequence[SpecSeq],
+                     step: int, prefill: Sequence[tuple[int, int]] = ()) -> Any:
+        """The draft model's input tokens at `step` of a round (kernels/speculative.py's
+        `draft_inputs_on_host`): at 0 the rows of the `prefill` spans of `meta`, then two
+        per entry; at j > 0 one per entry, its draft row j."""
+        ...
+
+    def draft_propose(self, logits: A, meta: DeviceBuffer, buffers: SpecBuffers,
+                      seqs: Sequence[SpecSeq], step: int) -> None:
+        """The draft model's greedy proposals at `step` (one logits row per entry) into
+        the entries' proposals and draft rows (`draft_propose_on_host`)."""
         ...
 
 

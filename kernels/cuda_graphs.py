@@ -7,7 +7,8 @@ GPU idles between launches. A graph captured once replays them all with a single
 host-to-device copy, one launch, one device-to-device copy of the sampled tokens.
 
 A graph may be replayed only if nothing it reads moved, so everything that changes from
-round to round lives in fixed device buffers that the round overwrites (laid out by `_Layout`):
+round to round lives in fixed device buffers that the round overwrites (laid out by
+`BlobLayout`):
 - per row: [host token id, token-buffer slot] (decode rows read the previous round's
   sample from the token buffer on the device, as in the eager path);
 - per session: the SeqDesc (start, n_new = 1, n_past, KV base address: a session's KV
@@ -92,21 +93,19 @@ def context_bucket(n_total: int, max_context: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """Byte offsets of each field in a graph's input blob for `batch` rows."""
+class BlobLayout:
+    """Where each field of a graph's input blob lies: `rows` entries of each field's size
+    (bytes per entry), each field 16-byte aligned."""
 
-    batch: int
+    rows: int
+    fields: tuple[tuple[str, int], ...]
 
     @functools.cached_property
     def _offsets(self) -> dict[str, int]:
-        b, at, out = self.batch, 0, {}
-        for name, size in (("rows", 8 * b), ("seqs", SEQ_DESC.itemsize * b), ("row_seq", 4 * b),
-                           ("positions", 4 * b), ("logit_rows", 8 * b),
-                           ("params", SAMPLE_PARAMS.itemsize * b), ("out_slots", 4 * b),
-                           ("count_spans", COUNT_SPAN.itemsize * b),
-                           ("penalties", PENALTY_ROW.itemsize * b), ("logprob_n", 4 * b)):
+        at, out = 0, {}
+        for name, size in self.fields:
             out[name] = at
-            at += -(-size // 16) * 16
+            at += -(-size * self.rows // 16) * 16
         out["end"] = at
         return out
 
@@ -116,6 +115,24 @@ class _Layout:
     @property
     def nbytes(self) -> int:
         return self._offsets["end"]
+
+    def view(self, blob: np.ndarray, name: str, dtype: Any, per_row: int = 1) -> np.ndarray:
+        """The field in a host blob, as `rows * per_row` values of `dtype`."""
+        dt = np.dtype(dtype)
+        at = self.offset(name)
+        return blob[at:at + self.rows * per_row * dt.itemsize].view(dt)
+
+    def tensor(self, buffer: Any, name: str, shape: tuple[int, ...],
+               dtype: str) -> DeviceTensor:
+        """The field in the device blob `buffer`, as a tensor a launch reads."""
+        return DeviceTensor(buffer.ptr + self.offset(name), shape, dtype, buffer)
+
+
+# a decode graph's blob, per row (kernels/cuda_spec_graphs.py has the speculative one's)
+DECODE_FIELDS = (("rows", 8), ("seqs", SEQ_DESC.itemsize), ("row_seq", 4), ("positions", 4),
+                 ("logit_rows", 8), ("params", SAMPLE_PARAMS.itemsize), ("out_slots", 4),
+                 ("count_spans", COUNT_SPAN.itemsize), ("penalties", PENALTY_ROW.itemsize),
+                 ("logprob_n", 4))
 
 
 @dataclass(frozen=True)
@@ -167,6 +184,7 @@ class DecodeGraphs:
         self.forward_replays = 0  # and of forward-only graphs (rounds with constraints)
         self.captured = 0
         self.eager_rounds = 0  # rounds through the fixed buffers launched one by one
+        self.spec: Any = None  # speculative rounds' buffers and graphs (cuda_spec_graphs)
 
     # -- per round -----------------------------------------------------------------------
 
@@ -237,15 +255,13 @@ class DecodeGraphs:
         if step is None:
             step = self.steps[key] = self._step(*key)
         if self.enabled and step.exec is None and key not in self.failures:
-            self._capture(step)
+            self.capture(step, self._blob(step.batch, np.zeros((0, 2), np.int32), [], [], []),
+                         key)
         blob = self._blob(b, rows, n_pasts, kvs, params, out_slots, counts, biases,
                           penalties=penalties, order=order)
         self.ops._ring.upload(blob, DeviceTensor(step.inputs.ptr, (blob.size,), "u8"))
-        d = driver()
-        self.ops.ctx.bind()
-        s = self.ops.stream.handle
         if step.exec is not None:
-            check(d.cuGraphLaunch(step.exec, s), "cuGraphLaunch")
+            self.replay(step)
             self.replays += 1
             self.adjusted_replays += kind.adjusted
             self.logprob_replays += kind.logprobs
@@ -262,13 +278,11 @@ class DecodeGraphs:
               penalties: bool = True, order: Sequence[int] | None = None) -> np.ndarray:
         """The graph's inputs for this round; rows past the real ones are padding."""
         n = len(n_pasts)
-        lay = _Layout(b)
+        lay = BlobLayout(b, DECODE_FIELDS)
         blob = np.zeros(lay.nbytes, np.uint8)
 
         def field(name: str, dtype: Any, per_row: int = 1) -> np.ndarray:
-            dt = np.dtype(dtype)
-            at = lay.offset(name)
-            return blob[at:at + b * per_row * dt.itemsize].view(dt)
+            return lay.view(blob, name, dtype, per_row)
 
         r = field("rows", np.int32, 2).reshape(b, 2)
         r[:n] = rows[:n]
@@ -313,7 +327,7 @@ class DecodeGraphs:
     def _step(self, b: int, ctx: int, kind: _Kind) -> _Step:
         """The bucket's buffers and its round: every launch reads its inputs from them."""
         ops = self.ops
-        lay = _Layout(b)
+        lay = BlobLayout(b, DECODE_FIELDS)
         inputs = ops.device.alloc(lay.nbytes)
         out_buf = ops.device.alloc(b * 4)
         lp_values = ops.device.alloc(b * (1 + MAX_LOGPROBS) * 4) if kind.logprobs else None
@@ -322,7 +336,7 @@ class DecodeGraphs:
         logits_buf = ops.device.alloc(b * vocab * 4) if kind.forward_only else None
 
         def tensor(name: str, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
-            return DeviceTensor(inputs.ptr + lay.offset(name), shape, dtype, inputs)
+            return lay.tensor(inputs, name, shape, dtype)
 
         k0 = self.scratch.k_view(0)
         meta = BatchMeta(batch=None, n_seqs=b, seqs=tensor("seqs", (b * SEQ_DESC.itemsize,), "u8"),
@@ -361,13 +375,13 @@ class DecodeGraphs:
 
         return _Step(b, ctx, kind, launch, inputs, out_buf, lp_values, lp_ids, logits_buf)
 
-    def _capture(self, step: _Step) -> None:
-        """Record `step`'s launches as a graph. They run once first, on padding only (every
+    def capture(self, step: Any, warm_blob: np.ndarray, key: Any) -> None:
+        """Record `step`'s launches as a graph (a `_Step`, or a speculative round's,
+        kernels/cuda_spec_graphs.py). They run once first on `warm_blob` (padding only: every
         row a padding row), to load modules and plan GEMMs outside the capture; if the
-        capture fails, the step stays eager and the reason is kept in `failures`."""
+        capture fails, the step stays eager and the reason is kept in `failures[key]`."""
         ops, d = self.ops, driver()
-        blob = self._blob(step.batch, np.zeros((0, 2), np.int32), [], [], [])
-        ops._ring.upload(blob, DeviceTensor(step.inputs.ptr, (blob.size,), "u8"))
+        ops._ring.upload(warm_blob, DeviceTensor(step.inputs.ptr, (warm_blob.size,), "u8"))
         stream = ops.stream.handle
         try:
             step.launch()  # warm-up
@@ -389,15 +403,38 @@ class DecodeGraphs:
                 cu("cuGraphDestroy", graph)
                 raise
         except Exception as exc:  # this bucket stays eager; the reason is kept
-            self.failures[(step.batch, step.context, step.kind)] = f"{type(exc).__name__}: {exc}"
+            self.failures[key] = f"{type(exc).__name__}: {exc}"
             ops.synchronize()
             return
         step.graph, step.exec = graph, exec_
         self.captured += 1
 
+    def replay(self, step: Any) -> None:
+        """Launch `step`'s captured graph on the ops' stream."""
+        self.ops.ctx.bind()
+        check(driver().cuGraphLaunch(step.exec, self.ops.stream.handle), "cuGraphLaunch")
+
+    def run_spec(self, rows: np.ndarray, seq_rows: Sequence[tuple[int, int, int]],
+                 kvs: Sequence[Any], params: Sequence[SamplingParams],
+                 out_slots: Sequence[int], seqs: Sequence[Any], buffers: Any,
+                 counts_at: int, stats_at: int, out: Any,
+                 logprobs_out: tuple[Any, Any] | None = None) -> bool:
+        """A decode round with speculating sessions through fixed buffers (and its graph):
+        kernels/cuda_spec_graphs.py's `SpecRounds.run`."""
+        from eagerlm.kernels.cuda_spec_graphs import SpecRounds
+
+        if self.spec is None or self.spec.buffers is not buffers:
+            if self.spec is not None:
+                self.spec.close()
+            self.spec = SpecRounds(self, buffers)
+        return self.spec.run(rows, seq_rows, kvs, params, out_slots, seqs, counts_at,
+                             stats_at, out, logprobs_out)
+
     def close(self) -> None:
         """After the stream has finished every replay."""
         self.ops.synchronize()
+        if self.spec is not None:
+            self.spec.close()
         for step in self.steps.values():
             if step.exec is not None:
                 cu("cuGraphExecDestroy", step.exec)

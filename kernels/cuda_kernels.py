@@ -22,11 +22,16 @@ import struct
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagerlm.kernels.cuda_weight_types import WEIGHT_TYPES
 from eagerlm.kernels.nvrtc_build import Cubin, compile_kernel, kernel_sources
 from eagerlm.vmm.cuda_driver import CudaContext, check, cu, driver
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from eagerlm.kernels.device_tensor import DeviceTensor
 
 # Parameter kinds: p = device pointer, i = int32, q = int64, f = float32, d = float64.
 _KIND_SIZE = {"p": 8, "i": 4, "q": 8, "f": 4, "d": 8}
@@ -70,6 +75,12 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "mask_rows": ("sampler", "ppipip"),
     "count_tokens": ("sampler", "ppipi"),
     "token_logprobs": ("sampler", "pppiqppi"),
+    "spec_prepare": ("speculative", "ppppipipii"),
+    "spec_accept": ("speculative", "pipiipppipip"),
+    "spec_positions": ("speculative", "pppipip"),
+    "spec_draw_positions": ("speculative", "pppi"),
+    "draft_rows": ("speculative", "pippipip"),
+    "draft_argmax": ("speculative", "pipipip"),
     "quantize_q8": ("quant_matrix", "pppq"),
     "moe_route": ("moe", "pppppiiiiiif"),
     "moe_sort": ("moe", "pppppiii"),
@@ -237,3 +248,19 @@ class KernelLibrary:
             self.ctx.bind()
             for m in modules.values():
                 cu("cuModuleUnload", m.handle)
+
+
+class OpsMixin:
+    """What CudaOps' mixins (CudaSampling, CudaSpeculation) use of it: its kernels, its
+    stream's handle, uploads and fresh tensors (declared for type checkers; CudaOps has
+    them)."""
+
+    if TYPE_CHECKING:
+        kernels: KernelLibrary
+
+        @property
+        def _s(self) -> Any: ...
+
+        def upload(self, array: np.ndarray, dtype: str | None = None) -> DeviceTensor: ...
+
+        def empty(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor: ...

@@ -39,6 +39,7 @@ from eagerlm.kernels.cuda_kernels import KernelLibrary
 from eagerlm.kernels.cuda_memory import StagingRing, StreamAllocator
 from eagerlm.kernels.cuda_quantized import DeviceQuantizedMatrix, QuantizedLinear
 from eagerlm.kernels.cuda_sampling import CudaSampling
+from eagerlm.kernels.cuda_speculative import CudaSpeculation
 from eagerlm.kernels.device_tensor import (
     ITEMSIZE,
     KV_DTYPE,
@@ -71,10 +72,11 @@ def _rope_constants(rope: RopeParams) -> tuple[float, float, float, float, float
             float(rope.mscale))
 
 
-class CudaOps(CudaSampling):
+class CudaOps(CudaSampling, CudaSpeculation):
     """Ops over DeviceTensors, all enqueued on one stream: the cuda backend's `Backend`
     (kernels/backend.py). Attention is its `attn` (kernels/cuda_attention.py), the
-    sampler's methods come from `CudaSampling` (kernels/cuda_sampling.py), memory from its
+    sampler's methods come from `CudaSampling` (kernels/cuda_sampling.py), speculative
+    decoding's from `CudaSpeculation` (kernels/cuda_speculative.py), memory from its
     `memory` and staging ring (kernels/cuda_memory.py)."""
 
     name = "cuda"
@@ -119,6 +121,12 @@ class CudaOps(CudaSampling):
         self._workspace: Any = None
         # matrices kept as GGUF blocks: the fused GEMV, the tile path and its scratch
         self.quantized = QuantizedLinear(self)
+
+    @classmethod
+    def beside(cls, other: CudaOps) -> CudaOps:
+        """Ops for another model (a draft model) on `other`'s device and stream, so their
+        launches are ordered with `other`'s in the dispatcher's rounds."""
+        return cls(other.device, other.stream, poison_outputs=other.poison_outputs)
 
     @property
     def _s(self) -> Any:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eagerlm.kernels.cuda_kernels import OpsMixin
 from eagerlm.kernels.device_tensor import DeviceIds, DeviceTensor, check_tensor
 from eagerlm.kernels.sampling import (
     MAX_LOGPROBS,
@@ -27,9 +28,6 @@ from eagerlm.kernels.sampling import (
     dense_logit_bias,
     mask_words,
 )
-
-if TYPE_CHECKING:
-    from eagerlm.kernels.cuda_kernels import KernelLibrary
 
 # Mirror `struct SampleParams`, `struct PenaltyRow` and `struct CountSpan`
 # (kernels/cuda/sampler.cu); tests/test_kernel_build.py checks SAMPLE_PARAMS.
@@ -42,19 +40,12 @@ COUNT_SPAN = np.dtype([("counts", "<u8"), ("start", "<i4"), ("n", "<i4"), ("spli
 SAMPLER_THREADS = 1024  # sample_rows is written for exactly this block size
 
 
-class CudaSampling:
+class CudaSampling(OpsMixin):
     """The sampling methods of CudaOps (a mixin: they enqueue on the ops' stream with its
     `upload`, `empty` and `kernels`)."""
 
     if TYPE_CHECKING:
-        kernels: KernelLibrary
-
-        @property
-        def _s(self) -> Any: ...
-
-        def upload(self, array: np.ndarray, dtype: str | None = None) -> DeviceTensor: ...
-
-        def empty(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor: ...
+        def draw_positions(self, table: DeviceTensor, positions_at: Any, n: int) -> None: ...
 
     # -- a round's sampling, as the dispatcher asks for it -------------------------------
 
@@ -91,17 +82,19 @@ class CudaSampling:
                      out: Any, token_buf: Any, out_slots: Sequence[int],
                      logprobs_out: tuple[Any, Any] | None = None,
                      masks: Sequence[np.ndarray | None] | None = None,
-                     first_row: int = 0) -> None:
+                     first_row: int = 0, positions_at: Any = None) -> None:
         """NumpyOps.sample_round on the device: logit bias and penalties, the masks, the
         draw, logprobs; rows `first_row ..` of the logits, into the same rows of `out` and
-        the logprob buffers."""
+        the logprob buffers. With `positions_at` = (the batch's row positions on the
+        device, each sampled row's batch row), the draws' positions are taken from them."""
         n, vocab = len(params), logits.shape[1]
         if first_row or n != logits.shape[0]:
             logits = logits.view_at(first_row * vocab * 4, (n, vocab), "f32")
         slots = self.upload(np.asarray(out_slots, dtype=np.int32), "i32")
         sampled = DeviceTensor(out.ptr + first_row * 4, (n,), "i32")
         self.sample(logits, params, positions, counts=counts, biases=biases, out=sampled,
-                    token_buf=token_buf.ptr, out_slots=slots, masks=masks)
+                    token_buf=token_buf.ptr, out_slots=slots, masks=masks,
+                    positions_at=positions_at)
         if logprobs_out is not None:
             cols = 1 + MAX_LOGPROBS
             self.token_logprobs(logits, sampled, [p.logprobs for p in params],
@@ -116,13 +109,15 @@ class CudaSampling:
                biases: Sequence[DeviceTensor | None] | None = None,
                out: DeviceTensor | None = None, token_buf: int = 0,
                out_slots: DeviceTensor | None = None,
-               masks: Sequence[np.ndarray | None] | None = None) -> DeviceTensor:
+               masks: Sequence[np.ndarray | None] | None = None,
+               positions_at: Any = None) -> DeviceTensor:
         """One token per row of float32 `logits` [n, vocab] (kernels/sampling.py's rules),
         written to `out` (int32 [n]) and, for rows whose `out_slots` entry is >= 0, to
         `token_buf[slot]`. Rows whose params are penalized need `counts[i]` (from
         `token_counts`); rows with a logit bias take `biases[i]` (from `logit_bias`), or
         have it uploaded here; rows with `masks[i]` (host int32 bitmasks) draw only among
-        the tokens it allows. A row that cannot be sampled (NaN logits) gets -1."""
+        the tokens it allows. A row that cannot be sampled (NaN logits) gets -1. With
+        `positions_at` the draws' positions come from the device (`draw_positions`)."""
         check_tensor(logits, "f32", "logits")
         n, vocab = logits.shape
         if len(params) != n or len(positions) != n:
@@ -135,8 +130,11 @@ class CudaSampling:
             logits = self.mask(logits, masks, in_place=adjusted)
         if out is None:
             out = self.empty((n,), "i32")
-        self.sample_device(logits, self.upload(table.view(np.uint8), "u8"), out=out,
-                           token_buf=token_buf, out_slots=out_slots)
+        device_table = self.upload(table.view(np.uint8), "u8")
+        if positions_at is not None:
+            self.draw_positions(device_table, positions_at, n)
+        self.sample_device(logits, device_table, out=out, token_buf=token_buf,
+                           out_slots=out_slots)
         return out
 
     def penalize(self, logits: DeviceTensor, params: Sequence[SamplingParams],

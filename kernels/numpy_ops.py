@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from eagerlm.kernels import cpu_moe
+from eagerlm.kernels import cpu_moe, speculative
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cpu_attention import DecodeRows
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
     from eagerlm.vmm.kv_region import KVRegion
 
 _GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+# NumpyOps.round_cost: a round of 2 .. 4 rows costs BASE + COST one-row rounds, each further
+# four rows COST more
+ROW_PASS_BASE = 1.0
+ROW_PASS_COST = 0.85
 
 
 def _gated(gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
@@ -193,13 +197,14 @@ class NumpyOps:
                      out: DeviceBuffer, token_buf: DeviceBuffer, out_slots: Sequence[int],
                      logprobs_out: tuple[DeviceBuffer, DeviceBuffer] | None = None,
                      masks: Sequence[np.ndarray | None] | None = None,
-                     first_row: int = 0) -> None:
+                     first_row: int = 0, positions_at: Any = None) -> None:
         """Sample one token per row into `out` and into the token buffer at `out_slots`;
         rows with penalties need their `counts`, rows with a logit bias their `biases`
         (from `logit_bias`), constrained rows their allowed-token `masks`. With
         `logprobs_out`, also each row's logprobs (rows whose params ask for them). The
         rows are `logits[first_row:first_row + len(params)]`, and so are their places in
-        `out` and the logprob buffers."""
+        `out` and the logprob buffers. (`positions_at` is for backends whose positions only
+        the device knows; here `positions` are exact, kernels/speculative.py.)"""
         n = len(params)
         logits = np.asarray(logits, dtype=np.float32)[first_row:first_row + n]
         tokens = sample(logits, params, positions, counts, biases, masks).astype(np.int32)
@@ -219,6 +224,64 @@ class NumpyOps:
             for j, (tid, v) in enumerate(lp.top):
                 values[first_row + i, 1 + j] = v
                 top_ids[first_row + i, j] = tid
+
+    def round_cost(self, rows: int) -> float:
+        """A round of `rows` rows relative to one of one row (dispatch/speculation.py): on
+        this backend a decode round is mostly the products over the weights, and from two
+        rows of x on they take `gemv_rows`, four rows of x per pass over each decoded
+        weight row; so the cost grows in steps of four rows. The constants are the demo
+        model's decode forward at 1 to 12 rows (docs/performance.md, speculative
+        decoding)."""
+        return 1.0 if rows <= 1 else ROW_PASS_BASE + ROW_PASS_COST * -(-rows // 4)
+
+    def spec_prepare(self, meta: DeviceBuffer, buffers: speculative.SpecBuffers,
+                     seqs: Sequence[speculative.SpecSeq]) -> list[int]:
+        """Speculating sessions' first positions (a decode row's from `buffers.lengths`)
+        and prompt-lookup proposals, written into their draft rows of the round's metadata
+        (kernels/speculative.py's `prepare_on_host`, on this backend's host memory)."""
+        b = buffers
+        return speculative.prepare_on_host(
+            _host_view(meta).reshape(-1, 2), _host_view(b.lengths),
+            _host_view(b.history).reshape(b.slots, -1),
+            _host_view(b.proposals).reshape(b.slots, -1), seqs, b.ngram_min, b.ngram_max)
+
+    def spec_positions(self, batch: ForwardBatch, buffers: speculative.SpecBuffers,
+                       past_of: Sequence[tuple[int, int] | None]) -> None:
+        """Never needed here: `spec_prepare` gives the host the positions."""
+        raise NotImplementedError("the cpu backend's positions are known on the host")
+
+    def spec_accept(self, out: DeviceBuffer, token_buf: DeviceBuffer,
+                    buffers: speculative.SpecBuffers, seqs: Sequence[speculative.SpecSeq],
+                    counts_at: int, stats_at: int) -> None:
+        """Speculating sessions' accepted runs after the round's sampling: counts and
+        statistics into `out` (int32 offsets `counts_at`, `stats_at`), new lengths,
+        histories and next inputs (`accept_on_host`)."""
+        b, o = buffers, _host_view(out)
+        n = len(seqs)
+        speculative.accept_on_host(
+            o, _host_view(token_buf), _host_view(b.lengths),
+            _host_view(b.history).reshape(b.slots, -1),
+            _host_view(b.proposals).reshape(b.slots, -1), seqs, o[counts_at:counts_at + n],
+            o[stats_at:stats_at + n * speculative.SPEC_STATS].reshape(n, -1))
+
+    def draft_inputs(self, meta: DeviceBuffer, buffers: speculative.SpecBuffers,
+                     seqs: Sequence[speculative.SpecSeq], step: int,
+                     prefill: Sequence[tuple[int, int]] = ()) -> np.ndarray:
+        """The draft model's input tokens at `step` of a round (`draft_inputs_on_host`)."""
+        b = buffers
+        return speculative.draft_inputs_on_host(
+            _host_view(meta).reshape(-1, 2), _host_view(b.lengths),
+            _host_view(b.history).reshape(b.slots, -1), seqs, step, prefill)
+
+    def draft_propose(self, logits: np.ndarray, meta: DeviceBuffer,
+                      buffers: speculative.SpecBuffers, seqs: Sequence[speculative.SpecSeq],
+                      step: int) -> None:
+        """The draft model's proposals at `step`, from its logits, into the draft rows
+        (`draft_propose_on_host`)."""
+        b = buffers
+        speculative.draft_propose_on_host(
+            logits, _host_view(meta).reshape(-1, 2),
+            _host_view(b.proposals).reshape(b.slots, -1), seqs, step)
 
     def decode_graphs(self, transformer: Transformer, token_buf: DeviceBuffer, *,
                       max_batch: int, max_context: int, layout: KVLayout,

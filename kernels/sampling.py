@@ -72,6 +72,9 @@ MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
 MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI's API allows (+-100 bans or forces)
 SEED_LIMIT = 1 << 64
 POSITION_LIMIT = 1 << 63  # positions travel as int64 on the device
+# speculative decoding (dispatch/speculation.py): a request's method and its most drafts
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 _MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX_2 = np.uint64(0x94D049BB133111EB)
@@ -172,6 +175,11 @@ class SamplingParams:
     # vLLM's and SGLang's `skip_special_tokens`: leave control tokens out of the text (the
     # SGLang router asks for it on every request); off, they show as their text
     skip_special_tokens: bool = False
+    # speculative decoding (dispatch/speculation.py): "ngram" (prompt lookup), "draft" (the
+    # engine's draft model) or "off"; None: the engine's setting. It never changes the
+    # tokens, only how many forwards produce them
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None  # drafts per round at most; None: engine's
 
     def __post_init__(self) -> None:
         def fail(field: str, allowed: str) -> None:
@@ -211,6 +219,12 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            fail("speculative", f"None or one of {', '.join(SPECULATIVE_METHODS)}")
+        if self.num_speculative_tokens is not None and (
+                not _is_int(self.num_speculative_tokens)
+                or not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            fail("num_speculative_tokens", f"None or an int in [0, {MAX_SPECULATIVE_TOKENS}]")
         if self.reasoning_block not in ("", "may_open", "open", "harmony"):
             fail("reasoning_block", "'', 'may_open', 'open' or 'harmony'")
         object.__setattr__(self, "logit_bias", _canonical_logit_bias(self.logit_bias))
@@ -223,8 +237,9 @@ class SamplingParams:
                            ("repetition_penalty", float), ("presence_penalty", float),
                            ("frequency_penalty", float)):
             object.__setattr__(self, name, kind(getattr(self, name)))
-        if self.seed is not None:
-            object.__setattr__(self, "seed", int(self.seed))
+        for name in ("seed", "num_speculative_tokens"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
@@ -561,7 +576,9 @@ __all__ = [
     "CONSTRAINT_KINDS",
     "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
+    "MAX_SPECULATIVE_TOKENS",
     "MAX_STOP_STRINGS",
+    "SPECULATIVE_METHODS",
     "Constraint",
     "InvalidSamplingParams",
     "SamplingParams",

@@ -101,7 +101,9 @@ VLLM_FAMILIES = {
     "vllm:prefix_cache_hits": "counter", "vllm:request_success": "counter",
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
-    "vllm:e2e_request_latency_seconds": "histogram"}
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:spec_decode_num_drafts": "counter", "vllm:spec_decode_num_draft_tokens": "counter",
+    "vllm:spec_decode_num_accepted_tokens": "counter"}
 
 
 def test_vllm_metric_names_carry_the_model_name_and_parse_as_prometheus_text(

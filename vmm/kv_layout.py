@@ -9,6 +9,7 @@ reads a layer's K (or V) through a strided view `[tokens, n_kv_heads, head_dim]`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,28 +17,51 @@ import numpy as np
 
 @dataclass(frozen=True)
 class KVLayout:
+    """One model's token-major KV. Two models may share one cache token by token (a draft
+    model's KV beside its target's, so one region, one set of pages, one prefix cache and
+    one preemption serve both): each one's layout then has the shared `stride` (bytes per
+    token) and its own `offset` within a token (`shared_with`)."""
+
     n_layers: int
     n_kv_heads: int
     head_dim: int
     dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
+    stride: int = 0  # bytes from one token to the next; 0: this model's own bytes
+    offset: int = 0  # where this model's part of a token starts
 
     @property
     def token_shape(self) -> tuple[int, int, int, int]:
         return (self.n_layers, 2, self.n_kv_heads, self.head_dim)
 
     @property
-    def token_bytes(self) -> int:
-        """Bytes one token occupies across all layers, K and V."""
+    def own_bytes(self) -> int:
+        """Bytes of this model's K and V of one token, across its layers."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token occupies in the cache (with a shared cache, every model's)."""
+        return self.stride or self.own_bytes
+
+    def shared_with(self, other: KVLayout) -> tuple[KVLayout, KVLayout]:
+        """This layout and `other` in one cache: this model's part first in each token."""
+        stride = -(-(self.own_bytes + other.own_bytes) // 16) * 16  # keeps 16-byte loads
+        return (dataclasses.replace(self, stride=stride, offset=0),
+                dataclasses.replace(other, stride=stride, offset=self.own_bytes))
 
     def tokens_in(self, n_bytes: int) -> int:
         return n_bytes // self.token_bytes
 
     def view(self, buffer: np.ndarray) -> np.ndarray:
-        """A flat byte or element buffer seen as `[tokens, layers, 2, kv_heads, head_dim]`."""
+        """A flat byte or element buffer seen as `[tokens, layers, 2, kv_heads, head_dim]`
+        (this model's part of each token)."""
         flat = buffer.reshape(-1).view(self.dtype)
-        n = flat.size // int(np.prod(self.token_shape))
-        return flat[: n * int(np.prod(self.token_shape))].reshape((n, *self.token_shape))
+        item = self.dtype.itemsize
+        per_token, own = self.token_bytes // item, self.own_bytes // item
+        n = flat.size // per_token
+        tokens = flat[: n * per_token].reshape(n, per_token)
+        start = self.offset // item
+        return tokens[:, start:start + own].reshape((n, *self.token_shape))
 
 
 class TokenMajorKV:

@@ -154,18 +154,28 @@ class KVRegion:
 
     # -- views -----------------------------------------------------------------------
 
-    def tokens(self) -> np.ndarray:
-        """The mapped positions as `[capacity, n_layers, 2, n_kv_heads, head_dim]` (host)."""
+    def tokens(self, layout: KVLayout | None = None) -> np.ndarray:
+        """The mapped positions as `[capacity, n_layers, 2, n_kv_heads, head_dim]` (host);
+        with `layout`, another model's part of a shared cache (KVLayout.shared_with)."""
         with self._lock:
             self._require(RegionState.ACTIVE, "view")
             if not self.pool.device.host_accessible:
                 raise TypeError(f"the KV of a {self.pool.device.kind} region is in device "
                                 "memory: use k_view / v_view")
+            if layout is not None and layout != self.layout:
+                self._check_shared(layout)
+                buf = self._views.array(self.base_ptr, self.mapped_bytes)
+                return layout.view(buf)[: self.capacity]
             view = self._tokens_view
             if view is None:
                 buf = self._views.array(self.base_ptr, self.mapped_bytes)
                 view = self._tokens_view = self.layout.view(buf)[: self.capacity]
             return view
+
+    def _check_shared(self, layout: KVLayout) -> None:
+        if layout.token_bytes != self.token_bytes:
+            raise ValueError(f"a layout of {layout.token_bytes} bytes per token cannot view "
+                             f"a region of {self.token_bytes}")
 
     def k(self, layer: int) -> np.ndarray:
         """Layer `layer`'s keys `[capacity, n_kv_heads, head_dim]`, position p at index p."""
@@ -174,22 +184,30 @@ class KVRegion:
     def v(self, layer: int) -> np.ndarray:
         return self.tokens()[:, layer, 1]
 
-    def k_view(self, layer: int) -> StridedView:
-        return self._layer_view(layer, 0)
+    def k_view(self, layer: int, layout: KVLayout | None = None) -> StridedView:
+        return self._layer_view(layer, 0, layout)
 
-    def v_view(self, layer: int) -> StridedView:
-        return self._layer_view(layer, 1)
+    def v_view(self, layer: int, layout: KVLayout | None = None) -> StridedView:
+        return self._layer_view(layer, 1, layout)
 
-    def _layer_view(self, layer: int, kv: int) -> StridedView:
+    def _layer_view(self, layer: int, kv: int, layout: KVLayout | None = None) -> StridedView:
         self._require(RegionState.ACTIVE, "view")
-        lay = self.layout
+        lay = self.layout if layout is None else layout
+        if layout is not None:
+            self._check_shared(layout)
         if not 0 <= layer < lay.n_layers:
             raise IndexError(f"layer {layer} of {lay.n_layers}")
         item = lay.dtype.itemsize
         head = lay.head_dim * item
-        ptr = self.base_ptr + (layer * 2 + kv) * lay.n_kv_heads * head
+        ptr = self.base_ptr + lay.offset + (layer * 2 + kv) * lay.n_kv_heads * head
         return StridedView(ptr, (self.capacity, lay.n_kv_heads, lay.head_dim),
                            (self.token_bytes, head, item), lay.dtype)
+
+    def part(self, layout: KVLayout) -> RegionPart:
+        """Another model's part of this region's cache (a draft model's KV beside its
+        target's: `KVLayout.shared_with`), viewed as a session's KV of its own."""
+        self._check_shared(layout)
+        return RegionPart(self, layout)
 
     # -- release ---------------------------------------------------------------------
 
@@ -345,3 +363,32 @@ class KVRegion:
     def __repr__(self) -> str:
         return (f"KVRegion({self.state.value}, {self.n_tokens}/{self.max_tokens} tokens, "
                 f"{self.n_pages} pages at {self.base_ptr:#x})")
+
+
+class RegionPart:
+    """A region's cache as another model sharing it sees it (`KVRegion.part`): the same
+    positions, pages and lifetime, that model's layers (the `SessionKV` views on the
+    host, `k_view` / `v_view` on cuda)."""
+
+    def __init__(self, region: KVRegion, layout: KVLayout) -> None:
+        self.region = region
+        self.layout = layout
+
+    @property
+    def capacity(self) -> int:
+        return self.region.capacity
+
+    def tokens(self) -> np.ndarray:
+        return self.region.tokens(self.layout)
+
+    def k(self, layer: int) -> np.ndarray:
+        return self.tokens()[:, layer, 0]
+
+    def v(self, layer: int) -> np.ndarray:
+        return self.tokens()[:, layer, 1]
+
+    def k_view(self, layer: int) -> StridedView:
+        return self.region.k_view(layer, self.layout)
+
+    def v_view(self, layer: int) -> StridedView:
+        return self.region.v_view(layer, self.layout)

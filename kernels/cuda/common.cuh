@@ -40,6 +40,20 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Warp-wide argmax: every lane ends with the largest value and, among equal values, the
+// lowest id (the samplers' tie rule: kernels/sampling.py).
+__device__ __forceinline__ void warp_argmax(float& best, int& best_id) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ob = __shfl_xor_sync(FULL_MASK, best, o);
+    const int oi = __shfl_xor_sync(FULL_MASK, best_id, o);
+    if (ob > best || (ob == best && oi < best_id)) {
+      best = ob;
+      best_id = oi;
+    }
+  }
+}
+
 // Sum over the threads of one row of a block (blockDim.x threads, a multiple of 32, up to
 // 1024); blockDim.y rows per block reduce independently. Every thread of the row gets the
 // result. `scratch` holds 32 floats per row.

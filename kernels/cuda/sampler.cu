@@ -80,20 +80,6 @@ __device__ __forceinline__ u64 fixed_point(float w) {
   return (u64)__double2ull_rn((double)w * FX_ONE);
 }
 
-// Warp-wide argmax: every lane ends with the largest value and, among equal values, the
-// lowest id (the reference's tie rule).
-__device__ __forceinline__ void warp_argmax(float& best, int& best_id) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ob = __shfl_xor_sync(FULL_MASK, best, o);
-    const int oi = __shfl_xor_sync(FULL_MASK, best_id, o);
-    if (ob > best || (ob == best && oi < best_id)) {
-      best = ob;
-      best_id = oi;
-    }
-  }
-}
-
 // Block-wide argmax (ties to the lower id): every thread ends with the block's result.
 __device__ __forceinline__ void block_argmax(float& best, int& best_id, SamplerShared& sm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

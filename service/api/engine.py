@@ -41,7 +41,13 @@ from eagerlm.service.api.chat_tokens import TurnMemory
 from eagerlm.service.api.embeddings import Pooling, embed_ids, file_pooling
 from eagerlm.service.api.engine_settings import EngineSettings
 from eagerlm.service.api.metrics import EngineMetrics, PrometheusText, recent_steady_bubble
-from eagerlm.service.api.model_loading import LoadedModel, ProgressCallback, open_model
+from eagerlm.service.api.model_loading import (
+    DraftModel,
+    LoadedModel,
+    ProgressCallback,
+    open_draft,
+    open_model,
+)
 from eagerlm.service.api.progress import log_progress
 from eagerlm.service.api.records import (
     ChatMessage,
@@ -52,6 +58,7 @@ from eagerlm.service.api.records import (
     TokenLogprobs,
 )
 from eagerlm.service.api.streams import GenerationStream, MultiStream
+from eagerlm.service.api.vllm_metrics import VllmGauges
 
 log = logging.getLogger("eagerlm")
 
@@ -60,13 +67,16 @@ class Engine:
     """One model on one device, with its dispatcher. Open it with `Engine.open` (async) or
     `Engine.load` (blocking); both end with `shutdown()`."""
 
-    def __init__(self, loaded: LoadedModel, settings: EngineSettings) -> None:
+    def __init__(self, loaded: LoadedModel, settings: EngineSettings,
+                 draft: DraftModel | None = None) -> None:
         self.settings = settings
         self.loaded = loaded
+        self.draft = draft
         self.model: ModelFile = loaded.model
         self.tokenizer: Tokenizer = loaded.model.tokenizer
         self.dispatcher = Dispatcher(loaded.device, loaded.transformer, self.tokenizer,
-                                     settings.dispatcher_config())
+                                     settings.dispatcher_config(),
+                                     draft=None if draft is None else draft.transformer)
         self.name = settings.model_name or Path(loaded.model.path).stem
         self.metrics = EngineMetrics()
         self.turns = TurnMemory(self.tokenizer, settings.chat_turns_remembered)
@@ -83,9 +93,14 @@ class Engine:
                             on_progress=on_progress or log_progress,
                             rope=config.rope_override(), max_context=config.max_context,
                             weights=config.weights)
+        draft = None
         try:
-            return cls(loaded, config)
+            if config.draft_model is not None:
+                draft = open_draft(config.draft_model, loaded, weights=config.weights)
+            return cls(loaded, config, draft)
         except BaseException:
+            if draft is not None:
+                draft.close()
             loaded.close()
             raise
 
@@ -267,6 +282,17 @@ class Engine:
         out.gauge("eagerlm_bubble_fraction",
                   "Device idle between rounds while sessions decode, over recent rounds.",
                   recent_steady_bubble(self.dispatcher.traces))
+        stats = self.dispatcher.service.stats
+        out.counter("eagerlm_spec_draft_tokens_total",
+                    "Speculative decoding: draft tokens verified.", stats.draft_tokens)
+        out.counter("eagerlm_spec_accepted_tokens_total",
+                    "Speculative decoding: draft tokens accepted.", stats.accepted_tokens)
+
+    def vllm_gauges(self, http_queued: int = 0) -> VllmGauges:
+        """What vLLM's metric names need beside `metrics` (service/api/vllm_metrics.py)."""
+        pool, stats = self.dispatcher.pool, self.dispatcher.service.stats
+        return VllmGauges(pool.n_pages - pool.n_free, pool.n_pages, http_queued,
+                          stats.drafts, stats.draft_tokens, stats.accepted_tokens)
 
     def shutdown(self) -> None:
         """Stop the dispatcher (running requests end with an error) and free the device."""
@@ -275,6 +301,8 @@ class Engine:
                 return
             self._closed = True
         self.dispatcher.shutdown()
+        if self.draft is not None:
+            self.draft.close()
         self.loaded.close()
 
     def __enter__(self) -> Engine:

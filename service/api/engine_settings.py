@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import DispatcherConfig
 from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.dispatch.speculation import SpeculationConfig
 from eagerlm.errors import InvalidParameters
 from eagerlm.loader.config import RopeOverride
 from eagerlm.service.api.chat_tokens import DEFAULT_MAX_TURNS
@@ -45,12 +46,24 @@ class EngineSettings:
     # how the backend holds the matrices: "quantized" (the file's blocks, read by the
     # kernels), "float" (cpu: float32) or "bf16" (cuda); None: quantized
     weights: str | None = None
+    # speculative decoding for requests that do not choose (dispatch/speculation.py):
+    # "ngram" (prompt lookup), "draft" (needs draft_model) or "off"; drafts per round
+    speculative: str = SpeculationConfig.method
+    num_speculative_tokens: int = SpeculationConfig.num_tokens
+    draft_model: str | None = None  # a GGUF with the same vocabulary (--draft-model)
 
     def __post_init__(self) -> None:
         self.rope_override()  # bad values fail here, before anything is loaded
         if self.weights is not None and self.weights not in WEIGHTS_CHOICES:
             raise InvalidParameters(f"weights must be 'quantized' or 'float' (cpu), "
                                     f"'quantized' or 'bf16' (cuda), not {self.weights!r}")
+        self.speculation()  # likewise
+        if self.speculative == "draft" and self.draft_model is None:
+            raise InvalidParameters("speculative 'draft' needs a draft model "
+                                    "(--draft-model PATH)", param="draft_model")
+
+    def speculation(self) -> SpeculationConfig:
+        return SpeculationConfig(self.speculative, self.num_speculative_tokens)
 
     def rope_override(self) -> RopeOverride | None:
         """The rope scaling settings as the loader takes them (None: the file's)."""
@@ -61,7 +74,7 @@ class EngineSettings:
         control = ControlConfig(SchedulerConfig(max_batch=self.max_batch,
                                                 max_round_tokens=self.max_round_tokens),
                                 lookahead=self.lookahead, prefix_cache=self.prefix_cache,
-                                cuda_graphs=self.cuda_graphs)
+                                cuda_graphs=self.cuda_graphs, speculation=self.speculation())
         return DispatcherConfig(control=control, kv_budget_bytes=self.kv_budget_bytes,
                                 memory_fraction=self.memory_fraction,
                                 max_context=self.max_context)

@@ -150,3 +150,61 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
         raise
     report("ready")
     return LoadedModel(model, dev, transformer)
+
+
+class DraftVocabularyMismatch(InvalidParameters):
+    """A draft model whose tokens are not the target's: its proposals would be other
+    tokens than they say."""
+
+
+@dataclass
+class DraftModel:
+    """A draft model for speculative decoding (dispatch/speculation.py), loaded on the
+    target's device (`open_draft`)."""
+
+    model: ModelFile
+    transformer: Transformer
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def open_draft(path: str | os.PathLike[str], target: LoadedModel, *,
+               weights: str | None = None) -> DraftModel:
+    """Load a draft model (`--draft-model`, llama.cpp's `-md`) onto the target's device,
+    refusing one whose vocabulary is not the target's: every token id it can propose must
+    be the same token in the target (as llama.cpp checks, token by token)."""
+    model = ModelFile.open(path)
+    try:
+        check_draft_vocabulary(target.model, model)
+        if target.device.kind == "cpu":
+            transformer = cpu_transformer(model, weights="quantized" if weights is None
+                                          else weights)
+        else:
+            from eagerlm.kernels.cuda_backend import cuda_transformer
+            from eagerlm.kernels.cuda_ops import CudaOps
+            ops = CudaOps.beside(target.transformer.ops)  # its stream: rounds stay in order
+            transformer = cuda_transformer(model, target.device, ops=ops,
+                                           weights="quantized" if weights is None else weights)
+    except BaseException:
+        model.close()
+        raise
+    return DraftModel(model, transformer)
+
+
+def check_draft_vocabulary(target: ModelFile, draft: ModelFile) -> None:
+    """Raise DraftVocabularyMismatch unless the draft's vocabulary is the target's: the same
+    size (as the logits each model gives) and the same token at every id."""
+    t, d = target.tokenizer, draft.tokenizer
+    if (draft.config.vocab_size != target.config.vocab_size
+            or d.vocab_size != t.vocab_size):
+        raise DraftVocabularyMismatch(
+            f"the draft model has {draft.config.vocab_size} tokens, the model "
+            f"{target.config.vocab_size}: a draft needs the same vocabulary",
+            param="draft_model")
+    for i in range(t.vocab_size):
+        if d.token_text(i) != t.token_text(i):
+            raise DraftVocabularyMismatch(
+                f"token {i} is {d.token_text(i)!r} in the draft model but "
+                f"{t.token_text(i)!r} in the model: a draft needs the same vocabulary",
+                param="draft_model")

@@ -17,6 +17,9 @@ engine really measures is written, with vLLM's meaning:
 | `vllm:prefix_cache_queries_total` | prompt tokens submitted (tokens, as vLLM counts) |
 | `vllm:prefix_cache_hits_total` | prompt tokens whose KV came from the prefix cache |
 | `vllm:request_success_total{finished_reason}` | finished requests by reason |
+| `vllm:spec_decode_num_drafts_total` | speculating sessions' rounds with draft rows |
+| `vllm:spec_decode_num_draft_tokens_total` | proposals verified (dispatch/speculation.py) |
+| `vllm:spec_decode_num_accepted_tokens_total` | proposals accepted |
 
 Pages held by cached prefixes count as in use (vLLM counts its evictable cached blocks as
 free), so after traffic the ratio overstates what new requests would have to evict first.
@@ -42,6 +45,10 @@ class VllmGauges:
     kv_pages_in_use: int
     kv_pages_total: int
     http_queued: int = 0
+    # speculative decoding (the dispatcher's service thread counts them)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -72,7 +79,13 @@ def write_vllm_metrics(out: PrometheusText, metrics: EngineMetrics, model_name: 
                  "Prompt tokens looked up in the prefix cache.", metrics.prompt_tokens),
                 ("vllm:prefix_cache_hits_total", "counter",
                  "Prompt tokens whose KV came from the prefix cache.",
-                 metrics.cached_prompt_tokens)):
+                 metrics.cached_prompt_tokens),
+                ("vllm:spec_decode_num_drafts_total", "counter",
+                 "Speculative rounds of a session with draft tokens.", gauges.spec_drafts),
+                ("vllm:spec_decode_num_draft_tokens_total", "counter",
+                 "Draft tokens verified.", gauges.spec_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens_total", "counter",
+                 "Draft tokens accepted.", gauges.spec_accepted_tokens)):
             out.family(name, kind, text)
             out.sample(name, value, label)
         out.family("vllm:request_success_total", "counter",

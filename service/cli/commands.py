@@ -25,7 +25,11 @@ from eagerlm.loader.demo_model import demo_model_path
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.service.api.model_loading import ProgressCallback
 from eagerlm.service.api.progress import ProgressBar
-from eagerlm.service.cli.device_args import add_device_args, kv_budget_bytes
+from eagerlm.service.cli.device_args import (
+    add_device_args,
+    add_speculation_args,
+    kv_budget_bytes,
+)
 from eagerlm.service.cli.env_settings import apply_env_defaults
 from eagerlm.service.http.config import ServerConfig
 from eagerlm.service.measure.bench import add_bench_parser
@@ -78,6 +82,9 @@ def _engine_settings(args: argparse.Namespace, **settings: object) -> dict[str, 
     settings["memory_fraction"] = args.memory_fraction
     settings["cuda_graphs"] = args.cuda_graphs
     settings["weights"] = args.weights
+    settings["speculative"] = args.speculative
+    settings["num_speculative_tokens"] = args.num_speculative_tokens
+    settings["draft_model"] = args.draft_model
     return settings
 
 
@@ -306,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "context; more only as far as its rope scaling reaches, e.g. "
                             "original context x F with --rope-scaling yarn --rope-scale F)")
         rope_args(p)
+        add_speculation_args(p)
         p.add_argument("--quiet", "-q", action="store_true",
                        help="no loading messages or progress bar")
 

@@ -9,6 +9,8 @@ import argparse
 
 from eagerlm.dispatch.dispatcher import DispatcherConfig
 from eagerlm.dispatch.kv_capacity import DEFAULT_HOST_POOL_BYTES
+from eagerlm.dispatch.speculation import SpeculationConfig
+from eagerlm.kernels.sampling import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 
 def memory_fraction(text: str) -> float:
@@ -53,3 +55,30 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 def kv_budget_bytes(mib: int | None) -> int | None:
     """--kv-budget-mib in bytes; None (the flag not given) leaves the default pool."""
     return None if mib is None else mib << 20
+
+
+def speculative_tokens(text: str) -> int:
+    """An argparse type: drafts per round, 0 .. MAX_SPECULATIVE_TOKENS."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, {MAX_SPECULATIVE_TOKENS}]")
+    return value
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    """--speculative, --num-speculative-tokens and --draft-model (dispatch/speculation.py)."""
+    spec = SpeculationConfig()
+    p.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=spec.method,
+                   help="speculative decoding: 'ngram' proposes what followed the last "
+                        "words where they occurred earlier (prompt lookup), 'draft' what "
+                        "--draft-model says; verified in the same forward, so the output is "
+                        "the same; drafts shrink to none where they are not accepted "
+                        f"(default {spec.method})")
+    p.add_argument("--num-speculative-tokens", type=speculative_tokens,
+                   default=spec.num_tokens, metavar="K",
+                   help=f"most drafted tokens per round (default {spec.num_tokens})")
+    p.add_argument("--draft-model", "-md", metavar="PATH", default=None,
+                   help="a small GGUF with the model's vocabulary, for --speculative draft")

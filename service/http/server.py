@@ -73,7 +73,7 @@ from starlette.types import ASGIApp
 from eagerlm.dispatch.reasoning import ReasoningFormat
 from eagerlm.service.api.engine import Engine
 from eagerlm.service.api.metrics import PrometheusText
-from eagerlm.service.api.vllm_metrics import VllmGauges, write_vllm_metrics
+from eagerlm.service.api.vllm_metrics import write_vllm_metrics
 from eagerlm.service.http.admission import AdmissionGate
 from eagerlm.service.http.api_dialects import API_DIALECTS, error_formats
 from eagerlm.service.http.config import ServerConfig
@@ -137,9 +137,8 @@ def _add_operations_routes(app: FastAPI, ctx: ServerContext) -> None:
         for (route, status), n in sorted(ctx.response_counts.items()):
             out.sample("eagerlm_http_responses_total", n,
                        {"route": route, "status": str(status)})
-        pool = engine.dispatcher.pool
         write_vllm_metrics(out, engine.metrics, engine.name,  # service/api/vllm_metrics.py
-                           VllmGauges(pool.n_pages - pool.n_free, pool.n_pages, gate.queued))
+                           engine.vllm_gauges(gate.queued))
         return PlainTextResponse(out.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", dependencies=[Depends(ctx.authorize)])

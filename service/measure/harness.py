@@ -24,10 +24,11 @@ from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.messages import Output
 from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.dispatch.speculation import SpeculationConfig
 from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.sampling import Constraint, SamplingParams
 from eagerlm.service.api.model_loading import LoadedModel, open_model
-from eagerlm.service.cli.device_args import add_device_args, kv_budget_bytes
+from eagerlm.service.cli.device_args import add_device_args, kv_budget_bytes, speculative_tokens
 from eagerlm.service.measure.request_metrics import RequestRecord
 from eagerlm.service.measure.workload import CONSTRAINED_SCHEMA, LengthRange, PlannedRequest
 
@@ -45,6 +46,9 @@ class DispatchSettings:
     memory_fraction: float = DispatcherConfig.memory_fraction
     prefix_cache: bool = ControlConfig.prefix_cache
     cuda_graphs: bool = ControlConfig.cuda_graphs
+    # speculative decoding (prompt lookup; dispatch/speculation.py)
+    speculative: str = SpeculationConfig.method
+    num_speculative_tokens: int = SpeculationConfig.num_tokens
 
     def dispatcher_config(self, sync: bool) -> DispatcherConfig:
         return DispatcherConfig(
@@ -52,7 +56,9 @@ class DispatchSettings:
                                                   max_round_tokens=self.max_round_tokens),
                                   lookahead=self.lookahead, sync=sync,
                                   prefix_cache=self.prefix_cache,
-                                  cuda_graphs=self.cuda_graphs),
+                                  cuda_graphs=self.cuda_graphs,
+                                  speculation=SpeculationConfig(
+                                      self.speculative, self.num_speculative_tokens)),
             kv_budget_bytes=kv_budget_bytes(self.kv_budget_mb),
             memory_fraction=self.memory_fraction)
 
@@ -239,13 +245,21 @@ def add_engine_args(p: argparse.ArgumentParser,
                    help=f"rounds launched ahead of the service thread in eager mode "
                         f"(default {d.lookahead})")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--speculative", choices=("off", "ngram"), default=d.speculative,
+                   help="speculative decoding by prompt lookup (the summary then shows how "
+                        f"many proposals were accepted; default {d.speculative})")
+    p.add_argument("--num-speculative-tokens", type=speculative_tokens,
+                   default=d.num_speculative_tokens, metavar="K",
+                   help=f"most drafted tokens per round (default {d.num_speculative_tokens})")
 
 
 def engine_settings(args: argparse.Namespace) -> DispatchSettings:
     return DispatchSettings(device=args.device, max_batch=args.max_batch,
                           max_round_tokens=args.max_round_tokens, lookahead=args.lookahead,
                           kv_budget_mb=args.kv_budget_mib,
-                          memory_fraction=args.memory_fraction, cuda_graphs=args.cuda_graphs)
+                          memory_fraction=args.memory_fraction, cuda_graphs=args.cuda_graphs,
+                          speculative=args.speculative,
+                          num_speculative_tokens=args.num_speculative_tokens)
 
 
 def rate(text: str) -> float:

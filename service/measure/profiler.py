@@ -297,6 +297,11 @@ def format_summary(results: Sequence[ModeRuns], overhead: Overhead | None = None
         row("rounds with constrained rows", lambda p: f"{p.timeline.constrained_rounds}")
         row("  mask wait ms mean/max",
             lambda p: f"{p.timeline.mask_wait_ms:.3f}/{p.timeline.mask_wait_max_ms:.3f}")
+    if any(p.timeline.draft_rows for p in profiles):
+        row("draft rows (speculation)", lambda p: f"{p.timeline.draft_rows}")
+        row("  proposals accepted/verified",
+            lambda p: f"{p.timeline.accepted_tokens}/{p.timeline.draft_tokens}")
+        row("  acceptance rate", lambda p: f"{p.timeline.acceptance:.1%}")
     row("output tokens", lambda p: f"{p.latency.output_tokens}")
     row("output tok/s", lambda p: f"{p.latency.output_tok_s:.1f}")
     rows.append(("output tok/s, each run",
@@ -406,7 +411,7 @@ def run_profile(loaded: MeasuredModel, settings: ProfileSettings, out_dir: Path,
                 "prompt_len": str(w.input_len), "output_len": str(w.output_len),
                 "rate": rate_label(w.request_rate), "max_batch": e.max_batch,
                 "lookahead": e.lookahead, "constrained_every": w.constrained_every,
-                "repeats": settings.repeats}
+                "speculative": e.speculative, "repeats": settings.repeats}
     outputs, text = write_outputs(out_dir, results, overhead, settings, metadata, png)
     return results, overhead, outputs, text
 

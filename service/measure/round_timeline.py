@@ -89,6 +89,9 @@ class RoundSpan:
     pages_in_use: int = 0
     n_constrained: int = 0  # rows whose sampling took a grammar's mask
     mask_wait: float = 0.0  # seconds that sampling waited for the host's masks
+    n_draft_rows: int = 0  # speculation: rows that verified proposals
+    n_draft_tokens: int = 0  # proposals verified (fewer than the rows when none was found)
+    n_accepted_tokens: int = 0  # and accepted
 
     @property
     def host_s(self) -> float:
@@ -114,7 +117,7 @@ def spans_from_traces(traces: Iterable[RoundTrace], clock: DeviceClock) -> list[
             t.round_id, t.plan_start, t.plan_end, t.launch_end,
             clock.host_time(t.device_start), clock.host_time(t.device_end), t.tokens_ready,
             t.n_decode, t.n_prefill_tokens, t.n_sessions, t.pages_in_use, t.n_constrained,
-            t.mask_wait))
+            t.mask_wait, t.n_draft_rows, t.n_draft_tokens, t.n_accepted_tokens))
     return sorted(spans, key=lambda s: s.round_id)
 
 
@@ -224,6 +227,15 @@ class TimelineStats:
     constrained_rounds: int = 0
     mask_wait_ms: float = 0.0  # mean over those rounds
     mask_wait_max_ms: float = 0.0
+    # speculative decoding, over all rounds: draft rows, proposals verified and accepted
+    draft_rows: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted proposals over the proposals verified (0 with none)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 def timeline_stats(spans: Sequence[RoundSpan], min_batch: int = 1) -> TimelineStats:
@@ -249,4 +261,7 @@ def timeline_stats(spans: Sequence[RoundSpan], min_batch: int = 1) -> TimelineSt
         lookahead_max=max(flights, default=0),
         batch_mean=sum(s.n_decode for s in chosen) / len(chosen) if chosen else 0.0,
         constrained_rounds=len(masked), mask_wait_ms=mean_ms([s.mask_wait for s in masked]),
-        mask_wait_max_ms=1e3 * max((s.mask_wait for s in masked), default=0.0))
+        mask_wait_max_ms=1e3 * max((s.mask_wait for s in masked), default=0.0),
+        draft_rows=sum(s.n_draft_rows for s in spans),
+        draft_tokens=sum(s.n_draft_tokens for s in spans),
+        accepted_tokens=sum(s.n_accepted_tokens for s in spans))

@@ -1,0 +1,325 @@
+"""Speculative decoding through the eager dispatcher (cpu backend): prompt lookup proposes
+on the device, every row is verified in the same forward, the accepted run lands in the
+token buffer. Speculation changes how many forwards produce the tokens, never which: every
+output here is checked against the same request run alone, one token per forward, through
+the sequential reference loop (tests/sequential_reference.py)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import queue
+import random
+
+import numpy as np
+import pytest
+
+from eagerlm.dispatch.control_thread import ControlConfig
+from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from eagerlm.dispatch.messages import FinishReason
+from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.dispatch.speculation import (
+    SpecSession,
+    SpeculationConfig,
+    allocate_drafts,
+    linear_cost,
+)
+from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.kernels.numpy_ops import NumpyOps
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.kernels.speculative import accepted_run, ngram_proposal
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.vmm.device import open_device
+from tests.sequential_reference import SequentialGeneration
+from tests.test_dispatcher import Collector, _overlaps
+
+PAGE = 4096
+NGRAM = SpeculationConfig("ngram", 4, adaptive=False)  # always the most drafts
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("s") / "qwen3.gguf"
+    m = ModelFile.open(write_synthetic_model(path, tiny_spec("qwen3", context_length=256)))
+    return m, cpu_transformer(m)
+
+
+def make(model, spec=NGRAM, *, sync=False, budget=1 << 22, max_batch=8, round_tokens=64,
+         preempt="recompute", prefix_cache=True, tokenizer=None, draft=None):
+    m, tf = model
+    cfg = DispatcherConfig(
+        control=ControlConfig(SchedulerConfig(max_batch=max_batch,
+                                              max_round_tokens=round_tokens, map_ahead=4,
+                                              preempt=preempt),
+                              sync=sync, prefix_cache=prefix_cache, speculation=spec),
+        kv_budget_bytes=budget)
+    return Dispatcher(open_device("cpu", page_size=PAGE), tf, tokenizer or m.tokenizer, cfg,
+                      draft=draft)
+
+
+def alone(model, prompt, params, tokenizer=None):
+    m, tf = model
+    chunks = list(SequentialGeneration(tf, tokenizer or m.tokenizer, prompt, params))
+    return ([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
+            chunks[-1].finish_reason)
+
+
+def repetitive_prompt(model, i: int) -> list[int]:
+    """A prompt whose phrases repeat (what prompt lookup finds), different per i."""
+    m, _ = model
+    words = ["alpha", "beta", "gamma", "delta", "the", "cat", "sat", "on", "mat"]
+    rng = random.Random(i)
+    phrase = " ".join(rng.choice(words) for _ in range(rng.randint(3, 6)))
+    return m.tokenizer.encode(" ".join([phrase] * rng.randint(2, 4)) + " " + words[i % 9])
+
+
+def run(d: Dispatcher, reqs) -> Collector:
+    col = Collector()
+    for key, prompt, params in reqs:
+        d.submit(prompt, params, col.sink_for(key))
+    col.wait(len(reqs))
+    return col
+
+
+# -- the device steps' reference ---------------------------------------------------------
+
+def _naive_lookup(history, k, n_min, n_max):
+    for n in range(n_max, n_min - 1, -1):
+        if n >= len(history):
+            continue
+        suffix = list(history[-n:])
+        for p in range(len(history) - n - 1, -1, -1):  # most recent first
+            if list(history[p:p + n]) == suffix:
+                out = list(history)
+                for i in range(k):  # copying through its own end
+                    out.append(out[p + n + i])
+                return out[len(history):]
+    return []
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        h = rng.integers(0, 6, size=rng.integers(1, 40)).astype(np.int32)
+        k, n_min = int(rng.integers(0, 6)), int(rng.integers(1, 3))
+        n_max = n_min + int(rng.integers(0, 3))
+        want = _naive_lookup(h, k, n_min, n_max) if k else []
+        assert ngram_proposal(h, k, n_min, n_max).tolist() == want
+    # the longest suffix wins over a more recent shorter one
+    assert ngram_proposal(np.array([1, 2, 3, 9, 2, 3, 7, 1, 2, 3]), 2, 1, 3).tolist() == [9, 2]
+    # a repeating tail is proposed repeated
+    assert ngram_proposal(np.array([4, 5, 6, 5, 6]), 5, 1, 3).tolist() == [5, 6, 5, 6, 5]
+
+
+def test_the_accepted_run_is_the_longest_prefix_where_samples_equal_drafts():
+    assert accepted_run(np.array([5, 6, 7, 8]), np.array([5, 6, 9])) == 2
+    assert accepted_run(np.array([5, 6, 7, 8]), np.array([5, 6, 7])) == 3
+    assert accepted_run(np.array([5]), np.array([], np.int32)) == 0
+    assert accepted_run(np.array([4, 6]), np.array([5])) == 0
+
+
+def test_draft_rows_go_by_expected_gain_while_they_pay_for_themselves():
+    # one session at batch 1, each row costing 0.2 of a one-row round: as many drafts as
+    # maximise the expected tokens per cost
+    lin = linear_cost(0.2)
+    assert allocate_drafts([0.95], [8], 1, 1, lin, 100) == [8]
+    assert allocate_drafts([0.9], [8], 1, 1, lin, 100) == [7]  # 8 drafts: 5.13/2.6 < 4.7/2.4
+    assert allocate_drafts([0.1], [8], 1, 1, lin, 100) == [0]
+    # a wide batch earns more per cost: a draft must be likelier to pay
+    assert allocate_drafts([0.5], [8], 1, 1, lin, 100)[0] > allocate_drafts(
+        [0.5] + [0.0] * 7, [8] * 8, 8, 8, lin, 100)[0]
+    # the better session gets the rows first, within the budget
+    assert allocate_drafts([0.9, 0.5], [4, 4], 2, 2, linear_cost(0.0), 3) == [3, 0]
+    # a cost in steps of four rows: three drafts cost what one does, so they come together
+    steps = NumpyOps().round_cost
+    assert allocate_drafts([0.7], [8], 1, 1, steps, 100) == [3]
+    # the record moves toward what is observed, shadows included
+    s = SpecSession("ngram", 4)
+    for _ in range(20):
+        s.observe(0, 0, 0, shadow=0)
+    assert s.rate < 0.05
+    for _ in range(20):
+        s.observe(4, 4, 4, shadow=-1)
+    assert s.rate > 0.9
+
+
+# -- through the dispatcher -----------------------------------------------------------------
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_output_with_prompt_lookup_equals_the_request_run_alone(model, sync):
+    """Greedy and sampled requests, several at once, speculating with up to 4 drafts each
+    round: identical tokens, text and finish reasons to one token per forward, with many
+    drafts accepted (runs of several tokens emitted by one forward)."""
+    reqs = []
+    for key in range(8):
+        params = SamplingParams(temperature=[0.0, 0.8][key % 2], seed=key, max_tokens=48,
+                                ignore_eos=key % 3 != 0, top_k=[0, 20][key % 4 // 2])
+        reqs.append((key, repetitive_prompt(model, key), params))
+    with make(model, sync=sync) as d:
+        col = run(d, reqs)
+        stats = d.service.stats
+    for key, prompt, params in reqs:
+        assert col.result(key) == alone(model, prompt, params), key
+    assert stats.accepted_tokens > 20 and stats.draft_tokens > 100
+
+
+def test_stop_strings_end_tokens_and_max_tokens_cut_an_accepted_run_at_the_right_token(model):
+    """Every stop position across a long speculative greedy run (a stop string, an end
+    token, max_tokens): the output ends exactly where the request run alone ends, also
+    where the stop falls inside a run of accepted tokens."""
+    m, _ = model
+    prompt = repetitive_prompt(model, 3)
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref_tokens, ref_text, _ = alone(model, prompt, free)
+    pieces = [m.tokenizer.decode([t]) for t in ref_tokens]
+    variants = [dataclasses.replace(free, max_tokens=n) for n in range(1, 40)]
+    variants += [dataclasses.replace(free, stop=(ref_text[c:c + 3],))
+                 for c in range(0, len(ref_text) - 3, max(1, len(ref_text) // 30))]
+    with make(model) as d:
+        col = run(d, [(i, prompt, p) for i, p in enumerate(variants)])
+        assert d.service.stats.accepted_tokens > 20
+    for i, params in enumerate(variants):
+        assert col.result(i) == alone(model, prompt, params), params
+    # an end token: one the run says several times, made an end token of the tokenizer
+    end = max(set(ref_tokens[5:]), key=ref_tokens.count)
+    tok = copy.copy(m.tokenizer)
+    tok.end_ids = frozenset({*m.tokenizer.end_ids, end})
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    with make(model, tokenizer=tok) as d:
+        got = run(d, [(0, prompt, params)]).result(0)
+    assert got == alone(model, prompt, params, tokenizer=tok)
+    assert got[2] is FinishReason.STOP and len(got[0]) < 40 and pieces
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_preemption_in_the_middle_of_speculative_runs_changes_no_token(model, preempt):
+    m, _ = model
+    reqs = [(key, repetitive_prompt(model, key),
+             SamplingParams(temperature=[0.0, 1.0][key % 2], seed=key, max_tokens=40,
+                            ignore_eos=True)) for key in range(8)]
+    layout_bytes = m.config.n_layers * 2 * m.config.kv_dim * 4
+    longest = max(len(p) for _, p, _ in reqs) + 40
+    with make(model, budget=2 * longest * layout_bytes, preempt=preempt) as d:
+        col = run(d, reqs)
+        assert d.control.scheduler.preemptions > 0
+        assert d.service.stats.accepted_tokens > 0
+        d.flush()
+        assert d.pool.n_free == d.pool.n_pages
+        d.pool.audit()
+    for key, prompt, params in reqs:
+        assert col.result(key) == alone(model, prompt, params), key
+
+
+def test_rejected_positions_never_reach_the_prefix_cache_and_pages_return(model):
+    """A finished speculating session's KV is cached under its accepted tokens only (its
+    rejected drafts' positions are past them): a second turn that reuses it says what the
+    turn says alone; the idle pool gets every page back."""
+    prompt = repetitive_prompt(model, 5)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    with make(model) as d:
+        first = run(d, [(0, prompt, params)]).result(0)[0]
+        assert d.service.stats.draft_tokens > d.service.stats.accepted_tokens > 0
+        second = prompt + first + prompt[:7]
+        got = run(d, [(1, second, params)]).result(1)
+        assert d.control.cache.hits == 1
+        d.flush()
+        assert d.pool.n_free == d.pool.n_pages
+        d.pool.audit()
+    assert got == alone(model, second, params)
+
+
+def test_a_cancelled_speculating_stream_ends_and_frees_its_session(model):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    with make(model, prefix_cache=False) as d:
+        got = queue.Queue()
+        rid = d.submit(repetitive_prompt(model, 1), params, got.put)
+        outs = [got.get(timeout=30)]
+        d.cancel(rid)
+        while outs[-1].finish_reason is None:
+            outs.append(got.get(timeout=30))
+        assert outs[-1].finish_reason is FinishReason.CANCELLED
+        d.flush()
+        assert not d.control.sessions and d.pool.n_free == d.pool.n_pages
+        other = repetitive_prompt(model, 2)
+        assert run(d, [(0, other, params)]).result(0) == alone(model, other, params)
+
+
+def test_adaptive_drafts_stop_where_proposals_fail_and_go_on_where_they_hold(model):
+    """Free text (a random prompt on a random model: lookups rarely match what is said)
+    ends up with no draft rows; a repeating one keeps drafting. Outputs stay exact."""
+    m, _ = model
+    rng = random.Random(9)
+    noise = [rng.randrange(10, m.config.vocab_size) for _ in range(40)]
+    reqs = [(0, noise, SamplingParams(temperature=1.0, seed=3, max_tokens=60,
+                                      ignore_eos=True)),
+            (1, repetitive_prompt(model, 2), SamplingParams(temperature=0.0, max_tokens=60,
+                                                            ignore_eos=True))]
+    adaptive = SpeculationConfig("ngram", 4, row_cost=0.2)
+    for key, prompt, params in reqs:
+        with make(model, spec=adaptive) as d:
+            got = run(d, [(key, prompt, params)]).result(key)
+            traces = sorted(d.traces, key=lambda t: t.round_id)
+        assert got == alone(model, prompt, params)
+        late = [t.n_draft_rows for t in traces[len(traces) // 2:]]
+        if key == 0:
+            assert sum(late) <= len(late) // 4, late
+        else:
+            assert sum(late) >= 2 * len(late), late
+
+
+def test_penalized_and_constrained_requests_do_not_speculate(model):
+    cfg = SpeculationConfig("ngram", 4)
+    assert cfg.method_for(SamplingParams(frequency_penalty=0.5)) == "off"
+    assert cfg.method_for(SamplingParams(num_speculative_tokens=0)) == "off"
+    assert cfg.method_for(SamplingParams(speculative="off")) == "off"
+    assert SpeculationConfig().method_for(SamplingParams(speculative="ngram")) == "ngram"
+
+
+def test_constrained_requests_beside_speculating_ones_are_unchanged(model):
+    """A grammar's mask for token t + 1 needs token t, so constrained sessions do not
+    speculate; in the same rounds as speculating ones (their rows sampled last, after the
+    drafts' rows), they say what they say in an engine that does not speculate."""
+    from eagerlm.kernels.sampling import Constraint
+
+    regex = r"[a-c]{2,5}-[0-9]{1,3}"
+    reqs = []
+    for key in range(6):
+        constraint = Constraint.regex(regex) if key % 2 else None
+        reqs.append((key, repetitive_prompt(model, key),
+                     SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                    constraint=constraint)))
+    with make(model) as d:
+        got = run(d, reqs)
+        assert d.service.stats.accepted_tokens > 0
+    with make(model, spec=SpeculationConfig()) as d:
+        plain = run(d, reqs)
+    for key, prompt, params in reqs:
+        assert got.result(key) == plain.result(key), key
+        if params.constraint is None:
+            assert got.result(key) == alone(model, prompt, params)
+
+
+def test_speculative_rounds_are_launched_before_the_last_ones_tokens_are_known(
+        model, monkeypatch):
+    """No host wait is added: with acceptance decided on the device, round n + 1 (its
+    positions and inputs depending on how many tokens round n accepted) is launched before
+    round n's tokens reach the service thread, as without speculation (each forward made
+    to take 20 ms, as tests/test_dispatcher.py's eagerness test does)."""
+    _, tf = model
+    forward = tf.forward
+
+    def slow_forward(batch):
+        import time
+
+        time.sleep(0.02)
+        return forward(batch)
+
+    monkeypatch.setattr(tf, "forward", slow_forward)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with make(model) as d:
+        got = run(d, [(0, repetitive_prompt(model, 2), params)]).result(0)
+        traces = list(d.traces)
+        assert d.service.stats.accepted_tokens > 10
+    assert got == alone(model, repetitive_prompt(model, 2), params)
+    assert _overlaps(traces) > (len(traces) - 1) // 2, (_overlaps(traces), len(traces))

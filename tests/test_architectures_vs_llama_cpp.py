@@ -59,6 +59,13 @@ def test_logits_equal_llama_cpps_to_float32_rounding(tmp_path, name) -> None:
         ForwardBatch.single(tokens, 0, kv, np.arange(len(tokens))))
 
     assert ours.shape == ref.shape
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    bound = BOUND.get(name, DEFAULT_BOUND)
     err = np.abs(ours - ref).max() / np.abs(ref).max()
-    assert err < BOUND.get(name, DEFAULT_BOUND), err
+    assert err < bound, err
+    # the same top token on every row whose two best logits llama.cpp separates by more
+    # than twice the bound (a nearer tie may go either way within it: gpt-oss-mxfp4's
+    # 8-bit activations round differently from llama.cpp's)
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    separated = (top2[:, 1] - top2[:, 0]) > 2 * bound * np.abs(ref).max()
+    assert separated.any()
+    assert (ours.argmax(-1) == ref.argmax(-1))[separated].all()

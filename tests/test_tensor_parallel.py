@@ -178,12 +178,23 @@ def test_the_lm_head_kept_whole_gives_the_logits_of_the_split_one(tmp_path):
 
 
 def test_quantized_blocks_split_over_devices_give_the_one_devices_logits(tmp_path):
+    """Split on block boundaries, the blocks multiply as on one device; but the quantized
+    kernels round their inputs to 8 bits (kernels/cpu_activations.py), and the all-reduce
+    adds the devices' partial sums in another order, a last-bit difference that the next
+    layer's rounding can turn into a whole step. So the split model's logits must be as
+    close to the float path's (the same file dequantized to float32, gguf-py's values) as
+    the one-device quantized model's are: the mean distance within 1.5x, the top token
+    kept as often to one row in 20 (tests/test_cpu_quantized.py's 8-bit noise rule)."""
     # Q4_K rows are 256-value superblocks: 8 heads of 64 give each of 2 devices 256
     # columns of attn_output, and d_ff 512 gives 256 of ffn_down
     spec = tiny_spec("qwen3", weight_type=Q.Q4_K, embedding_type=Q.Q8_0, d_model=256,
                      n_heads=8, n_kv_heads=2, head_dim=64, d_ff=512)
     model = _model(tmp_path, spec)
-    _assert_close(_run(model, 1), _run(model, 2))
+    one, two = (np.concatenate(_run(model, n)) for n in (1, 2))
+    exact = np.concatenate(_run(model, 1, weights="float"))
+    assert np.abs(two - exact).mean() <= 1.5 * np.abs(one - exact).mean()
+    assert (two.argmax(-1) == exact.argmax(-1)).mean() >= (
+        (one.argmax(-1) == exact.argmax(-1)).mean() - 0.05)
 
 
 def test_a_device_that_fails_ends_the_forward_on_every_device_without_a_hang(tmp_path):

@@ -103,12 +103,10 @@ def alone(gpu, model, workload):
     return out
 
 
-CONFIGS = {
+CONFIGS = {  # settings paired where they do not interact, for the emulator's time
     "graphs": {},
-    "eager launches": dict(cuda_graphs=False),
-    "no prefix cache": dict(prefix_cache=False),
-    "sync": dict(sync=True),
-    "chunked prefill": dict(round_tokens=8),
+    "eager launches, no prefix cache": dict(cuda_graphs=False, prefix_cache=False),
+    "sync, chunked prefill": dict(sync=True, round_tokens=8),
     "preempt, recompute": dict(pages=10),
     "preempt, swap": dict(pages=10, preempt="swap"),
 }

@@ -18,6 +18,7 @@ from eagerlm.kernels import cpu_moe
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cpu_attention import DecodeRows
+from eagerlm.kernels.cpu_decode_program import DecodeProgram, record
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, by_output_features, by_rows
 from eagerlm.kernels.quantized import QuantizedMatrix, quantized_linear
 from eagerlm.kernels.sampling import (
@@ -140,6 +141,9 @@ class NumpyOps:
         # this device's end of its tensor-parallel group (kernels/host_collective.py);
         # None alone
         self.collective = collective
+        # (transformer, rows of a batch of decode rows) -> its recorded forward, or None
+        # where the forward cannot be recorded (kernels/cpu_decode_program.py)
+        self._programs: dict[tuple[int, int], DecodeProgram | None] = {}
 
     # -- one session outside the dispatcher ---------------------------------------------
 
@@ -345,6 +349,30 @@ class NumpyOps:
         sin = (np.sin(theta) * mscale).astype(np.float32)[:, None, :]
         self._rope_memo[key] = (np.array(positions, copy=True), cos, sin)
         return cos, sin
+
+    # -- the forward in one call ------------------------------------------------------
+
+    def replay(self, transformer: Transformer, batch: ForwardBatch) -> np.ndarray | None:
+        """A batch of n decode rows (every session one new row, every row's logits
+        wanted) from the recording of the first such forward (kernels/
+        cpu_decode_program.py: one compiled call instead of ~16 per layer); None for any
+        other batch, a tensor-parallel group, or a model the recording cannot express."""
+        if self.collective is not None:
+            return None
+        decode = DecodeRows.of(batch)
+        n = len(batch.tokens)
+        if (decode is None or len(decode.rows) != n or len(batch.seqs) != n
+                or len(batch.logit_rows) != n
+                or not np.array_equal(decode.rows, np.arange(n))
+                or not np.array_equal(batch.logit_rows, np.arange(n))):
+            return None
+        key = (id(transformer), n)
+        if key not in self._programs:
+            self._programs[key] = record(transformer, batch, decode)
+        program = self._programs[key]
+        if program is None or program.layout != (decode.n_layers, decode.kv_dim):
+            return None
+        return program.run(self, batch, decode)
 
     # -- KV cache and attention ------------------------------------------------------
 

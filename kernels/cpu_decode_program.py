@@ -20,9 +20,11 @@ whole table.
 What is recorded is the one forward of kernels/model.py, against the one `Ops` protocol,
 and each step calls the kernel the ops call (kernels/cpu_row_ops.py's norms and rope,
 kernels/cpu_attention.py's attention items, each weight type's `gemv` through its row
-kernel), so the replay gives the ops' logits within float32 rounding: the same bits but
-for float32 products (a fixed-order loop, not BLAS) and the gated activation (numba's exp,
-not numpy's) (tests/test_cpu_decode_program.py). A forward the table cannot express is
+kernel, the gated activation), so the replay gives the ops' logits: the same bits but for
+float32 products (a fixed-order loop, not BLAS: within float32 rounding;
+tests/test_cpu_decode_program.py). A row's replayed forward is therefore the same bits
+as the ops give it in any batch wherever the ops' are (docs/architecture.md, "Batch
+invariance"). A forward the table cannot express is
 not recorded and runs op by op as before: a matrix without a row kernel, or more rows
 than its kernel takes; a mixture of experts; attention sinks; gpt-oss's activation; a
 tensor-parallel group; a batch with prompt rows, or logits wanted for some rows only.
@@ -183,17 +185,9 @@ def _step_chunk(st: np.ndarray, fp: np.ndarray, base: int, rows: np.ndarray,
                      _floats(base, 1), False, c, st[WIDTH - 1])
     elif op == ACT:
         width = st[6]
-        gate = _floats(base + 4 * (st[1] + c * st[2]), width)
-        up = _floats(base + 4 * (st[3] + c * st[4]), width)
-        out = _floats(base + 4 * (st[7] + c * width), width)
-        for j in range(width):
-            g = gate[j]
-            if st[8] == 0:  # SiLU
-                a = g / (np.float32(1.0) + np.exp(-g))
-            else:  # GELU, tanh approximation
-                inner = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * (g * g * g))
-                a = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner))
-            out[j] = a * up[j]
+        row_ops.gated(_rows(base + 4 * (st[1] + c * st[2]), 1, width),
+                      _rows(base + 4 * (st[3] + c * st[4]), 1, width), st[8] != 0,
+                      _rows(base + 4 * (st[7] + c * width), 1, width))
     elif op == SOFTCAP:  # in place
         x = _floats(base + 4 * (st[1] + c * st[3]), st[3])
         cap = np.float32(fp[0])

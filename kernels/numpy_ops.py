@@ -125,6 +125,12 @@ def _host_view(buf: DeviceBuffer, dtype: type[np.generic] = np.int32) -> np.ndar
     return cast("HostBuffer", buf).array.view(dtype)
 
 
+# the ops of kernels/model.py's forward (`Ops`), which the decode replay records
+_FORWARD_OPS = ("embed", "rms_norm", "add_rms_norm", "linear", "gated_ffn_act", "moe_ffn",
+                "softcap", "all_reduce", "all_gather", "rows", "rope", "kv_append",
+                "attention", "_rope_table")
+
+
 class NumpyOps:
     """Ops over numpy arrays. Activations are `[tokens, features]` float32; matrices are
     float32 arrays or `QuantizedMatrix` blocks. It is the cpu backend's whole `Backend`
@@ -270,10 +276,20 @@ class NumpyOps:
         return y + bias if bias is not None else y
 
     def gated_ffn_act(self, gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
+        """act(gate) * up: SwiGLU and GeGLU compiled (kernels/cpu_row_ops.py's `gated`,
+        the decode replay's too: the same bits on both paths), gpt-oss's clamped SwiGLU
+        in numpy (`_gated`); the rows split over the cores."""
         out = np.empty(gate.shape, np.result_type(gate, up))
+        if act is Activation.SWIGLU_OAI:
+            def part(a: int, b: int) -> None:
+                out[a:b] = _gated(gate[a:b], up[a:b], act)
+        else:
+            g = np.ascontiguousarray(gate, np.float32)
+            u = np.ascontiguousarray(up, np.float32)
+            gelu = act is Activation.GEGLU
 
-        def part(a: int, b: int) -> None:
-            out[a:b] = _gated(gate[a:b], up[a:b], act)
+            def part(a: int, b: int) -> None:
+                row_ops.gated(g[a:b], u[a:b], gelu, out[a:b])
         by_rows(len(gate), part)
         return out
 
@@ -356,8 +372,10 @@ class NumpyOps:
         """A batch of n decode rows (every session one new row, every row's logits
         wanted) from the recording of the first such forward (kernels/
         cpu_decode_program.py: one compiled call instead of ~16 per layer); None for any
-        other batch, a tensor-parallel group, or a model the recording cannot express."""
-        if self.collective is not None:
+        other batch, a tensor-parallel group, ops whose class changes one of these ops'
+        arithmetic (a test's reference, which the recording would bypass), or a model the
+        recording cannot express."""
+        if self.collective is not None or not self._own_ops():
             return None
         decode = DecodeRows.of(batch)
         n = len(batch.tokens)
@@ -373,6 +391,11 @@ class NumpyOps:
         if program is None or program.layout != (decode.n_layers, decode.kv_dim):
             return None
         return program.run(self, batch, decode)
+
+    @classmethod
+    def _own_ops(cls) -> bool:
+        """Whether every op of the forward is NumpyOps' own (what RecordingOps mirrors)."""
+        return all(getattr(cls, name) is getattr(NumpyOps, name) for name in _FORWARD_OPS)
 
     # -- KV cache and attention ------------------------------------------------------
 

@@ -77,6 +77,20 @@ def test_a_replayed_decode_step_gives_the_logits_and_caches_of_the_ops(tmp_path,
     replayed_against_ops(cpu_transformer(model))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.IQ4_XS, Q.F16])
+def test_a_replayed_decode_step_of_a_quantized_model_gives_the_logits_of_the_ops(tmp_path,
+                                                                               qtype):
+    """Each type's `gemv` and activation quantizer through the row kernels' C signature:
+    the same products as the ops' (only the activation's exp differs in its last bits), so
+    the logits agree within float32 rounding and greedy decoding picks the same tokens.
+    Rows of 256 values: the superblock types' unit."""
+    spec = tiny_spec("qwen2", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64,
+                     d_ff=512, weight_type=qtype)
+    replayed_against_ops(cpu_transformer(ModelFile.open(
+        write_synthetic_model(tmp_path / "m.gguf", spec))))
+
+
 def test_what_the_table_cannot_express_runs_op_by_op(tmp_path):
     """A prompt row in the batch and logits of some rows only take the ops; a mixture of
     experts and attention sinks are not recorded (tried once, not again)."""

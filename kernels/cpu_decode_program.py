@@ -12,7 +12,9 @@ n decode rows runs the table in one call of `_run` on each core's thread
 (kernels/cpu_threads.py's workers: one hand-off per forward), every thread walking the
 steps together; a step is cut into chunks (row ranges of a product, (row, KV head) items
 of the attention, rows of a norm) that the threads claim from an atomic counter, and a
-thread that finds none left waits for the step's done counter before the next step. A
+thread that finds none left waits for the step's done counter before the next step,
+unless the next step reads nothing the steps since the last wait write (Q, K and V's
+products of one input; the two ropes): then it goes straight on (`GO_ON`). A
 thread that never gets a core therefore only leaves its share to the others (it cannot
 hold a step back, as a fixed split of the work would), and one thread alone runs the
 whole table.
@@ -119,6 +121,9 @@ SPINS = 2000
 
 NORM, ADD_NORM, GEMV, ROPE, APPEND, ATTN, ACT, SOFTCAP, QUANT = range(1, 10)
 WIDTH = 16  # int64 fields per step; the last is the step's chunk count
+GO_ON = WIDTH - 2  # the field saying the next step may start before this one ends
+# the KV caches, as an arena range: what APPEND writes and ATTN reads
+_CACHES = (-2, -1)
 ROW_CHUNKS_PER_THREAD = 8  # a product's rows in this many chunks per thread
 
 
@@ -205,12 +210,14 @@ def _run(steps: np.ndarray, fparams: np.ndarray, f32: np.ndarray, rows: np.ndarr
          sched_yield: int) -> None:
     """Every step in order, on one of the threads that run the table together (each
     calls this once, the GIL released): the chunks of a step it claims (counters: a claim
-    and a done count per step, zero at the start), then a wait until all are done: a spin
+    and a done count per step, zero at the start), then, unless the step lets the next
+    one start at once (`GO_ON`), a wait until all steps so far are done: a spin
     of `SPINS` checks (a step's last chunk is usually microseconds away), then a
     `sched_yield` (the C library's, at that address) per check, so that on a machine
     busier than its cores a waiting thread does not keep the one it waits for off a
     core."""
     base = np.int64(f32.ctypes.data)
+    first_open = 0  # the first step not known to be done
     for s in range(steps.shape[0]):
         st = steps[s]
         total = st[WIDTH - 1]
@@ -220,11 +227,15 @@ def _run(steps: np.ndarray, fparams: np.ndarray, f32: np.ndarray, rows: np.ndarr
                 break
             _step_chunk(st, fparams[s], base, rows, bases, positions, token_stride, c)
             _atomic_add(counters, 2 * s + 1, 1)
-        spins = 0
-        while _atomic_load(counters, 2 * s + 1) < total:
-            spins += 1
-            if spins > SPINS:  # the others are not running: give them the core
-                _call_void(sched_yield)
+        if st[GO_ON]:  # the next step reads nothing this one writes (and vice versa)
+            continue
+        for t in range(first_open, s + 1):
+            spins = 0
+            while _atomic_load(counters, 2 * t + 1) < steps[t, WIDTH - 1]:
+                spins += 1
+                if spins > SPINS:  # the others are not running: give them the core
+                    _call_void(sched_yield)
+        first_open = s + 1
 
 
 # -- recording ----------------------------------------------------------------------------
@@ -281,6 +292,9 @@ class DecodeProgram:
     token_stride: int = 0
     layout: tuple[int, int] = (0, 0)  # (n_layers, kv_dim) of the caches it was recorded on
     values: int = 0  # multiply-adds of the products, per row
+    # the arena ranges the steps since the last wait read and write (`add`)
+    _read: list[tuple[int, int]] = field(default_factory=list)
+    _written: list[tuple[int, int]] = field(default_factory=list)
 
     def alloc(self, n: int, width: int) -> Buf:
         buf = Buf(self.arena, n, width, width)
@@ -295,12 +309,27 @@ class DecodeProgram:
         self.keep.append(array)
         return int(array.ctypes.data)
 
-    def add(self, fields: Sequence[int], chunks: int, floats: Sequence[float] = ()) -> None:
+    def add(self, fields: Sequence[int], chunks: int, floats: Sequence[float] = (), *,
+            reads: Sequence[Any] = (), writes: Sequence[Any] = ()) -> None:
+        """A step, which reads and writes the arena ranges (or `Buf`s) given: where it
+        touches nothing that the steps since the last wait write (nor writes what they
+        read), the step before it lets it start at once (`GO_ON`)."""
         row = [int(v) for v in fields]
+        assert len(row) <= GO_ON
+        rd, wr = [_span(r) for r in reads], [_span(w) for w in writes]
+        if self.steps and not any(_overlap(a, b) for a in rd + wr for b in self._written) \
+                and not any(_overlap(a, b) for a in wr for b in self._read):
+            self.steps[-1][GO_ON] = 1
+        else:
+            self._read, self._written = [], []
+        self._read += rd
+        self._written += wr
         self.steps.append(row + [0] * (WIDTH - 1 - len(row)) + [int(chunks)])
         self.fparams.append([float(v) for v in floats] + [0.0] * (2 - len(floats)))
 
     def finish(self) -> None:
+        if self.steps:
+            self.steps[-1][GO_ON] = 0  # every step done before the call returns
         self._steps = np.array(self.steps, np.int64).reshape(-1, WIDTH)
         self._fparams = np.array(self.fparams, np.float64).reshape(-1, 2)
 
@@ -329,6 +358,17 @@ class DecodeProgram:
             :, :out.width].copy()
 
 
+def _span(b: Any) -> tuple[int, int]:
+    """A `Buf`'s arena range [start, end), or a range itself."""
+    if isinstance(b, Buf):
+        return (b.off, b.off + (b.n - 1) * b.stride + b.width)
+    return b
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
 def _contiguous(x: Buf, what: str) -> None:
     if x.stride != x.width:
         raise Unsupported(f"{what} of a strided input")
@@ -342,7 +382,7 @@ class RecordingOps:
         self.p = program
         self._decode = decode
         self._threads = threads
-        self._codes: dict[tuple[int, int], tuple[int, int, int]] = {}  # `_quantized`
+        self._codes: dict[tuple[int, int], list[Buf]] = {}  # `_quantized`
 
     def embed(self, table: Any, ids: Any, scale: float) -> Buf:
         p = self.p
@@ -356,14 +396,15 @@ class RecordingOps:
             raise Unsupported("a norm over anything but rows or their heads")
         out = self.p.alloc(x.n, x.width)
         self.p.add([NORM, x.off, x.stride, x.n, x.width // d, d, self.p.address(w), out.off,
-                    out.stride], x.n, [eps])
+                    out.stride], x.n, [eps], reads=[x], writes=[out])
         return out.reshape(*x.shape)
 
     def add_rms_norm(self, residual: Buf, x: Buf, w: np.ndarray, eps: float
                      ) -> tuple[Buf, Buf]:
         h, out = self.p.alloc(x.n, x.width), self.p.alloc(x.n, x.width)
         self.p.add([ADD_NORM, residual.off, residual.stride, x.off, x.stride, x.n, x.width,
-                    self.p.address(w), h.off, out.off], x.n, [eps])
+                    self.p.address(w), h.off, out.off], x.n, [eps],
+                   reads=[residual, x], writes=[h, out])
         return h, out
 
     def linear(self, x: Buf, w: Any, bias: np.ndarray | None = None) -> Buf:
@@ -380,18 +421,20 @@ class RecordingOps:
         data = w if isinstance(w, np.ndarray) else w.blocks
         self.p.keep.append(data)
         chunk = max(16, -(-rows // (ROW_CHUNKS_PER_THREAD * self._threads)))
-        x_at, scales, sums = x.off, 0, 0
+        inputs = [x]
         if kernel.quantize:
-            x_at, scales, sums = self._quantized(x, kernel)
-        self.p.add([GEMV, x_at, x.n, x.width, data.ctypes.data, kernel.address, rows,
-                    data.strides[0], y.off, self.p.address(bias), chunk, scales, sums,
-                    int(kernel.quantize != 0)], -(-rows // chunk))
+            inputs = self._quantized(x, kernel)
+        x_at, scales, sums = (inputs + [Buf(0, 1, 0, 0)] * 2)[:3]
+        self.p.add([GEMV, x_at.off, x.n, x.width, data.ctypes.data, kernel.address, rows,
+                    data.strides[0], y.off, self.p.address(bias), chunk, scales.off,
+                    sums.off, int(kernel.quantize != 0)], -(-rows // chunk),
+                   reads=inputs, writes=[y])
         self.p.values += rows * x.width
         return y
 
-    def _quantized(self, x: Buf, kernel: RowKernel) -> tuple[int, int, int]:
-        """Where x's 8-bit codes, scales and sums for `kernel` are (arena floats), made by
-        a QUANT step the first time a product asks for them."""
+    def _quantized(self, x: Buf, kernel: RowKernel) -> list[Buf]:
+        """x's 8-bit codes, scales and sums for `kernel` (in the arena), made by a QUANT
+        step the first time a product asks for them."""
         key = (x.off, kernel.quantize)
         if key not in self._codes:
             p = self.p
@@ -400,8 +443,9 @@ class RecordingOps:
             n_scales, n_sums = padded // kernel.scale_group, padded // kernel.sum_group
             scales, sums = p.alloc(x.n, n_scales), p.alloc(x.n, n_sums)
             p.add([QUANT, x.off, x.n, x.width, codes.off, scales.off, sums.off,
-                   kernel.quantize, padded, n_scales, n_sums], x.n)
-            self._codes[key] = (codes.off, scales.off, sums.off)
+                   kernel.quantize, padded, n_scales, n_sums], x.n, reads=[x],
+                  writes=[codes, scales, sums])
+            self._codes[key] = [codes, scales, sums]
         return self._codes[key]
 
     def gated_ffn_act(self, gate: Buf, up: Buf, act: Activation) -> Buf:
@@ -409,7 +453,8 @@ class RecordingOps:
             raise Unsupported(f"the {act.name} activation")
         out = self.p.alloc(gate.n, gate.width)
         self.p.add([ACT, gate.off, gate.stride, up.off, up.stride, gate.n, gate.width,
-                    out.off, 0 if act is Activation.SWIGLU else 1], gate.n)
+                    out.off, 0 if act is Activation.SWIGLU else 1], gate.n,
+                    reads=[gate, up], writes=[out])
         return out
 
     def moe_ffn(self, x: Buf, w: Any, moe: Any, act: Activation) -> Buf:
@@ -425,7 +470,7 @@ class RecordingOps:
 
     def softcap(self, x: Buf, cap: float) -> Buf:
         _contiguous(x, "a softcap")
-        self.p.add([SOFTCAP, x.off, x.n, x.width], x.n, [cap])
+        self.p.add([SOFTCAP, x.off, x.n, x.width], x.n, [cap], reads=[x], writes=[x])
         return x
 
     def rows(self, x: Buf, rows: np.ndarray) -> Buf:
@@ -444,7 +489,9 @@ class RecordingOps:
         heads, hd = x.heads, x.width // x.heads
         out = p.alloc(x.n, x.width)
         p.add([ROPE, x.off, x.stride, x.n, heads, hd, cos_at, sin_at, rope.dim,
-               int(rope.style is RopeStyle.NEOX), out.off], x.n)
+               int(rope.style is RopeStyle.NEOX), out.off], x.n,
+              reads=[x, (cos_at, cos_at + p.n * rope.dim // 2),
+                     (sin_at, sin_at + p.n * rope.dim // 2)], writes=[out])
         return out.reshape(*x.shape)
 
     def kv_append(self, batch: ForwardBatch, layer: int, k: Buf, v: Buf) -> None:
@@ -452,7 +499,7 @@ class RecordingOps:
         if k.width != decode.kv_dim or v.width != decode.kv_dim:
             raise Unsupported("a cache of another layout")
         self.p.add([APPEND, k.off, k.stride, v.off, v.stride, k.n, k.width,
-                    layer * 2 * decode.kv_dim], k.n)
+                    layer * 2 * decode.kv_dim], k.n, reads=[k, v], writes=[_CACHES])
 
     def attention(self, batch: ForwardBatch, layer: int, q: Buf, *, scale: float,
                   window: int, sinks: Any = None) -> Buf:
@@ -464,7 +511,7 @@ class RecordingOps:
         n_kv = decode.kv_dim // hd
         out = self.p.alloc(q.n, q.width)
         self.p.add([ATTN, q.off, q.n, heads, hd, out.off, layer * 2 * decode.kv_dim, n_kv,
-                    window], q.n * n_kv, [scale])
+                    window], q.n * n_kv, [scale], reads=[q, _CACHES], writes=[out])
         return out
 
 

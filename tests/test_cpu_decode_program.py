@@ -155,3 +155,20 @@ def test_more_rows_than_a_row_kernel_takes_run_op_by_op(tmp_path, monkeypatch):
     tokens = np.array([11, 12, 13], np.int32)
     assert tf.ops.replay(tf, decode_batch(tokens, caches, positions)) is None
     assert tf.ops._programs == {(id(tf), 3): None}
+
+
+def test_a_step_waits_for_the_steps_before_it_only_where_it_reads_their_output(tmp_path):
+    """Q, K and V's products read one input and write three outputs: the threads go on
+    from one to the next without waiting; the rope of q waits for its product, the
+    attention for the KV append, and the table's last step for everything."""
+    model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", tiny_spec("llama")))
+    tf = cpu_transformer(model)
+    (replayed,), positions = prefilled(tf, 1)
+    tf.forward(decode_batch(np.array([11, 12, 13], np.int32), replayed, positions))
+    steps = tf.ops._programs[(id(tf), 3)]._steps
+    ops, go_on = list(steps[:, 0]), list(steps[:, cpu_decode_program.GO_ON])
+    p = cpu_decode_program
+    first = [p.NORM, p.GEMV, p.GEMV, p.GEMV, p.ROPE, p.ROPE, p.APPEND, p.ATTN, p.GEMV]
+    assert ops[:9] == first
+    assert go_on[:9] == [0, 1, 1, 0, 1, 0, 0, 0, 0]
+    assert go_on[-1] == 0

@@ -186,8 +186,10 @@ def _step_chunk(st: np.ndarray, fp: np.ndarray, base: int, rows: np.ndarray,
         n, heads, hd = st[2], st[3], st[4]
         q = numba.carray(f32_at(base + 4 * st[1]), (n, heads, hd))
         out = numba.carray(f32_at(base + 4 * st[5]), (n, heads, hd))
+        # (no sinks: st[9] is 0, a run-time bool, so the kernel's compiled overload is the
+        # ops' own, not one more for a literal False)
         _attend_rows(q, out, rows, bases, positions, st[6], token_stride, st[7], fp[0], st[8],
-                     _floats(base, 1), False, c, st[WIDTH - 1])
+                     _floats(base, 1), st[9] != 0, c, st[WIDTH - 1])
     elif op == ACT:
         width = st[6]
         row_ops.gated(_rows(base + 4 * (st[1] + c * st[2]), 1, width),

@@ -174,3 +174,4 @@ def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> None:
         w = QuantizedMatrix(qtype, (1, cols), np.zeros((1, cols // block * type_size), np.uint8))
         quantized_linear(np.zeros((1, cols), np.float32), w)  # `gemv`
         w.dequantize()  # `dequant`, the tiles
+        row_kernel(w)  # the decode replay's `gemv` and quantizer

@@ -172,3 +172,24 @@ def test_a_step_waits_for_the_steps_before_it_only_where_it_reads_their_output(t
     assert ops[:9] == first
     assert go_on[:9] == [0, 1, 1, 0, 1, 0, 0, 0, 0]
     assert go_on[-1] == 0
+
+
+def test_a_row_replayed_alone_is_the_same_bits_as_beside_a_prompt_op_by_op(tmp_path):
+    """Batch invariance (docs/architecture.md): a session's decode row replayed in a
+    batch of its own and the same row beside another session's prompt rows (a batch the
+    replay declines, run op by op) give the same logits, bit for bit, on a quantized model
+    (8-bit activations would turn a last-bit difference into a rounding step)."""
+    spec = tiny_spec("qwen3", d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512,
+                     weight_type=Q.Q8_0)
+    tf = cpu_transformer(ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", spec)))
+    (alone, mixed), positions = prefilled(tf)
+    got = tf.forward(decode_batch(np.array([42], np.int32), alone[:1], positions[:1]))
+    assert tf.ops._programs[(id(tf), 1)] is not None
+    cfg = tf.config
+    other = TokenMajorKV(np.zeros((64, *KVLayout(cfg.n_layers, cfg.n_kv_heads,
+                                                  cfg.head_dim).token_shape), np.float32))
+    batch = ForwardBatch(np.array([42, 7, 8, 9, 10, 11], np.int32),
+                         [SeqSlice(0, 1, positions[0], mixed[0]), SeqSlice(1, 5, 0, other)],
+                         np.arange(6))
+    assert tf.ops.replay(tf, batch) is None
+    np.testing.assert_array_equal(got[0], tf.forward(batch)[0])

@@ -8,6 +8,7 @@ float32 (BLAS), no in-place tricks that hide what is computed.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, cast
@@ -150,6 +151,9 @@ class NumpyOps:
         # (transformer, rows of a batch of decode rows) -> its recorded forward, or None
         # where the forward cannot be recorded (kernels/cpu_decode_program.py)
         self._programs: dict[tuple[int, int], DecodeProgram | None] = {}
+        # the transformer each was recorded for (an id can be reused once it is gone)
+        self._owners: weakref.WeakValueDictionary[tuple[int, int], Transformer] = \
+            weakref.WeakValueDictionary()
 
     # -- one session outside the dispatcher ---------------------------------------------
 
@@ -385,8 +389,9 @@ class NumpyOps:
                 or not np.array_equal(batch.logit_rows, np.arange(n))):
             return None
         key = (id(transformer), n)
-        if key not in self._programs:
+        if key not in self._programs or self._owners.get(key) is not transformer:
             self._programs[key] = record(transformer, batch, decode)
+            self._owners[key] = transformer
         program = self._programs[key]
         if program is None or program.layout != (decode.n_layers, decode.kv_dim):
             return None

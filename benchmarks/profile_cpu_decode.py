@@ -2,7 +2,8 @@
 
 The physical limit of a decode step is reading every weight once (bytes / copy bandwidth,
 the roofline); what is not reading weights is overhead. This runs `--steps` decode steps
-of one session after a `--prompt-tokens` prompt with every op of the forward timed (the
+of one session after a `--prompt-tokens` prompt, op by op (the decode replay off:
+benchmarks/bench_cpu_replay.py measures it), with every op of the forward timed (the
 backend's methods wrapped: products by the matrices they read, attention, norms, the
 activation, ...), and reports per op the minimum over the steps of its per-step total
 (what it costs when nothing else on the machine gets in the way: this machine is shared,
@@ -72,6 +73,9 @@ class OpTimer:
             fn = getattr(tf.ops, name, None)
             if fn is not None:
                 setattr(tf.ops, name, self._wrap(name, fn))
+        # op by op: a replayed step (kernels/cpu_decode_program.py) calls no op to time
+        # (benchmarks/bench_cpu_replay.py compares the two)
+        tf.ops.replay = lambda transformer, batch: None  # type: ignore[method-assign]
 
     def _key(self, name: str, args: tuple[Any, ...]) -> str:
         if name == "linear":

@@ -24,9 +24,12 @@ of the 256 / 127.
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+import functools
 
+import numpy as np
+from numba import carray, cfunc, njit
+
+from eagerlm.kernels.cpu_row_kernel import QUANTIZE, f32_at, i8_at, i32_at
 from eagerlm.kernels.numba_settings import JIT_ORDERED
 
 GROUP = 32  # activation values per scale
@@ -118,3 +121,49 @@ def quantize_superblocks_into(x, codes, scales, sums):
             for i in range(sub):
                 total += cr[g * sub + i]
             sums[j, g] = total
+
+
+# -- the quantizers as kernels/cpu_row_kernel.py's `QUANTIZE` C functions (the replay's) --
+# x `[n, k]` float32 at address x into the layout above: one function per layout and group
+
+@njit(inline="always", **JIT_ORDERED)
+def _groups_at(x, codes, scales, sums, n, k, sub):
+    padded = -(-k // PAD) * PAD
+    quantize_into(carray(f32_at(x), (n, k)), carray(i8_at(codes), (n, padded)),
+                  carray(f32_at(scales), (n, padded // sub)),
+                  carray(f32_at(sums), (n, padded // sub)))
+
+
+@njit(inline="always", **JIT_ORDERED)
+def _superblocks_at(x, codes, scales, sums, n, k, sub):
+    quantize_superblocks_into(carray(f32_at(x), (n, k)), carray(i8_at(codes), (n, k)),
+                              carray(f32_at(scales), (n, k // SUPERBLOCK)),
+                              carray(i32_at(sums), (n, k // sub)))
+
+
+def _groups16(x, codes, scales, sums, n, k):  # pragma: no cover
+    _groups_at(x, codes, scales, sums, n, k, 16)
+
+
+def _groups32(x, codes, scales, sums, n, k):  # pragma: no cover
+    _groups_at(x, codes, scales, sums, n, k, 32)
+
+
+def _superblocks16(x, codes, scales, sums, n, k):  # pragma: no cover
+    _superblocks_at(x, codes, scales, sums, n, k, 16)
+
+
+def _superblocks32(x, codes, scales, sums, n, k):  # pragma: no cover
+    _superblocks_at(x, codes, scales, sums, n, k, 32)
+
+
+_QUANTIZERS = {(False, 16): _groups16, (False, 32): _groups32,
+               (True, 16): _superblocks16, (True, 32): _superblocks32}
+
+
+@functools.cache
+def quantizer_address(superblocks: bool, sub: int) -> int:
+    """The address of the `QUANTIZE` making a type's activations (`quantize_superblocks`
+    if `superblocks`, else `quantize_activations`, with a sum per `sub` values), compiled
+    on first use."""
+    return cfunc(QUANTIZE, **JIT_ORDERED)(_QUANTIZERS[superblocks, sub]).address

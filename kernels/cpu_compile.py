@@ -2,8 +2,9 @@
 cores the first time.
 
 A model needs the weight kernels of the types its file holds (kernels/cpu_kernel_registry.py:
-no other type's are even generated), the row ops, the attention rows and the activations'
-quantizer. numba caches each compiled kernel on disk, so this costs a second or less
+no other type's are even generated; with their row kernels, the decode replay's), the row
+ops, the attention rows, the decode replay's table (kernels/cpu_decode_program.py) and the
+activations' quantizer. numba caches each compiled kernel on disk, so this costs a second or less
 after the first load; the first costs several seconds of CPU, and numba compiles one
 function at a time in a process (a global lock). So when some of the kernels are not in
 the cache yet and the machine has more than one core, a helper process
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType
 
-from eagerlm.kernels import cpu_attention
+from eagerlm.kernels import cpu_attention, cpu_decode_program
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.cpu_activations import quantize_into, quantize_superblocks_into
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
@@ -33,7 +34,7 @@ from eagerlm.kernels.quantized import warm_up
 
 # CPU seconds to compile each group with an empty cache (this project's 2-core machine,
 # docs/performance.md), and a helper process's start-up (Python, numpy, numba, eagerlm)
-_COLD_SECONDS = {"row_ops": 1.5, "attention": 2.2}
+_COLD_SECONDS = {"row_ops": 1.5, "attention": 2.2, "replay": 3.7}
 _TYPE_COLD_SECONDS = 1.3
 _HELPER_START_SECONDS = 1.0
 
@@ -46,6 +47,10 @@ class _Group:
     name: str
     warm_up: Callable[[], None]
     dispatchers: Callable[[], list]
+    # compiled last, in this process: it calls other groups' kernels (the decode
+    # replay's table calls the row ops and the attention rows), which it would otherwise
+    # compile again here while the helper compiles them
+    after: bool = False
 
     @property
     def seconds(self) -> float:
@@ -66,6 +71,8 @@ def _groups(qtypes: Iterable[GGMLQuantizationType]) -> list[_Group]:
     fixed = [
         _Group("row_ops", row_ops.warm_up, lambda: list(row_ops.KERNELS)),
         _Group("attention", cpu_attention.warm_up, lambda: list(cpu_attention.KERNELS)),
+        _Group("replay", cpu_decode_program.warm_up, lambda: list(cpu_decode_program.KERNELS),
+               after=True),
     ]
     types = [_Group(q.name, lambda q=q: warm_up([q]),
                     lambda q=q: [kernels(q).gemv, kernels(q).dequant, *_quantizer(q)])
@@ -87,16 +94,19 @@ def compile_kernels(qtypes: Iterable[GGMLQuantizationType]) -> float:
     otherwise pay it."""
     t0 = time.perf_counter()
     groups = _groups(qtypes)
-    cold = [g for g in groups if not g.cached()]
+    cold = [g for g in groups if not g.cached() and not g.after]
     helper_share = _helper_share(cold) if core_count() > 1 else []
     helper = _start_helper(helper_share) if helper_share else None
     for g in groups:
-        if g not in helper_share:
+        if g not in helper_share and not g.after:
             g.warm_up()
     if helper is not None:
         helper.wait()
     for g in helper_share:  # from the cache the helper filled (or compiled here)
         g.warm_up()
+    for g in groups:
+        if g.after:
+            g.warm_up()
     return time.perf_counter() - t0
 
 

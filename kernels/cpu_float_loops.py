@@ -11,6 +11,8 @@ activations stay float32, so these products round only as float32 sums do.
 - `gemv(w, x, y, r0, r1)`: y[j, r] = dot(row r of w, x[j]) for rows r0 .. r1 - 1 of w and
   every row of x (up to `MAX_ROWS`); weights are converted once per two rows of x.
 - `dequant(w, r0, out)`: rows of w as float32 (tiles for BLAS, the embedding lookup).
+- `row_kernel_address()`: `gemv` as a C function of kernels/cpu_row_kernel.py's
+  `ROW_KERNEL` signature (what the decode replay calls), compiled on first use.
 """
 
 from __future__ import annotations
@@ -98,3 +100,21 @@ def dequant(w, r0, out):
             store_f32x8(orow, i, load_values(wr, VALUE_BYTES * i))
         for i in range(whole, k):
             orow[i] = load_value(wr, VALUE_BYTES * i)
+
+
+# -- the row kernel: `gemv` behind kernels/cpu_row_kernel.py's C signature ----------------------
+import functools  # noqa: E402
+
+from numba import carray, cfunc  # noqa: E402
+
+from eagerlm.kernels.cpu_row_kernel import ROW_KERNEL, f32_at, u8_at  # noqa: E402
+
+
+def _row_kernel(w, x, scales, sums, y, n, k, rows, row_bytes, r0, r1):  # pragma: no cover
+    gemv(carray(u8_at(w), (rows, row_bytes)), carray(f32_at(x), (n, k)),
+         carray(f32_at(y), (n, rows)), r0, r1)
+
+
+@functools.cache
+def row_kernel_address() -> int:
+    return cfunc(ROW_KERNEL, **JIT_ORDERED)(_row_kernel).address

@@ -6,7 +6,8 @@ the type's decoder in kernels/cpu_block_decoders.py; kernels/cpu_float_loops.py 
 and BF16, over a value loader) and the constants that specialise them. Adding a type is
 its decoder plus one row here.
 
-`kernels(qtype)` returns the type's module of compiled kernels (`gemv`, `dequant`),
+`kernels(qtype)` returns the type's module of compiled kernels (`gemv`, `dequant`, and
+`row_kernel_address()`, `gemv` as the decode replay calls it: kernels/cpu_row_kernel.py),
 building it on first use: the template's loops below its `-- loops --` line, after the
 row's binding lines, written to a real file and imported (why a file and not a closure:
 kernels/cpu_quant_loops.py's docstring). The file's name carries a hash of everything
@@ -40,7 +41,8 @@ Q = GGMLQuantizationType
 _KERNELS_DIR = Path(__file__).resolve().parent
 _LOOPS_MARK = "# -- loops:"
 # the modules whose text the generated code is made of (besides its template)
-_INGREDIENTS = ("cpu_block_decoders.py", "cpu_simd.py", "numba_settings.py", "iq_tables.py")
+_INGREDIENTS = ("cpu_block_decoders.py", "cpu_simd.py", "numba_settings.py", "iq_tables.py",
+                "cpu_row_kernel.py")
 
 
 @dataclass(frozen=True)

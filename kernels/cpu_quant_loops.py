@@ -31,6 +31,8 @@ The kernels (one thread each; kernels/quantized.py splits output rows over the c
   row of x keeps its sums in registers; more keep one vector per row in a stack buffer.
 - `dequant(w, r0, out)`: rows r0 .. r0 + len(out) - 1 of w as float32 (the tiles BLAS
   multiplies for many rows of x, the embedding lookup).
+- `row_kernel_address()`: `gemv` as a C function of kernels/cpu_row_kernel.py's
+  `ROW_KERNEL` signature (what the decode replay calls), compiled on first use.
 """
 
 from __future__ import annotations
@@ -293,3 +295,26 @@ else:  # per-group float scales
                         if HAS_MIN:
                             value = value + mn[s]
                         store_f32x8(orow, b * BLOCK + s * SUB + i, value)
+
+
+# -- the row kernel: `gemv` behind kernels/cpu_row_kernel.py's C signature ----------------------
+import functools  # noqa: E402
+
+from numba import carray, cfunc  # noqa: E402
+
+from eagerlm.kernels.cpu_row_kernel import ROW_KERNEL, f32_at, i8_at, i32_at, u8_at  # noqa: E402
+
+_SCALE_GROUP = 256 if INT_SCALES else SUB  # activation values per scale
+_sums_at = i32_at if INT_SCALES else f32_at  # the superblock types' sums are integers
+
+
+def _row_kernel(w, x, scales, sums, y, n, k, rows, row_bytes, r0, r1):  # pragma: no cover
+    padded = -(-k // CHUNK_VALUES) * CHUNK_VALUES
+    gemv(carray(u8_at(w), (rows, row_bytes)), carray(i8_at(x), (n, padded)),
+         carray(f32_at(scales), (n, padded // _SCALE_GROUP)),
+         carray(_sums_at(sums), (n, padded // SUB)), carray(f32_at(y), (n, rows)), r0, r1)
+
+
+@functools.cache
+def row_kernel_address() -> int:
+    return cfunc(ROW_KERNEL, **JIT_ORDERED)(_row_kernel).address

@@ -5,8 +5,9 @@ few numpy calls each; at decode, on rows of a few hundred values, numpy's per-ca
 overhead is the whole cost: 8-20 µs per norm and per rope, 108 norms and 36 ropes per token
 of the demo model, all of it holding the GIL. Compiled, each is one call of 1-3 µs that
 releases the GIL, which also leaves the host threads of eager dispatch more of the round
-to overlap with. The gated FFN activation stays numpy's: its exp and tanh are SIMD there
-and scalar libm calls in numba (3-10x slower, measured).
+to overlap with. The gated FFN activation (SwiGLU, GeGLU) is compiled too, though
+numpy's SIMD exp and tanh are faster than numba's libm calls: the decode replay
+(kernels/cpu_decode_program.py) must compute the bits the ops compute.
 
 Each kernel computes what kernels/numpy_ops.py's docstrings specify, in float32, with
 `fastmath` sums (a different order than numpy's pairwise sums: the tests hold them to a
@@ -91,7 +92,30 @@ def row_products(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
             out[r, e] = s
 
 
-KERNELS = (rms_norm, add_rms_norm, rope, row_products)  # for kernels/cpu_compile.py
+_GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+
+
+@njit(**_JIT)
+def gated(gate: np.ndarray, up: np.ndarray, gelu: bool, out: np.ndarray) -> None:
+    """out = act(gate) * up per row `[n, d]`: SiLU, gate / (1 + exp(-gate)) (SwiGLU), or
+    with `gelu` GELU's tanh approximation (GeGLU), each value alone: a row's values are the
+    same bits in any batch, and in the decode replay (kernels/cpu_decode_program.py), which
+    calls this for its rows. (numpy's SIMD exp is faster, ~3x on a decode row, but its bits
+    differ from numba's, and the replay cannot call it.)"""
+    for i in range(gate.shape[0]):
+        g, u, o = gate[i], up[i], out[i]
+        for j in range(gate.shape[1]):
+            x = g[j]
+            if gelu:
+                x3 = x * x * x
+                a = np.float32(0.5) * x * (_ONE + np.tanh(_GELU_C * (x + np.float32(0.044715)
+                                                                      * x3)))
+            else:
+                a = x / (_ONE + np.exp(-x))
+            o[j] = a * u[j]
+
+
+KERNELS = (rms_norm, add_rms_norm, rope, row_products, gated)  # for kernels/cpu_compile.py
 
 
 def warm_up() -> None:
@@ -103,3 +127,5 @@ def warm_up() -> None:
     for neox in (True, False):
         rope(x.reshape(1, 1, 2), x[:, :1], x[:, :1], 2, neox, np.empty((1, 1, 2), np.float32))
     row_products(x, x, np.empty((1, 1), np.float32))
+    for gelu in (True, False):
+        gated(x, x, gelu, np.empty_like(x))

@@ -383,6 +383,10 @@ class CudaOps(CudaSampling, CudaSpeculation):
         `[host id, token-buffer slot or -1]` and the token buffer."""
         return DeviceIds(rows.ptr, n_rows, token_buf.ptr)
 
+    def replay(self, transformer: Transformer, batch: ForwardBatch) -> DeviceTensor | None:
+        """None: the forward runs op by op (its launches captured in the decode graphs)."""
+        return None
+
     def decode_graphs(self, transformer: Transformer, token_buf: DeviceBuffer, *,
                       max_batch: int, max_context: int, layout: KVLayout,
                       enabled: bool = True) -> DecodeGraphs:

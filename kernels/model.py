@@ -51,6 +51,7 @@ class Ops(Protocol[A]):
     def kv_append(self, batch: ForwardBatch, layer: int, k: A, v: A) -> None: ...
     def attention(self, batch: ForwardBatch, layer: int, q: A, *, scale: float,
                   window: int, sinks: A | None = None) -> A: ...
+    def replay(self, transformer: Transformer[A], batch: ForwardBatch) -> A | None: ...
 
 
 class Transformer(Generic[A]):
@@ -74,9 +75,17 @@ class Transformer(Generic[A]):
 
     def forward(self, batch: ForwardBatch) -> A:
         """Run the batch through the model, append its K/V to the sessions' caches, and
-        return the logits `[len(batch.logit_rows), vocab]`."""
-        cfg, w, ops = self.config, self.weights, self.ops
-        h = self.hidden_states(batch)
+        return the logits `[len(batch.logit_rows), vocab]`: from the backend's recording
+        of this forward where it keeps one (`Ops.replay`: the cpu backend's decode rows,
+        kernels/cpu_decode_program.py), else op by op (`run`)."""
+        logits = self.ops.replay(self, batch)
+        return self.run(batch, self.ops) if logits is None else logits
+
+    def run(self, batch: ForwardBatch, ops: Ops[Any]) -> Any:
+        """The forward against `ops`: the backend's, or ops that record it
+        (kernels/cpu_decode_program.py's `RecordingOps`)."""
+        cfg, w = self.config, self.weights
+        h = self.hidden_states(batch, ops)
         logits = ops.linear(ops.rows(h, batch.logit_rows), w.output)
         if w.output.shape[0] < cfg.vocab_size:  # a share of the vocabulary per device
             logits = ops.all_gather(logits)
@@ -84,26 +93,28 @@ class Transformer(Generic[A]):
             logits = ops.softcap(logits, cfg.final_logit_softcap)
         return logits
 
-    def hidden_states(self, batch: ForwardBatch) -> A:
+    def hidden_states(self, batch: ForwardBatch, ops: Ops[Any] | None = None) -> A:
         """The final-normed hidden states of every row, `[len(batch.tokens), d_model]`:
         what the lm head reads, and what embedding models pool (service/api/embeddings.py)."""
-        cfg, w, ops = self.config, self.weights, self.ops
+        cfg, w = self.config, self.weights
+        ops = self.ops if ops is None else ops
         x = ops.embed(w.token_embd, batch.tokens, cfg.embedding_scale)
         h = ops.rms_norm(x, w.layers[0].attn_norm, cfg.norm_eps)
         for i, lw in enumerate(w.layers):
-            a = self._attention(i, lw, h, batch)
+            a = self._attention(ops, i, lw, h, batch)
             if cfg.post_norms:
                 a = ops.rms_norm(a, lw.post_attn_norm, cfg.norm_eps)
             x, h = ops.add_rms_norm(x, a, lw.ffn_norm, cfg.norm_eps)
-            f = self._ffn(lw, h)
+            f = self._ffn(ops, lw, h)
             if cfg.post_norms:
                 f = ops.rms_norm(f, lw.post_ffn_norm, cfg.norm_eps)
             next_norm = w.layers[i + 1].attn_norm if i + 1 < cfg.n_layers else w.output_norm
             x, h = ops.add_rms_norm(x, f, next_norm, cfg.norm_eps)
         return h
 
-    def _attention(self, i: int, lw: LayerWeights[A], h: A, batch: ForwardBatch) -> A:
-        cfg, ops = self.config, self.ops
+    def _attention(self, ops: Ops[Any], i: int, lw: LayerWeights[A], h: A,
+                   batch: ForwardBatch) -> A:
+        cfg = self.config
         n = len(batch.tokens)
         q = ops.linear(h, lw.wq, lw.bq).reshape(n, cfg.n_heads, cfg.head_dim)
         k = ops.linear(h, lw.wk, lw.bk).reshape(n, cfg.n_kv_heads, cfg.head_dim)
@@ -120,8 +131,7 @@ class Transformer(Generic[A]):
         # (an output bias is added once: loader/sharding.py refuses to split such a model)
         return ops.all_reduce(ops.linear(o, lw.wo, lw.bo))
 
-    def _ffn(self, lw: LayerWeights[A], h: A) -> A:
-        ops = self.ops
+    def _ffn(self, ops: Ops[Any], lw: LayerWeights[A], h: A) -> A:
         if lw.moe is not None:
             return ops.moe_ffn(h, lw.moe, self.config.moe, self.config.activation)
         gate = ops.linear(h, lw.w_gate)

@@ -8,6 +8,7 @@ float32 (BLAS), no in-place tricks that hide what is computed.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
@@ -18,6 +19,7 @@ from eagerlm.kernels import cpu_moe, speculative
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cpu_attention import DecodeRows
+from eagerlm.kernels.cpu_decode_program import DecodeProgram, record
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, by_output_features, by_rows
 from eagerlm.kernels.quantized import QuantizedMatrix, quantized_linear
 from eagerlm.kernels.sampling import (
@@ -128,6 +130,12 @@ def _host_view(buf: DeviceBuffer, dtype: type[np.generic] = np.int32) -> np.ndar
     return cast("HostBuffer", buf).array.view(dtype)
 
 
+# the ops of kernels/model.py's forward (`Ops`), which the decode replay records
+_FORWARD_OPS = ("embed", "rms_norm", "add_rms_norm", "linear", "gated_ffn_act", "moe_ffn",
+                "softcap", "all_reduce", "all_gather", "rows", "rope", "kv_append",
+                "attention", "_rope_table")
+
+
 class NumpyOps:
     """Ops over numpy arrays. Activations are `[tokens, features]` float32; matrices are
     float32 arrays or `QuantizedMatrix` blocks. It is the cpu backend's whole `Backend`
@@ -144,6 +152,12 @@ class NumpyOps:
         # this device's end of its tensor-parallel group (kernels/host_collective.py);
         # None alone
         self.collective = collective
+        # (transformer, rows of a batch of decode rows) -> its recorded forward, or None
+        # where the forward cannot be recorded (kernels/cpu_decode_program.py)
+        self._programs: dict[tuple[int, int], DecodeProgram | None] = {}
+        # the transformer each was recorded for (an id can be reused once it is gone)
+        self._owners: weakref.WeakValueDictionary[tuple[int, int], Transformer] = \
+            weakref.WeakValueDictionary()
 
     # -- one session outside the dispatcher ---------------------------------------------
 
@@ -329,10 +343,20 @@ class NumpyOps:
         return y + bias if bias is not None else y
 
     def gated_ffn_act(self, gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
+        """act(gate) * up: SwiGLU and GeGLU compiled (kernels/cpu_row_ops.py's `gated`,
+        the decode replay's too: the same bits on both paths), gpt-oss's clamped SwiGLU
+        in numpy (`_gated`); the rows split over the cores."""
         out = np.empty(gate.shape, np.result_type(gate, up))
+        if act is Activation.SWIGLU_OAI:
+            def part(a: int, b: int) -> None:
+                out[a:b] = _gated(gate[a:b], up[a:b], act)
+        else:
+            g = np.ascontiguousarray(gate, np.float32)
+            u = np.ascontiguousarray(up, np.float32)
+            gelu = act is Activation.GEGLU
 
-        def part(a: int, b: int) -> None:
-            out[a:b] = _gated(gate[a:b], up[a:b], act)
+            def part(a: int, b: int) -> None:
+                row_ops.gated(g[a:b], u[a:b], gelu, out[a:b])
         by_rows(len(gate), part)
         return out
 
@@ -408,6 +432,38 @@ class NumpyOps:
         sin = (np.sin(theta) * mscale).astype(np.float32)[:, None, :]
         self._rope_memo[key] = (np.array(positions, copy=True), cos, sin)
         return cos, sin
+
+    # -- the forward in one call ------------------------------------------------------
+
+    def replay(self, transformer: Transformer, batch: ForwardBatch) -> np.ndarray | None:
+        """A batch of n decode rows (every session one new row, every row's logits
+        wanted) from the recording of the first such forward (kernels/
+        cpu_decode_program.py: one compiled call instead of ~16 per layer); None for any
+        other batch, a tensor-parallel group, ops whose class changes one of these ops'
+        arithmetic (a test's reference, which the recording would bypass), or a model the
+        recording cannot express."""
+        if self.collective is not None or not self._own_ops():
+            return None
+        decode = DecodeRows.of(batch)
+        n = len(batch.tokens)
+        if (decode is None or len(decode.rows) != n or len(batch.seqs) != n
+                or len(batch.logit_rows) != n
+                or not np.array_equal(decode.rows, np.arange(n))
+                or not np.array_equal(batch.logit_rows, np.arange(n))):
+            return None
+        key = (id(transformer), n)
+        if key not in self._programs or self._owners.get(key) is not transformer:
+            self._programs[key] = record(transformer, batch, decode)
+            self._owners[key] = transformer
+        program = self._programs[key]
+        if program is None or program.layout != (decode.n_layers, decode.kv_dim):
+            return None
+        return program.run(self, batch, decode)
+
+    @classmethod
+    def _own_ops(cls) -> bool:
+        """Whether every op of the forward is NumpyOps' own (what RecordingOps mirrors)."""
+        return all(getattr(cls, name) is getattr(NumpyOps, name) for name in _FORWARD_OPS)
 
     # -- KV cache and attention ------------------------------------------------------
 

@@ -30,8 +30,15 @@ from types import ModuleType
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from eagerlm.kernels.cpu_activations import quantize_activations, quantize_superblocks
+from eagerlm.kernels.cpu_activations import (
+    PAD,
+    SUPERBLOCK,
+    quantize_activations,
+    quantize_superblocks,
+    quantizer_address,
+)
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
+from eagerlm.kernels.cpu_row_kernel import RowKernel, register
 from eagerlm.kernels.cpu_threads import by_output_features, by_output_pieces, core_workers
 
 TILE_ELEMENTS = 1 << 18  # weights per tile: 1 MiB of float32, cache-sized
@@ -137,6 +144,26 @@ def _tiles(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: threading.lo
         y[:, s:s + rows] = x @ part.T
 
 
+def row_kernel(w: object) -> RowKernel | None:
+    """The decode replay's kernels of a `QuantizedMatrix` (kernels/cpu_row_kernel.py): its
+    type's `gemv` and activation quantizer as C functions, compiled on first use; up to
+    `gemv_rows` rows of x, as `quantized_linear` takes that path."""
+    if not isinstance(w, QuantizedMatrix):
+        return None
+    block_type = BLOCK_TYPES[w.qtype]
+    address = w.kernels.row_kernel_address()
+    group = block_type.activation_group
+    if not group:  # F16, BF16: float32 x
+        return RowKernel(address, max_rows=block_type.gemv_rows)
+    superblocks = block_type.superblocks
+    return RowKernel(address, quantizer_address(superblocks, group),
+                     scale_group=SUPERBLOCK if superblocks else group, sum_group=group,
+                     pad=PAD, max_rows=block_type.gemv_rows)
+
+
+register(row_kernel)
+
+
 def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> None:
     """Build and compile (or load from numba's disk cache) the kernels of `qtypes` and
     nothing else, on tiny inputs (kernels/cpu_compile.py). The first forward would
@@ -147,3 +174,4 @@ def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> None:
         w = QuantizedMatrix(qtype, (1, cols), np.zeros((1, cols // block * type_size), np.uint8))
         quantized_linear(np.zeros((1, cols), np.float32), w)  # `gemv`
         w.dequantize()  # `dequant`, the tiles
+        row_kernel(w)  # the decode replay's `gemv` and quantizer

@@ -1,0 +1,543 @@
+"""A batch of decode rows' whole forward in one compiled call: the cpu backend's replay.
+
+Run op by op, a decode step of a 24-layer model is ~400 calls from Python into compiled
+code (norms, seven products, two ropes, a KV append, an attention and an activation per
+layer, each product a hand-off to the other cores' threads), and on two cores that cost is
+of the order of the products themselves once they read at the memory's speed. So the first
+forward of a batch of n decode rows (every session one new row, every row's logits
+wanted) is recorded instead of run: `Transformer.run` goes through the ops once with
+`RecordingOps`, whose methods append a step to a table (the op, where in one float32
+arena its inputs and output lie, which weights) instead of computing. Every later batch of
+n decode rows runs the table in one call of `_run` on each core's thread
+(kernels/cpu_threads.py's workers: one hand-off per forward), every thread walking the
+steps together; a step is cut into chunks (row ranges of a product, (row, KV head) items
+of the attention, rows of a norm) that the threads claim from an atomic counter, and a
+thread that finds none left waits for the step's done counter before the next step,
+unless the next step reads nothing the steps since the last wait write (Q, K and V's
+products of one input; the two ropes): then it goes straight on (`GO_ON`). A
+thread that never gets a core therefore only leaves its share to the others (it cannot
+hold a step back, as a fixed split of the work would), and one thread alone runs the
+whole table.
+
+What is recorded is the one forward of kernels/model.py, against the one `Ops` protocol,
+and each step calls the kernel the ops call (kernels/cpu_row_ops.py's norms and rope,
+kernels/cpu_attention.py's attention items, each weight type's `gemv` through its row
+kernel, the gated activation), so the replay gives the ops' logits: the same bits but for
+float32 products (a fixed-order loop, not BLAS: within float32 rounding;
+tests/test_cpu_decode_program.py). A row's replayed forward is therefore the same bits
+as the ops give it in any batch wherever the ops' are (docs/architecture.md, "Batch
+invariance"). A forward the table cannot express is
+not recorded and runs op by op as before: a matrix without a row kernel, or more rows
+than its kernel takes; a mixture of experts; attention sinks; gpt-oss's activation; a
+tensor-parallel group; a batch with prompt rows, or logits wanted for some rows only.
+
+Products call a row kernel through its address (kernels/cpu_row_kernel.py: one C
+signature for every weight type, so the table is one compiled function and a type's
+kernel is compiled, and cached, with its type); a kernel of 8-bit activations has its
+input quantized once by a QUANT step (through its quantizer's address too).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from eagerlm.kernels import cpu_row_ops as row_ops
+from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.cpu_attention import DecodeRows, _attend_rows
+from eagerlm.kernels.cpu_row_kernel import RowKernel, f32_at, row_kernel
+from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, core_workers
+from eagerlm.kernels.numba_settings import JIT as _JIT
+from eagerlm.loader.config import Activation, RopeStyle
+
+# fastmath without the no-NaN / no-inf promises, as kernels/cpu_row_ops.py
+_JIT = {**_JIT, "fastmath": {"reassoc", "contract", "nsz", "arcp"}}
+
+# -- the atomics and the call through an address ------------------------------------------
+
+
+@intrinsic
+def _atomic_add(typingctx, counters, index, value):
+    """counters[index] += value, atomically; the value before."""
+    sig = types.int64(counters, index, value)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", builder.gep(array.data, [args[1]]), args[2],
+                                  "seq_cst")
+    return sig, codegen
+
+
+@intrinsic
+def _atomic_load(typingctx, counters, index):
+    sig = types.int64(counters, index)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.load_atomic(builder.gep(array.data, [args[1]]), "seq_cst", 8)
+    return sig, codegen
+
+
+def _call_codegen(n_args: int) -> Any:
+    """A call of the C function at the first argument's address (void, `n_args` int64
+    arguments: cpu_row_kernel's signatures) with the others."""
+    def codegen(context, builder, signature, values):
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * n_args)
+        builder.call(builder.inttoptr(values[0], fnty.as_pointer()), list(values[1:]))
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def _call_row_kernel(typingctx, fn, w, x, scales, sums, y, n, k, rows, row_bytes, r0, r1):
+    return types.void(*([types.int64] * 12)), _call_codegen(11)
+
+
+@intrinsic
+def _call_quantize(typingctx, fn, x, codes, scales, sums, n, k):
+    return types.void(*([types.int64] * 7)), _call_codegen(6)
+
+
+@intrinsic
+def _call_void(typingctx, fn):
+    return types.void(types.int64), _call_codegen(0)
+
+
+# the C library's sched_yield, passed to the table at each call (an address is this
+# process's: it must not be compiled in, numba caches the code)
+_SCHED_YIELD = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value or 0
+SPINS = 2000
+
+
+# -- the steps -------------------------------------------------------------------------
+
+NORM, ADD_NORM, GEMV, ROPE, APPEND, ATTN, ACT, SOFTCAP, QUANT = range(1, 10)
+WIDTH = 16  # int64 fields per step; the last is the step's chunk count
+GO_ON = WIDTH - 2  # the field saying the next step may start before this one ends
+# the KV caches, as an arena range: what APPEND writes and ATTN reads
+_CACHES = (-2, -1)
+ROW_CHUNKS_PER_THREAD = 8  # a product's rows in this many chunks per thread
+
+
+@njit(**_JIT)
+def _floats(address: int, n: int) -> np.ndarray:
+    return numba.carray(f32_at(address), (n,))
+
+
+@njit(**_JIT)
+def _rows(address: int, n: int, d: int) -> np.ndarray:
+    return numba.carray(f32_at(address), (n, d))
+
+
+@njit(**_JIT)
+def _step_chunk(st: np.ndarray, fp: np.ndarray, base: int, rows: np.ndarray,
+                bases: np.ndarray, positions: np.ndarray, token_stride: int, c: int) -> None:
+    """Chunk c of step `st` (its floats `fp`), the arena at address `base`: every operand
+    is rows at an address (arena offsets are in floats)."""
+    op = st[0]
+    if op == GEMV:
+        n, k, n_rows, chunk = st[2], st[3], st[6], st[10]
+        r0 = c * chunk
+        r1 = min(n_rows, r0 + chunk)
+        scales = base + 4 * st[11] if st[13] else 0
+        sums = base + 4 * st[12] if st[13] else 0
+        _call_row_kernel(st[5], st[4], base + 4 * st[1], scales, sums, base + 4 * st[8], n,
+                         k, n_rows, st[7], r0, r1)
+        if st[9]:
+            bias = _floats(st[9], n_rows)
+            for j in range(n):
+                y = _floats(base + 4 * (st[8] + j * n_rows), n_rows)
+                for r in range(r0, r1):
+                    y[r] += bias[r]
+    elif op == NORM:  # row c: `sub` rows of d values (a row's heads, for QK-norm)
+        sub, d = st[4], st[5]
+        row_ops.rms_norm(_rows(base + 4 * (st[1] + c * st[2]), sub, d), _floats(st[6], d),
+                         fp[0], _rows(base + 4 * (st[7] + c * st[8]), sub, d))
+    elif op == ADD_NORM:
+        d = st[6]
+        row_ops.add_rms_norm(_rows(base + 4 * (st[1] + c * st[2]), 1, d),
+                             _rows(base + 4 * (st[3] + c * st[4]), 1, d), _floats(st[7], d),
+                             fp[0], _rows(base + 4 * (st[8] + c * d), 1, d),
+                             _rows(base + 4 * (st[9] + c * d), 1, d))
+    elif op == ROPE:
+        heads, hd, half = st[4], st[5], st[8] // 2
+        x = numba.carray(f32_at(base + 4 * (st[1] + c * st[2])), (1, heads, hd))
+        out = numba.carray(f32_at(base + 4 * (st[10] + c * heads * hd)), (1, heads, hd))
+        row_ops.rope(x, _rows(base + 4 * (st[6] + c * half), 1, half),
+                     _rows(base + 4 * (st[7] + c * half), 1, half), st[8], st[9] != 0, out)
+    elif op == APPEND:  # row c's K and V into its session's cache at its position
+        kv_dim = st[6]
+        at = positions[c] * token_stride + st[7]
+        cache = _floats(bases[c], at + 2 * kv_dim)
+        k = _floats(base + 4 * (st[1] + c * st[2]), kv_dim)
+        v = _floats(base + 4 * (st[3] + c * st[4]), kv_dim)
+        for d in range(kv_dim):
+            cache[at + d] = k[d]
+            cache[at + kv_dim + d] = v[d]
+    elif op == ATTN:  # item c (a row and a KV head) of kernels/cpu_attention's kernel
+        n, heads, hd = st[2], st[3], st[4]
+        q = numba.carray(f32_at(base + 4 * st[1]), (n, heads, hd))
+        out = numba.carray(f32_at(base + 4 * st[5]), (n, heads, hd))
+        # (no sinks: st[9] is 0, a run-time bool, so the kernel's compiled overload is the
+        # ops' own, not one more for a literal False)
+        _attend_rows(q, out, rows, bases, positions, st[6], token_stride, st[7], fp[0], st[8],
+                     _floats(base, 1), st[9] != 0, c, st[WIDTH - 1])
+    elif op == ACT:
+        width = st[6]
+        row_ops.gated(_rows(base + 4 * (st[1] + c * st[2]), 1, width),
+                      _rows(base + 4 * (st[3] + c * st[4]), 1, width), st[8] != 0,
+                      _rows(base + 4 * (st[7] + c * width), 1, width))
+    elif op == SOFTCAP:  # in place
+        x = _floats(base + 4 * (st[1] + c * st[3]), st[3])
+        cap = np.float32(fp[0])
+        for j in range(st[3]):
+            x[j] = np.tanh(x[j] / cap) * cap
+    else:  # QUANT: row c of x `[n, k]` as 8-bit codes, scales and sums (one row of each)
+        k, padded = st[3], st[8]
+        _call_quantize(st[7], base + 4 * (st[1] + c * k), base + 4 * st[4] + c * padded,
+                       base + 4 * (st[5] + c * st[9]), base + 4 * (st[6] + c * st[10]), 1, k)
+
+
+@njit(**_JIT)
+def _run(steps: np.ndarray, fparams: np.ndarray, f32: np.ndarray, rows: np.ndarray,
+         bases: np.ndarray, positions: np.ndarray, token_stride: int, counters: np.ndarray,
+         sched_yield: int) -> None:
+    """Every step in order, on one of the threads that run the table together (each
+    calls this once, the GIL released): the chunks of a step it claims (counters: a claim
+    and a done count per step, zero at the start), then, unless the step lets the next
+    one start at once (`GO_ON`), a wait until all steps so far are done: a spin
+    of `SPINS` checks (a step's last chunk is usually microseconds away), then a
+    `sched_yield` (the C library's, at that address) per check, so that on a machine
+    busier than its cores a waiting thread does not keep the one it waits for off a
+    core."""
+    base = np.int64(f32.ctypes.data)
+    first_open = 0  # the first step not known to be done
+    for s in range(steps.shape[0]):
+        st = steps[s]
+        total = st[WIDTH - 1]
+        while True:
+            c = _atomic_add(counters, 2 * s, 1)
+            if c >= total:
+                break
+            _step_chunk(st, fparams[s], base, rows, bases, positions, token_stride, c)
+            _atomic_add(counters, 2 * s + 1, 1)
+        if st[GO_ON]:  # the next step reads nothing this one writes (and vice versa)
+            continue
+        for t in range(first_open, s + 1):
+            spins = 0
+            while _atomic_load(counters, 2 * t + 1) < steps[t, WIDTH - 1]:
+                spins += 1
+                if spins > SPINS:  # the others are not running: give them the core
+                    _call_void(sched_yield)
+        first_open = s + 1
+
+
+# -- recording ----------------------------------------------------------------------------
+
+
+class Unsupported(Exception):
+    """The forward does something the table cannot express: run it op by op."""
+
+
+@dataclass(frozen=True)
+class Buf:
+    """Rows `[n, width]` of the arena, `stride` floats apart, from float `off`; `heads`:
+    each row seen as that many heads (`reshape`)."""
+
+    off: int
+    n: int
+    width: int
+    stride: int
+    heads: int = 1
+
+    def reshape(self, *shape: int) -> Buf:
+        """The rows `[n, heads, head_dim]` (or back to `[n, width]`): a view."""
+        if shape[0] != self.n or int(np.prod(shape[1:])) != self.width:
+            raise Unsupported(f"a reshape of {self.shape} to {shape}")
+        return Buf(self.off, self.n, self.width, self.stride,
+                   shape[1] if len(shape) == 3 else 1)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.heads > 1:
+            return (self.n, self.heads, self.width // self.heads)
+        return (self.n, self.width)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@dataclass
+class DecodeProgram:
+    """The recorded steps of one forward of n decode rows, and what they point into."""
+
+    n: int
+    steps: list[list[int]] = field(default_factory=list)
+    fparams: list[list[float]] = field(default_factory=list)
+    arena: int = 0  # floats
+    pad: int = 1  # floats past the last buffer
+    keep: list[Any] = field(default_factory=list)  # arrays whose addresses the steps hold
+    embed: tuple[Any, float] | None = None  # the table and scale of the input rows
+    x_in: Buf | None = None
+    # a rope setting (and its frequency factors' id) -> the setting, the factors and where
+    # its cos and sin `[n, dim / 2]` go in the arena, filled at each run
+    ropes: dict[tuple[Any, int], tuple[Any, Any, int, int]] = field(default_factory=dict)
+    logits: Buf | None = None
+    token_stride: int = 0
+    layout: tuple[int, int] = (0, 0)  # (n_layers, kv_dim) of the caches it was recorded on
+    values: int = 0  # multiply-adds of the products, per row
+    # the arena ranges the steps since the last wait read and write (`add`)
+    _read: list[tuple[int, int]] = field(default_factory=list)
+    _written: list[tuple[int, int]] = field(default_factory=list)
+
+    def alloc(self, n: int, width: int) -> Buf:
+        buf = Buf(self.arena, n, width, width)
+        self.arena += n * width
+        self.pad = max(self.pad, width)
+        return buf
+
+    def address(self, array: np.ndarray | None) -> int:
+        if array is None:
+            return 0
+        array = np.ascontiguousarray(array, np.float32)
+        self.keep.append(array)
+        return int(array.ctypes.data)
+
+    def add(self, fields: Sequence[int], chunks: int, floats: Sequence[float] = (), *,
+            reads: Sequence[Any] = (), writes: Sequence[Any] = ()) -> None:
+        """A step, which reads and writes the arena ranges (or `Buf`s) given: where it
+        touches nothing that the steps since the last wait write (nor writes what they
+        read), the step before it lets it start at once (`GO_ON`)."""
+        row = [int(v) for v in fields]
+        assert len(row) <= GO_ON
+        rd, wr = [_span(r) for r in reads], [_span(w) for w in writes]
+        if self.steps and not any(_overlap(a, b) for a in rd + wr for b in self._written) \
+                and not any(_overlap(a, b) for a in wr for b in self._read):
+            self.steps[-1][GO_ON] = 1
+        else:
+            self._read, self._written = [], []
+        self._read += rd
+        self._written += wr
+        self.steps.append(row + [0] * (WIDTH - 1 - len(row)) + [int(chunks)])
+        self.fparams.append([float(v) for v in floats] + [0.0] * (2 - len(floats)))
+
+    def finish(self) -> None:
+        if self.steps:
+            self.steps[-1][GO_ON] = 0  # every step done before the call returns
+        self._steps = np.array(self.steps, np.int64).reshape(-1, WIDTH)
+        self._fparams = np.array(self.fparams, np.float64).reshape(-1, 2)
+
+    def run(self, ops: Any, batch: ForwardBatch, decode: DecodeRows) -> np.ndarray:
+        """The logits `[n, vocab]` of `batch` (n decode rows, the recorded shape). The
+        arena is the call's own (every step writes its output before a later one reads
+        it), so two forwards may run the same program at once."""
+        f32 = np.empty(self.arena + self.pad, np.float32)
+        assert self.embed is not None and self.x_in is not None and self.logits is not None
+        table, scale = self.embed
+        x = ops.embed(table, batch.tokens, scale)
+        f32[self.x_in.off:self.x_in.off + x.size] = x.reshape(-1)
+        for rope, factors, cos_at, sin_at in self.ropes.values():
+            cos, sin = ops._rope_table(batch.positions, rope, factors)
+            f32[cos_at:cos_at + cos.size] = cos.reshape(-1)
+            f32[sin_at:sin_at + sin.size] = sin.reshape(-1)
+        counters = np.zeros(2 * len(self._steps), np.int64)
+        args = (self._steps, self._fparams, f32, decode.rows, decode.bases, decode.positions,
+                self.token_stride, counters, _SCHED_YIELD)
+        if self.values * self.n < SERIAL_MAX_VALUES:
+            _run(*args)
+        else:
+            core_workers().run(lambda i, parts: _run(*args))
+        out = self.logits
+        return f32[out.off:out.off + out.n * out.stride].reshape(out.n, out.stride)[
+            :, :out.width].copy()
+
+
+def _span(b: Any) -> tuple[int, int]:
+    """A `Buf`'s arena range [start, end), or a range itself."""
+    if isinstance(b, Buf):
+        return (b.off, b.off + (b.n - 1) * b.stride + b.width)
+    return b
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def _contiguous(x: Buf, what: str) -> None:
+    if x.stride != x.width:
+        raise Unsupported(f"{what} of a strided input")
+
+
+class RecordingOps:
+    """The forward's ops (kernels/model.py's `Ops`), recording a `DecodeProgram` instead
+    of computing (see the module docstring)."""
+
+    def __init__(self, program: DecodeProgram, decode: DecodeRows, threads: int) -> None:
+        self.p = program
+        self._decode = decode
+        self._threads = threads
+        self._codes: dict[tuple[int, int], list[Buf]] = {}  # `_quantized`
+
+    def embed(self, table: Any, ids: Any, scale: float) -> Buf:
+        p = self.p
+        p.embed = (table, scale)
+        p.x_in = p.alloc(p.n, table.shape[1])
+        return p.x_in
+
+    def rms_norm(self, x: Buf, w: np.ndarray, eps: float) -> Buf:
+        d = len(w)
+        if x.width % d or (d != x.width and x.stride != x.width):
+            raise Unsupported("a norm over anything but rows or their heads")
+        out = self.p.alloc(x.n, x.width)
+        self.p.add([NORM, x.off, x.stride, x.n, x.width // d, d, self.p.address(w), out.off,
+                    out.stride], x.n, [eps], reads=[x], writes=[out])
+        return out.reshape(*x.shape)
+
+    def add_rms_norm(self, residual: Buf, x: Buf, w: np.ndarray, eps: float
+                     ) -> tuple[Buf, Buf]:
+        h, out = self.p.alloc(x.n, x.width), self.p.alloc(x.n, x.width)
+        self.p.add([ADD_NORM, residual.off, residual.stride, x.off, x.stride, x.n, x.width,
+                    self.p.address(w), h.off, out.off], x.n, [eps],
+                   reads=[residual, x], writes=[h, out])
+        return h, out
+
+    def linear(self, x: Buf, w: Any, bias: np.ndarray | None = None) -> Buf:
+        kernel = row_kernel(w)
+        if kernel is None:
+            raise Unsupported(f"no row kernel for {type(w).__name__}")
+        if x.n > kernel.max_rows:
+            raise Unsupported(f"{x.n} rows, more than its row kernel takes")
+        _contiguous(x, "a product")
+        if x.width != w.shape[1]:
+            raise Unsupported("a product of mismatched shapes")
+        rows = w.shape[0]
+        y = self.p.alloc(x.n, rows)
+        data = w if isinstance(w, np.ndarray) else w.blocks
+        self.p.keep.append(data)
+        chunk = max(16, -(-rows // (ROW_CHUNKS_PER_THREAD * self._threads)))
+        inputs = [x]
+        if kernel.quantize:
+            inputs = self._quantized(x, kernel)
+        x_at, scales, sums = (inputs + [Buf(0, 1, 0, 0)] * 2)[:3]
+        self.p.add([GEMV, x_at.off, x.n, x.width, data.ctypes.data, kernel.address, rows,
+                    data.strides[0], y.off, self.p.address(bias), chunk, scales.off,
+                    sums.off, int(kernel.quantize != 0)], -(-rows // chunk),
+                   reads=inputs, writes=[y])
+        self.p.values += rows * x.width
+        return y
+
+    def _quantized(self, x: Buf, kernel: RowKernel) -> list[Buf]:
+        """x's 8-bit codes, scales and sums for `kernel` (in the arena), made by a QUANT
+        step the first time a product asks for them."""
+        key = (x.off, kernel.quantize)
+        if key not in self._codes:
+            p = self.p
+            padded = -(-x.width // kernel.pad) * kernel.pad
+            codes = p.alloc(x.n, -(-padded // 4))  # int8 codes, four per float
+            n_scales, n_sums = padded // kernel.scale_group, padded // kernel.sum_group
+            scales, sums = p.alloc(x.n, n_scales), p.alloc(x.n, n_sums)
+            p.add([QUANT, x.off, x.n, x.width, codes.off, scales.off, sums.off,
+                   kernel.quantize, padded, n_scales, n_sums], x.n, reads=[x],
+                  writes=[codes, scales, sums])
+            self._codes[key] = [codes, scales, sums]
+        return self._codes[key]
+
+    def gated_ffn_act(self, gate: Buf, up: Buf, act: Activation) -> Buf:
+        if act not in (Activation.SWIGLU, Activation.GEGLU):
+            raise Unsupported(f"the {act.name} activation")
+        out = self.p.alloc(gate.n, gate.width)
+        self.p.add([ACT, gate.off, gate.stride, up.off, up.stride, gate.n, gate.width,
+                    out.off, 0 if act is Activation.SWIGLU else 1], gate.n,
+                    reads=[gate, up], writes=[out])
+        return out
+
+    def moe_ffn(self, x: Buf, w: Any, moe: Any, act: Activation) -> Buf:
+        raise Unsupported("a mixture of experts")
+
+    def all_reduce(self, x: Buf) -> Buf:
+        """The identity: a device alone (NumpyOps.replay records no tensor-parallel
+        group's forward)."""
+        return x
+
+    def all_gather(self, x: Buf) -> Buf:
+        return x
+
+    def softcap(self, x: Buf, cap: float) -> Buf:
+        _contiguous(x, "a softcap")
+        self.p.add([SOFTCAP, x.off, x.n, x.width], x.n, [cap], reads=[x], writes=[x])
+        return x
+
+    def rows(self, x: Buf, rows: np.ndarray) -> Buf:
+        if not np.array_equal(np.asarray(rows), np.arange(x.n)):
+            raise Unsupported("logits of some rows only")
+        return x
+
+    def rope(self, x: Buf, positions: Any, rope: Any, freq_factors: Any = None) -> Buf:
+        p = self.p
+        key = (rope, id(freq_factors))
+        if key not in p.ropes:
+            half = rope.dim // 2
+            p.ropes[key] = (rope, freq_factors, p.alloc(p.n, half).off,
+                            p.alloc(p.n, half).off)
+        cos_at, sin_at = p.ropes[key][2:]
+        heads, hd = x.heads, x.width // x.heads
+        out = p.alloc(x.n, x.width)
+        p.add([ROPE, x.off, x.stride, x.n, heads, hd, cos_at, sin_at, rope.dim,
+               int(rope.style is RopeStyle.NEOX), out.off], x.n,
+              reads=[x, (cos_at, cos_at + p.n * rope.dim // 2),
+                     (sin_at, sin_at + p.n * rope.dim // 2)], writes=[out])
+        return out.reshape(*x.shape)
+
+    def kv_append(self, batch: ForwardBatch, layer: int, k: Buf, v: Buf) -> None:
+        decode = self._decode
+        if k.width != decode.kv_dim or v.width != decode.kv_dim:
+            raise Unsupported("a cache of another layout")
+        self.p.add([APPEND, k.off, k.stride, v.off, v.stride, k.n, k.width,
+                    layer * 2 * decode.kv_dim], k.n, reads=[k, v], writes=[_CACHES])
+
+    def attention(self, batch: ForwardBatch, layer: int, q: Buf, *, scale: float,
+                  window: int, sinks: Any = None) -> Buf:
+        if sinks is not None:
+            raise Unsupported("attention sinks")
+        _contiguous(q, "an attention")
+        decode = self._decode
+        heads, hd = q.heads, q.width // q.heads
+        n_kv = decode.kv_dim // hd
+        out = self.p.alloc(q.n, q.width)
+        self.p.add([ATTN, q.off, q.n, heads, hd, out.off, layer * 2 * decode.kv_dim, n_kv,
+                    window], q.n * n_kv, [scale], reads=[q, _CACHES], writes=[out])
+        return out
+
+
+def record(transformer: Any, batch: ForwardBatch, decode: DecodeRows) -> DecodeProgram | None:
+    """The table of `transformer`'s forward of `batch` (n decode rows), or None where the
+    forward does something the table cannot express."""
+    program = DecodeProgram(len(batch.tokens), token_stride=decode.token_stride,
+                            layout=(decode.n_layers, decode.kv_dim))
+    try:
+        program.logits = transformer.run(
+            batch, RecordingOps(program, decode, core_workers().parts))
+    except Unsupported:
+        return None
+    program.finish()
+    return program
+
+
+KERNELS = (_run,)  # for kernels/cpu_compile.py
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) the table's kernel, on an empty table,
+    and the float32 row kernel."""
+    row_kernel(np.zeros((1, 1), np.float32))
+    ints = np.zeros(1, np.int64)
+    _run(np.zeros((0, WIDTH), np.int64), np.zeros((0, 2)), np.zeros(1, np.float32), ints,
+         ints, ints, 0, np.zeros(0, np.int64), _SCHED_YIELD)

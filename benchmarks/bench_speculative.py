@@ -246,10 +246,10 @@ def main() -> None:
     engine = SyncEngine.open(path, max_batch=8)
     # the draft configuration on an engine of its own, so the others' KV and rounds are
     # those of an engine without a draft model
-    drafted = SyncEngine.open(path, max_batch=8, draft_model=path) if args.draft_self else None
+    draft_engine = SyncEngine.open(path, max_batch=8, draft_model=path) if args.draft_self else None
     peer = None if args.no_peer else LlamaCppPeer(path, args.threads, args.peer_draft,
                                                   n_ctx=1024)
-    configs = (["eagerlm", "eagerlm ngram"] + ([] if drafted is None else ["eagerlm draft"])
+    configs = (["eagerlm", "eagerlm ngram"] + ([] if draft_engine is None else ["eagerlm draft"])
                + ([] if peer is None else
                                           ["llama.cpp", "llama.cpp lookup"]))
     results: dict[str, dict[str, dict[str, list]]] = {}
@@ -257,8 +257,8 @@ def main() -> None:
 
     def engine_for(config: str) -> tuple[SyncEngine, str]:
         if config == "eagerlm draft":
-            assert drafted is not None
-            return drafted, "draft"
+            assert draft_engine is not None
+            return draft_engine, "draft"
         return engine, "ngram" if "ngram" in config else "off"
 
     # warm-up: compiles, first allocations, and every prompt once per engine, so that
@@ -297,6 +297,14 @@ def main() -> None:
                for prompts in WORKLOADS.values() for name in prompts
                for c in configs if c.startswith("eagerlm "))
     print(f"\ngreedy output identical with and without speculation: {same}")
+    for prompts in WORKLOADS.values():
+        for name in prompts:
+            for c in configs:
+                if c.startswith("eagerlm ") and outputs[(name, "eagerlm")] != outputs[(name, c)]:
+                    plain, spec = outputs[(name, "eagerlm")], outputs[(name, c)]
+                    at = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True))
+                                if x != y), None) for a, b in zip(plain, spec, strict=True)]
+                    print(f"  {name} with {c}: first differing token per pass {at}")
     summary: dict[str, dict[str, dict[str, float]]] = {}
     for workload, cells in results.items():
         print(f"\n{workload} (median of {args.repeats} passes x {len(WORKLOADS[workload])} "
@@ -353,8 +361,8 @@ def main() -> None:
                                                              concurrent["off"], strict=True))
               + ")")
     engine.close()
-    if drafted is not None:
-        drafted.close()
+    if draft_engine is not None:
+        draft_engine.close()
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "model": Path(path).name,

@@ -21,6 +21,11 @@ also counts the waits for a core). Then eagerlm at 8
 concurrent requests (the six prompts and two again) with and without speculation: output
 tokens/s over the whole batch.
 
+`--draft-self` adds "eagerlm draft": a second engine opened with the demo model as its own
+draft model (`draft_model=` the same file, `speculative="draft"`). It is a check of the
+mechanics, not a speed-up: a draft as large as the target costs a forward per draft token,
+but its proposals are the target's own greedy tokens, so nearly all must be accepted.
+
 The physical limit of batch-1 decode is memory bandwidth: a forward reads every weight once,
 so tokens/s <= bandwidth / weight bytes (measured: numpy copy of 512 MiB, read + write).
 Speculation gets past that limit by emitting several tokens per forward; the table prints
@@ -32,7 +37,7 @@ accepted / drafts verified) and the steady-decode bubble of eagerlm's rounds are
 per workload.
 
 Run: `python benchmarks/bench_speculative.py [--model PATH] [--tokens 128] [--repeats 3]
-[--k 8] [--no-peer] [--json OUT]`. The llama.cpp columns need llama-cpp-python
+[--k 8] [--no-peer] [--draft-self] [--json OUT]`. The llama.cpp columns need llama-cpp-python
 (`pip install 'eagerlm[reference]'`).
 """
 
@@ -121,7 +126,7 @@ FREE_TEXT = {
 WORKLOADS = {"input-grounded": INPUT_GROUNDED, "free text": FREE_TEXT}
 
 
-def eagerlm_run(engine: SyncEngine, prompt: str, tokens: int, spec: str, k: int
+def eagerlm_run(engine: SyncEngine, spec: str, prompt: str, tokens: int, k: int
                 ) -> dict[str, float]:
     """One greedy request: decode tok/s, its tokens, and the drafts it verified/accepted."""
     stats = engine.engine.dispatcher.service.stats
@@ -222,6 +227,9 @@ def main() -> None:
                     help="llama.cpp lookup: num_pred_tokens (its README: 2 for CPU)")
     ap.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     ap.add_argument("--no-concurrent", action="store_true", help="skip the 8-request run")
+    ap.add_argument("--draft-self", action="store_true",
+                    help="add eagerlm with the model as its own draft model (a mechanics "
+                         "check: nearly every draft must be accepted)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
 
@@ -236,27 +244,43 @@ def main() -> None:
           f"token)", flush=True)
 
     engine = SyncEngine.open(path, max_batch=8)
+    # the draft configuration on an engine of its own, so the others' KV and rounds are
+    # those of an engine without a draft model
+    draft_engine = SyncEngine.open(path, max_batch=8, draft_model=path) if args.draft_self else None
     peer = None if args.no_peer else LlamaCppPeer(path, args.threads, args.peer_draft,
                                                   n_ctx=1024)
-    configs = ["eagerlm", "eagerlm ngram"] + ([] if peer is None else
-                                              ["llama.cpp", "llama.cpp lookup"])
+    configs = (["eagerlm", "eagerlm ngram"] + ([] if draft_engine is None else ["eagerlm draft"])
+               + ([] if peer is None else
+                                          ["llama.cpp", "llama.cpp lookup"]))
     results: dict[str, dict[str, dict[str, list]]] = {}
     outputs: dict[tuple[str, str], list[list[int]]] = {}
-    for prompts in WORKLOADS.values():  # warm-up: compiles, first allocations
-        prompt = next(iter(prompts.values()))
-        for c in configs:
-            if c.startswith("eagerlm"):
-                eagerlm_run(engine, prompt, 8, "ngram" if "ngram" in c else "off", args.k)
-            elif peer is not None:
-                peer.run("plain" if c == "llama.cpp" else "lookup", prompt, 8)
+
+    def engine_for(config: str) -> tuple[SyncEngine, str]:
+        if config == "eagerlm draft":
+            assert draft_engine is not None
+            return draft_engine, "draft"
+        return engine, "ngram" if "ngram" in config else "off"
+
+    # warm-up: compiles, first allocations, and every prompt once per engine, so that
+    # every measured eagerlm request finds its prompt in the prefix cache alike (a cold
+    # prompt is one prefill of all its rows, a cached one a few rows beside its cached
+    # KV: the first measured configuration of a prompt was otherwise the only one to pay
+    # the cold prefill, and could sample a different first token, so its pairs compared
+    # different text)
+    for prompts in WORKLOADS.values():
+        for i, prompt in enumerate(prompts.values()):
+            for c in configs:
+                if c.startswith("eagerlm"):
+                    eagerlm_run(*engine_for(c), prompt, 8, args.k)
+                elif peer is not None and i == 0:
+                    peer.run("plain" if c == "llama.cpp" else "lookup", prompt, 8)
     for rep in range(args.repeats):
         order = configs if rep % 2 == 0 else configs[::-1]
         for workload, prompts in WORKLOADS.items():
             for name, prompt in prompts.items():
                 for c in order:
                     if c.startswith("eagerlm"):
-                        spec = "ngram" if "ngram" in c else "off"
-                        r = eagerlm_run(engine, prompt, args.tokens, spec, args.k)
+                        r = eagerlm_run(*engine_for(c), prompt, args.tokens, args.k)
                         outputs.setdefault((name, c), []).append(r.pop("tokens"))
                     else:
                         assert peer is not None
@@ -269,9 +293,18 @@ def main() -> None:
                     print(f"  pass {rep + 1} {workload:14s} {name:14s} {c:16s} "
                           f"{r['decode_tok_s']:6.1f} tok/s", flush=True)
 
-    same = all(outputs[(name, "eagerlm")] == outputs[(name, "eagerlm ngram")]
-               for prompts in WORKLOADS.values() for name in prompts)
+    same = all(outputs[(name, "eagerlm")] == outputs[(name, c)]
+               for prompts in WORKLOADS.values() for name in prompts
+               for c in configs if c.startswith("eagerlm "))
     print(f"\ngreedy output identical with and without speculation: {same}")
+    for prompts in WORKLOADS.values():
+        for name in prompts:
+            for c in configs:
+                if c.startswith("eagerlm ") and outputs[(name, "eagerlm")] != outputs[(name, c)]:
+                    plain, spec = outputs[(name, "eagerlm")], outputs[(name, c)]
+                    at = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True))
+                                if x != y), None) for a, b in zip(plain, spec, strict=True)]
+                    print(f"  {name} with {c}: first differing token per pass {at}")
     summary: dict[str, dict[str, dict[str, float]]] = {}
     for workload, cells in results.items():
         print(f"\n{workload} (median of {args.repeats} passes x {len(WORKLOADS[workload])} "
@@ -328,6 +361,8 @@ def main() -> None:
                                                              concurrent["off"], strict=True))
               + ")")
     engine.close()
+    if draft_engine is not None:
+        draft_engine.close()
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "model": Path(path).name,

@@ -142,6 +142,9 @@ class DecodeRows:
     starts: frozenset[int]  # the sessions' first rows, to tell the numpy path which to leave
     n_layers: int
     kv_dim: int  # n_kv_heads * head_dim
+    # float32 elements from one token to the next: the token's own K and V, or more where
+    # the cache is shared with a draft model's KV token by token (KVLayout.shared_with)
+    token_stride: int
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> DecodeRows | None:
@@ -155,18 +158,17 @@ class DecodeRows:
         if picked:
             caches = tuple(s.kv.data for s in picked)  # type: ignore[attr-defined]
             _, n_layers, _, n_kv, hd = caches[0].shape
-            if all(c.shape[1:] == caches[0].shape[1:] for c in caches):
+            stride = caches[0].strides[0]
+            if all(c.shape[1:] == caches[0].shape[1:] and c.strides[0] == stride
+                   for c in caches):
                 table = cls(np.concatenate([np.arange(s.start, s.end) for s in picked]),
                             np.concatenate([np.full(s.n_new, c.ctypes.data, np.int64)
                                             for s, c in zip(picked, caches, strict=True)]),
                             np.concatenate([np.arange(s.n_past, s.n_total) for s in picked]),
-                            caches, frozenset(s.start for s in picked), n_layers, n_kv * hd)
+                            caches, frozenset(s.start for s in picked), n_layers, n_kv * hd,
+                            stride // 4)
         batch.ops_cache[cls] = table
         return table
-
-    @property
-    def token_stride(self) -> int:
-        return self.n_layers * 2 * self.kv_dim
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Write the rows' K and V `[T, n_kv_heads, head_dim]` of `layer`."""
@@ -199,9 +201,17 @@ _NO_SINKS = np.zeros(1, np.float32)
 
 
 def _addressable(kv: object) -> bool:
+    """A host float32 token-major cache whose tokens are each contiguous, one after the
+    other at a fixed stride of whole float32s (its own K and V; with a draft model's KV
+    beside them, KVLayout.shared_with, more)."""
     data = getattr(kv, "data", None)
-    return (isinstance(kv, TokenMajorKV) and isinstance(data, np.ndarray)
-            and data.dtype == np.float32 and data.ndim == 5 and data.flags.c_contiguous)
+    if not (isinstance(kv, TokenMajorKV) and isinstance(data, np.ndarray)
+            and data.dtype == np.float32 and data.ndim == 5):
+        return False
+    token = data[0] if len(data) else data
+    own = 4 * int(np.prod(data.shape[1:]))
+    return ((len(data) == 0 or token.flags.c_contiguous) and data.strides[0] >= own
+            and data.strides[0] % 4 == 0)
 
 
 KERNELS = (_append, _attend_rows)  # for kernels/cpu_compile.py

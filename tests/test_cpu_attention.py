@@ -160,3 +160,31 @@ def test_many_sessions_split_over_the_cores_give_the_same_rows():
     for s in batch.seqs:
         want = float64_attention(s.kv, 2, q[s.start:s.end], s.n_past, 0.25, 0)
         np.testing.assert_allclose(out[s.start:s.end], want, rtol=2e-5, atol=2e-6)
+
+
+def test_a_cache_shared_with_a_draft_models_kv_attends_like_its_own_bit_for_bit():
+    """A draft model's KV beside the target's, token by token (KVLayout.shared_with), makes
+    the target's cache strided; the kernels must address it alike (they took the numpy path
+    for it, whose sums differ: an engine opened with a draft model decoded differently)."""
+    from eagerlm.vmm.kv_layout import KVLayout
+
+    rng = np.random.default_rng(3)
+    own = KVLayout(N_LAYERS, N_KV, HEAD_DIM)
+    shared, draft = own.shared_with(KVLayout(1, 1, HEAD_DIM))
+    plain = cache(rng)
+    buf = np.full(CAPACITY * shared.token_bytes // 4, np.nan, np.float32)
+    strided = TokenMajorKV(shared.view(buf))
+    strided.data[:] = plain.data
+    assert not strided.data.flags.c_contiguous
+    ops = NumpyOps()
+    k = rng.standard_normal((3, N_KV, HEAD_DIM)).astype(np.float32)
+    q = rng.standard_normal((3, N_HEADS, HEAD_DIM)).astype(np.float32)
+    outs = []
+    for kv in (plain, strided):
+        batch = batch_of([kv], [9], [3])
+        assert DecodeRows.of(batch) is not None
+        ops.kv_append(batch, 2, k, k)
+        outs.append(ops.attention(batch, 2, q, scale=0.25, window=0))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(strided.data, plain.data)
+    assert np.isnan(draft.view(buf)).all()  # the draft's part untouched

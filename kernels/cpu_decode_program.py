@@ -291,7 +291,6 @@ class DecodeProgram:
     # its cos and sin `[n, dim / 2]` go in the arena, filled at each run
     ropes: dict[tuple[Any, int], tuple[Any, Any, int, int]] = field(default_factory=dict)
     logits: Buf | None = None
-    token_stride: int = 0
     layout: tuple[int, int] = (0, 0)  # (n_layers, kv_dim) of the caches it was recorded on
     values: int = 0  # multiply-adds of the products, per row
     # the arena ranges the steps since the last wait read and write (`add`)
@@ -350,7 +349,7 @@ class DecodeProgram:
             f32[sin_at:sin_at + sin.size] = sin.reshape(-1)
         counters = np.zeros(2 * len(self._steps), np.int64)
         args = (self._steps, self._fparams, f32, decode.rows, decode.bases, decode.positions,
-                self.token_stride, counters, _SCHED_YIELD)
+                decode.token_stride, counters, _SCHED_YIELD)
         if self.values * self.n < SERIAL_MAX_VALUES:
             _run(*args)
         else:
@@ -520,8 +519,7 @@ class RecordingOps:
 def record(transformer: Any, batch: ForwardBatch, decode: DecodeRows) -> DecodeProgram | None:
     """The table of `transformer`'s forward of `batch` (n decode rows), or None where the
     forward does something the table cannot express."""
-    program = DecodeProgram(len(batch.tokens), token_stride=decode.token_stride,
-                            layout=(decode.n_layers, decode.kv_dim))
+    program = DecodeProgram(len(batch.tokens), layout=(decode.n_layers, decode.kv_dim))
     try:
         program.logits = transformer.run(
             batch, RecordingOps(program, decode, core_workers().parts))

@@ -153,19 +153,26 @@ def _overlaps(traces) -> int:
     return sum(1 for a, b in itertools.pairwise(ts) if b.launch_end < a.tokens_ready)
 
 
+def slow_forwards(tf, monkeypatch, seconds: float = 0.02) -> None:
+    """Make each of `tf`'s forwards take `seconds` more on the device, as a real model's
+    would: a tiny model's sub-millisecond rounds could otherwise finish before the control
+    thread gets to launch the next one, whatever the dispatch."""
+    forward = tf.forward
+
+    def slow_forward(batch):
+        time.sleep(seconds)
+        return forward(batch)
+
+    monkeypatch.setattr(tf, "forward", slow_forward)
+
+
 def test_eagerness_is_observable_in_the_timestamps(model, monkeypatch):
     """Eager: round n + 1 is launched before round n's tokens reach the service thread;
     sync: never. Each forward is made to take 20 ms on the device, as a real model's
     would, so that a tiny model's sub-millisecond rounds cannot finish before the control
     thread gets to launch the next one (which made this test flaky on a loaded machine)."""
     m, tf = model
-    forward = tf.forward
-
-    def slow_forward(batch):
-        time.sleep(0.02)
-        return forward(batch)
-
-    monkeypatch.setattr(tf, "forward", slow_forward)
+    slow_forwards(tf, monkeypatch)
     prompt = m.tokenizer.encode("the cat sat")
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for sync in (False, True):

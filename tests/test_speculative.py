@@ -32,7 +32,7 @@ from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.vmm.device import open_device
 from tests.sequential_reference import SequentialGeneration
-from tests.test_dispatcher import Collector, _overlaps
+from tests.test_dispatcher import Collector, _overlaps, slow_forwards
 
 PAGE = 4096
 NGRAM = SpeculationConfig("ngram", 4, adaptive=False)  # always the most drafts
@@ -307,15 +307,7 @@ def test_speculative_rounds_are_launched_before_the_last_ones_tokens_are_known(
     round n's tokens reach the service thread, as without speculation (each forward made
     to take 20 ms, as tests/test_dispatcher.py's eagerness test does)."""
     _, tf = model
-    forward = tf.forward
-
-    def slow_forward(batch):
-        import time
-
-        time.sleep(0.02)
-        return forward(batch)
-
-    monkeypatch.setattr(tf, "forward", slow_forward)
+    slow_forwards(tf, monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     with make(model) as d:
         got = run(d, [(0, repetitive_prompt(model, 2), params)]).result(0)

@@ -233,7 +233,8 @@ def constrained_alone(gpu, model, constrained_workload):
     return alone_
 
 
-@pytest.mark.parametrize("config", ["graphs", "eager launches", "sync"])
+@pytest.mark.parametrize("config", ["graphs", "eager launches, no prefix cache",
+                                    "sync, chunked prefill"])
 def test_constrained_requests_equal_their_runs_alone(gpu, model, constrained_workload,
                                                      constrained_alone, config) -> None:
     """Decode rounds with constrained rows replay the forward-only graph variant (or its

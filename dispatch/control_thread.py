@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eagerlm.dispatch.follower_thread import Followers
 from eagerlm.dispatch.mask_board import MaskBoard
 from eagerlm.dispatch.messages import (
     AddSession,
@@ -102,8 +103,12 @@ class ControlThread:
     def __init__(self, device: Device, transformer: Transformer, pool: PagePool,
                  config: ControlConfig, inbox: queue.Queue, to_service: queue.Queue,
                  lookahead: threading.Semaphore, context_length: int,
-                 masks: MaskBoard | None = None, draft: Transformer | None = None) -> None:
+                 masks: MaskBoard | None = None, draft: Transformer | None = None,
+                 followers: Followers | None = None) -> None:
+        """`followers`: with a model split over several devices (dispatch/follower_thread.py),
+        this is device 0's thread, the leader: each round's order goes to the others."""
         self.device = device
+        self.followers = followers
         self.masks = masks  # constrained sessions' token masks, posted by the service
         self.transformer = transformer
         self.backend: RoundBackend = transformer.ops  # what a round asks of the backend
@@ -192,6 +197,8 @@ class ControlThread:
         except BaseException as exc:  # report, never die silently
             error = f"control thread failed: {exc!r}"
             traceback.print_exc()
+            if self.followers is not None:
+                self.followers.abort(error)  # no device waits for a round never coming
         finally:
             try:
                 with contextlib.suppress(StreamError):  # already reported above
@@ -249,6 +256,8 @@ class ControlThread:
                 if self.cache is not None:
                     self.cache.clear()
                 self._drain_device()
+                if self.followers is not None:
+                    self.followers.sync()
                 msg.done.set()
             elif isinstance(msg, DeviceCall):
                 self.compute.launch(msg)  # in order after the rounds launched so far
@@ -369,7 +378,8 @@ class ControlThread:
                          self._sampled_dev[slot], n_rows, seq_rows, kvs, seq_work,
                          self._sampler_state, self._forget,
                          (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
-                         else None, masks=self.masks, trace=trace, spec=spec, draft=draft)
+                         else None, masks=self.masks, trace=trace, spec=spec, draft=draft,
+                         broadcast=self.followers is not None)
         # a decode round: fixed buffers (one with constrained rows replays the forward
         # only, then samples its free rows before waiting for the masks; one with
         # speculating sessions runs their steps there too)
@@ -377,7 +387,14 @@ class ControlThread:
                 n_rows == n_seqs if spec is None else draft is None):
             run.graph = (self._graphs, rows.copy())
         self._forget = []
-        self.compute.launch(run)
+        if self.followers is None:
+            self.compute.launch(run)
+        else:  # the order first: the leader's work meets the followers' in collectives
+            self.followers.send_round(
+                self.round_id, meta_host[:n_meta // 4], n_rows, seq_rows,
+                [r.session.region.rid for r in plan.rows],  # type: ignore[union-attr]
+                [seq_rows[i][0] + seq_rows[i][1] - 1 for _, _, i in sampled_rows])
+            self.compute.launch(self.followers.guard(run))
         done = self.compute.record(self.device.event())
         trace.device_end = done
         self.copy.wait_event(done)

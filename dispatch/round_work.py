@@ -99,8 +99,11 @@ class RoundWork:
                  seq_work: list[SeqWork], state: SamplerState, forget: list[int],
                  logprob_out: tuple[Any, Any] | None, masks: MaskBoard | None = None,
                  trace: RoundTrace | None = None, spec: SpecRound | None = None,
-                 draft: DraftRound | None = None) -> None:
+                 draft: DraftRound | None = None, broadcast: bool = False) -> None:
+        """`broadcast`: the model is split over several devices; after sampling, the token
+        buffer goes to every device's (`RoundBackend.broadcast_tokens`)."""
         self.transformer = transformer
+        self.broadcast = broadcast
         self.backend: RoundBackend = transformer.ops
         self.meta, self.token_buf, self.sampled = meta, token_buf, sampled
         self.n_rows, self.seq_rows = n_rows, seq_rows
@@ -112,6 +115,11 @@ class RoundWork:
         self.graph: tuple[DecodeRounds, np.ndarray] | None = None  # (graphs, host rows)
 
     def __call__(self) -> None:
+        self._run()
+        if self.broadcast:  # device 0's samples into every device's token buffer
+            self.backend.broadcast_tokens(self.token_buf)
+
+    def _run(self) -> None:
         backend = self.backend
         if self.graph is not None and self._replay(*self.graph):
             self.kvs = []

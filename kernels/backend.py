@@ -102,6 +102,13 @@ class RoundBackend(Protocol[A]):
         round's sampler wrote, so the backend gathers them where they are."""
         ...
 
+    def broadcast_tokens(self, token_buf: DeviceBuffer) -> None:
+        """Device 0's token buffer (int32) into every device's, on the compute stream, at
+        the end of a round of a model split over several devices: only device 0 samples,
+        and the next round's decode inputs must be on every device before it runs. Nothing
+        on a device alone."""
+        ...
+
     def token_counts(self, vocab: int, prompt: Sequence[int], output: Sequence[int]) -> Any:
         """A penalized session's token counts, built from its tokens so far: when it
         first samples, or after a preemption. From then on `count_inputs` keeps them up

@@ -312,6 +312,12 @@ class CudaOps(CudaSampling, CudaSpeculation):
         """Every device's `x` `[rows, n]` side by side along the last axis, by rank."""
         return x if self.collective is None else self.collective.all_gather(self, x)
 
+    def broadcast_tokens(self, token_buf: DeviceBuffer) -> None:
+        """Device 0's token buffer in every device's (ncclBroadcast, in place, on this
+        stream)."""
+        if self.collective is not None:
+            self.collective.broadcast_ints(self, token_buf.ptr, token_buf.nbytes // 4)
+
     def softcap(self, x: DeviceTensor, cap: float) -> DeviceTensor:
         out = self.empty(x.shape, x.dtype)
         self.kernels[f"softcap_{x.dtype}"].launch(self._s, self._grid(x.size), 256, out.ptr,

@@ -354,6 +354,15 @@ class NumpyOps:
         """Every device's `x` `[rows, n]` side by side along the last axis, by rank."""
         return x if self.collective is None else self.collective.all_gather(x)
 
+    def broadcast_tokens(self, token_buf: DeviceBuffer) -> None:
+        """Device 0's token buffer in every device's, through shared host memory."""
+        if self.collective is None:
+            return
+        buf = _host_view(token_buf)
+        got = self.collective.broadcast(buf, root=0)
+        if self.collective.rank != 0:
+            buf[:] = got
+
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
         return np.tanh(x / np.float32(cap)) * np.float32(cap)
 

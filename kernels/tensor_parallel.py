@@ -53,8 +53,13 @@ class DeviceThreads:
         self._threads = [threading.Thread(target=self._loop, args=(c, q), daemon=True,
                                           name=f"{name}-{r}")
                          for r, (c, q) in enumerate(zip(contexts, self._queues, strict=True))]
+        self.contexts = list(contexts)
         for t in self._threads:
             t.start()
+
+    def abort(self) -> None:
+        """Release every device waiting in a collective (one has failed)."""
+        self._abort()
 
     @staticmethod
     def _loop(context: Callable[[], contextlib.AbstractContextManager[Any]],
@@ -120,6 +125,9 @@ class TensorParallelModel(Generic[A]):
 
     def run(self, calls: Sequence[Callable[[], T]]) -> list[T]:
         return self.threads.run(calls)
+
+    def abort(self) -> None:
+        self.threads.abort()
 
     def close(self) -> None:
         self.threads.close()

@@ -1,0 +1,222 @@
+"""The dispatcher over two cpu devices (tensor parallelism, phase 2: one control thread per
+device, dispatch/follower_thread.py): every request against the same request run alone
+through the sequential loop over the same two devices (the group's own forward,
+kernels/tensor_parallel.py, itself checked against one device in test_tensor_parallel.py),
+eager against sync, preemption, the prefix cache, every device's pages back to idle, a
+device failure, and what is refused over several devices."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from eagerlm.dispatch.control_thread import ControlConfig
+from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
+from eagerlm.dispatch.follower_thread import DeviceGroup
+from eagerlm.dispatch.messages import FinishReason
+from eagerlm.dispatch.scheduler import SchedulerConfig
+from eagerlm.dispatch.speculation import SpeculationConfig
+from eagerlm.errors import InvalidParameters
+from eagerlm.kernels.batch import ForwardBatch, SeqSlice
+from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.kernels.tensor_parallel import TensorParallelModel, cpu_group
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.vmm.device import open_device
+from eagerlm.vmm.kv_layout import ContiguousKV
+from tests.sequential_reference import SequentialGeneration
+from tests.test_dispatcher import Collector, random_workload, run_workload
+
+PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp") / "qwen3.gguf"
+    m = ModelFile.open(write_synthetic_model(path, tiny_spec("qwen3", context_length=160)))
+    group = cpu_group(m, 2)
+    yield m, group
+    group.close()
+
+
+class _DeviceKVs(list):
+    """One session's caches, one per device (each of its KV heads)."""
+
+    @property
+    def capacity(self) -> int:
+        return min(kv.capacity for kv in self)
+
+
+class _GroupForward:
+    """The group as the sequential loop drives one transformer: a session's KV is one
+    contiguous cache per device (its KV heads), each forward runs on every device."""
+
+    def __init__(self, group: TensorParallelModel) -> None:
+        self.group = group
+        self.config = group.transformers[0].config  # its heads; the model's vocabulary
+        self.ops = self
+
+    def contiguous_kv(self, layout, capacity):
+        return _DeviceKVs(ContiguousKV(self.group.kv_layout(r), capacity)
+                          for r in range(self.group.size))
+
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        (s,) = batch.seqs
+        return self.group.forward([
+            ForwardBatch(batch.tokens, [SeqSlice(s.start, s.n_new, s.n_past, kv)],
+                         batch.logit_rows) for kv in s.kv])
+
+
+def alone(model, prompt, params):
+    m, group = model
+    chunks = list(SequentialGeneration(_GroupForward(group), m.tokenizer, prompt, params))
+    return ([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
+            chunks[-1].finish_reason)
+
+
+def make(model, group=None, *, sync=False, budget=1 << 22, preempt="recompute",
+         prefix_cache=True, speculation=None):
+    m, tp = model
+    tp = group or tp
+    devices = [open_device("cpu", page_size=PAGE) for _ in range(tp.size)]
+    cfg = DispatcherConfig(
+        control=ControlConfig(SchedulerConfig(max_batch=8, max_round_tokens=32, map_ahead=4,
+                                              preempt=preempt),
+                              sync=sync, prefix_cache=prefix_cache,
+                              speculation=speculation or SpeculationConfig()),
+        kv_budget_bytes=budget)
+    group = DeviceGroup(devices, list(tp.transformers), tp.abort, tp.threads.contexts)
+    return Dispatcher(devices[0], tp.transformers[0], m.tokenizer, cfg, group=group)
+
+
+def assert_idle(d: Dispatcher) -> None:
+    """Every device's pages back in its pool, its accounting sound."""
+    d.flush()
+    assert len(d.pools) == 2
+    for pool in d.pools:
+        assert pool.n_free == pool.n_pages
+        pool.audit()
+
+
+def test_every_request_over_two_devices_equals_its_run_alone(model):
+    """Randomized arrivals, lengths and sampling settings, batched over two devices: no
+    token lost, duplicated or reordered, the right finish reason for every request."""
+    rng = random.Random(7)
+    reqs = random_workload((model[0], None), rng, 14)
+    with make(model) as d:
+        col = run_workload(d, reqs, rng)
+        assert_idle(d)
+    for key, prompt, params in reqs:
+        assert col.result(key) == alone(model, prompt, params), key
+
+
+def test_eager_and_sync_give_the_same_greedy_tokens_over_two_devices(model):
+    m, _ = model
+    reqs = [(k, m.tokenizer.encode(f"the cat {k} sat on the mat " * (k + 1)),
+             SamplingParams(temperature=0.0, max_tokens=12 + k, ignore_eos=True))
+            for k in range(5)]
+    results = []
+    for sync in (False, True):
+        with make(model, sync=sync) as d:
+            col = run_workload(d, reqs)
+        results.append({k: col.result(k) for k, _, _ in reqs})
+    assert results[0] == results[1]
+    assert results[0][0] == alone(model, reqs[0][1], reqs[0][2])
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_a_small_pool_preempts_on_every_device_and_still_matches(model, preempt):
+    m, _ = model
+    reqs = [(k, m.tokenizer.encode(" ".join(["delta gamma"] * (4 + k))),
+             SamplingParams(temperature=0.0 if k % 2 else 1.0, seed=k, max_tokens=30,
+                            ignore_eos=True, frequency_penalty=0.5 * (k % 2)))
+            for k in range(6)]
+    layout = model[1].kv_layout(0)
+    longest = max(len(p) for _, p, _ in reqs) + 30
+    budget = 2 * longest * layout.token_bytes  # about two sessions at full length
+    with make(model, budget=budget, preempt=preempt) as d:
+        col = run_workload(d, reqs)
+        assert d.control.scheduler.preemptions > 0
+        assert (d.control.scheduler.swaps > 0) == (preempt == "swap")
+        assert_idle(d)
+    for key, prompt, params in reqs:
+        assert col.result(key) == alone(model, prompt, params), key
+
+
+def test_the_prefix_cache_serves_a_second_turn_on_every_device(model):
+    m, _ = model
+    first = m.tokenizer.encode("user: tell me about the cat and the mat and the alpha beta")
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with make(model) as d:
+        reply = [t for o in d.stream(first, params) for t in o.token_ids]
+        second = first + reply + m.tokenizer.encode(" user: and then?")
+        warm = list(d.stream(second, params))
+        assert d.control.cache.hits == 1
+        assert warm[-1].cached_tokens == len(first) + len(reply) - 1
+        assert_idle(d)
+    assert reply == alone(model, first, params)[0]
+    assert [t for o in warm for t in o.token_ids] == alone(model, second, params)[0]
+
+
+def test_a_failure_on_device_1_ends_every_request_and_the_engine_closes(tmp_path):
+    """The follower's forward raises: the group's collectives are aborted, device 0's
+    round fails too, every request ends with `error`, a later one is answered with an
+    error at once, and shutdown returns (nothing waits in a collective forever)."""
+    path = tmp_path / "qwen3.gguf"
+    m = ModelFile.open(write_synthetic_model(path, tiny_spec("qwen3", context_length=160)))
+    group = cpu_group(m, 2)
+    tf = group.transformers[1]
+    calls = {"n": 0}
+    real_forward = tf.forward
+
+    def failing_forward(batch):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("simulated fault on device 1")
+        return real_forward(batch)
+
+    tf.forward = failing_forward
+    d = make((m, group))
+    try:
+        col = Collector()
+        for key in range(3):
+            d.submit(m.tokenizer.encode(f"fault {key}"),
+                     SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True),
+                     col.sink_for(key))
+        col.wait(3, timeout=30)
+        assert {col.result(k)[2] for k in range(3)} == {FinishReason.ERROR}
+        assert "simulated fault on device 1" in col.outputs[0][-1].error
+        late = queue.Queue()
+        d.submit(m.tokenizer.encode("late"), SamplingParams(max_tokens=3), late.put)
+        out = late.get(timeout=10)
+        assert out.finish_reason is FinishReason.ERROR and out.error
+        assert d.failure is not None
+    finally:
+        t0 = time.perf_counter()
+        closer = threading.Thread(target=d.shutdown, daemon=True)
+        closer.start()
+        closer.join(60)
+        assert not closer.is_alive(), "shutdown hung"
+        assert time.perf_counter() - t0 < 30
+        group.close()
+
+
+def test_what_two_devices_do_not_do_yet_is_refused(model):
+    m, _ = model
+    prompt = m.tokenizer.encode("hello")
+    with make(model) as d:
+        with pytest.raises(InvalidParameters, match="speculative"):
+            d.submit(prompt, SamplingParams(speculative="ngram"), lambda out: None)
+        with pytest.raises(InvalidParameters, match="tensor_parallel"):
+            d.call_between_rounds(lambda: None)
+        # and the engine keeps serving
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert [t for o in d.stream(prompt, params) for t in o.token_ids] == alone(
+            model, prompt, params)[0]
+    with pytest.raises(InvalidParameters, match="speculative"):
+        make(model, speculation=SpeculationConfig("ngram"))

@@ -134,10 +134,11 @@ class TensorParallelModel(Generic[A]):
 
 
 def cpu_group(model: Any, size: int, *, weights: str = "quantized",
-              split_lm_head: bool = True) -> TensorParallelModel[np.ndarray]:
+              split_lm_head: bool = True, **load: Any) -> TensorParallelModel[np.ndarray]:
     """`model` (a ModelFile) over `size` cpu devices: each a worker group pinned to its
     share of the cores (`cpu_threads.core_shares`), the all-reduces through shared host
-    memory (kernels/host_collective.py)."""
+    memory (kernels/host_collective.py). `load`: `cpu_transformer`'s loading options
+    (`on_compile`, `context`), given to every device's."""
     from eagerlm.kernels.cpu_backend import cpu_transformer
     from eagerlm.kernels.cpu_threads import core_shares, device_cores
     from eagerlm.kernels.host_collective import HostGroup
@@ -146,7 +147,8 @@ def cpu_group(model: Any, size: int, *, weights: str = "quantized",
     group = HostGroup(size)
     transformers = [cpu_transformer(model, weights=weights,  # type: ignore[arg-type]
                                     shard=s if size > 1 else None,
-                                    collective=group.member(s.rank) if size > 1 else None)
+                                    collective=group.member(s.rank) if size > 1 else None,
+                                    **load)
                     for s in shards]
     threads = DeviceThreads([lambda cores=cores: device_cores(cores)
                              for cores in core_shares(size)], group.abort)

@@ -12,6 +12,7 @@ import random
 import threading
 import time
 
+import anyio
 import numpy as np
 import pytest
 
@@ -26,7 +27,11 @@ from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.kernels.tensor_parallel import TensorParallelModel, cpu_group
 from eagerlm.loader.model_file import ModelFile
+from eagerlm.loader.sharding import UnevenShard
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
+from eagerlm.service.api.engine import Engine
+from eagerlm.service.api.engine_settings import EngineSettings
+from eagerlm.service.cli.commands import build_parser
 from eagerlm.vmm.device import open_device
 from eagerlm.vmm.kv_layout import ContiguousKV
 from tests.sequential_reference import SequentialGeneration
@@ -36,9 +41,14 @@ PAGE = 4096
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tp") / "qwen3.gguf"
-    m = ModelFile.open(write_synthetic_model(path, tiny_spec("qwen3", context_length=160)))
+    return write_synthetic_model(path, tiny_spec("qwen3", context_length=160))
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    m = ModelFile.open(model_path)
     group = cpu_group(m, 2)
     yield m, group
     group.close()
@@ -220,3 +230,38 @@ def test_what_two_devices_do_not_do_yet_is_refused(model):
             model, prompt, params)[0]
     with pytest.raises(InvalidParameters, match="speculative"):
         make(model, speculation=SpeculationConfig("ngram"))
+
+
+def test_engine_open_with_tensor_parallel_2_serves_end_to_end(model, model_path):
+    """The front door: `Engine.open(..., tensor_parallel=2)` loads the model over two cpu
+    devices and completes a prompt as the sequential loop over two devices does."""
+    m, _ = model
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def main():
+        async with Engine.open(model_path, tensor_parallel=2, page_size=PAGE,
+                               kv_budget_bytes=1 << 22) as e:
+            assert e.loaded.group is not None and e.loaded.group.size == 2
+            done = await e.complete("the cat sat on the mat", params)
+            with pytest.raises(InvalidParameters, match="tensor_parallel"):
+                e.embed(["the cat"])
+            return done
+
+    done = anyio.run(main)
+    prompt = m.tokenizer.encode("the cat sat on the mat")
+    assert list(done.token_ids) == alone(model, prompt, params)[0]
+
+
+def test_the_front_ends_take_tensor_parallel_and_refuse_what_cannot_run(model_path):
+    args = build_parser().parse_args(["generate", "-m", str(model_path), "-tp", "2", "-p", "hi"])
+    assert args.tensor_parallel == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "-m", str(model_path), "-tp", "0", "-p", "hi"])
+    with pytest.raises(InvalidParameters, match="tensor_parallel"):
+        EngineSettings(tensor_parallel=0)
+    with pytest.raises(InvalidParameters, match="speculative"):
+        EngineSettings(tensor_parallel=2, speculative="ngram")
+    with pytest.raises(InvalidParameters, match="cpu backend only"):
+        Engine.load(model_path, "cuda", tensor_parallel=2)
+    with pytest.raises(UnevenShard, match="heads"):  # 4 query heads over 3 devices
+        Engine.load(model_path, tensor_parallel=3)

@@ -76,7 +76,8 @@ class Engine:
         self.tokenizer: Tokenizer = loaded.model.tokenizer
         self.dispatcher = Dispatcher(loaded.device, loaded.transformer, self.tokenizer,
                                      settings.dispatcher_config(),
-                                     draft=None if draft is None else draft.transformer)
+                                     draft=None if draft is None else draft.transformer,
+                                     group=loaded.group)
         self.name = settings.model_name or Path(loaded.model.path).stem
         self.metrics = EngineMetrics()
         self.turns = TurnMemory(self.tokenizer, settings.chat_turns_remembered)
@@ -92,7 +93,7 @@ class Engine:
         loaded = open_model(model_path, device, page_size=config.page_size,
                             on_progress=on_progress or log_progress,
                             rope=config.rope_override(), max_context=config.max_context,
-                            weights=config.weights)
+                            weights=config.weights, tensor_parallel=config.tensor_parallel)
         draft = None
         try:
             if config.draft_model is not None:

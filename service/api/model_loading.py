@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from eagerlm.dispatch.follower_thread import DeviceGroup
 from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.cpu_backend import WEIGHTS_MODES, cpu_transformer
 from eagerlm.kernels.model import Transformer
@@ -56,8 +57,16 @@ class LoadedModel:
     model: ModelFile
     device: Device
     transformer: Transformer
+    # a model split over several devices (tensor_parallel > 1): `device` and `transformer`
+    # are its device 0's; the dispatcher runs one control thread per device
+    group: DeviceGroup | None = None
+    _close_group: Callable[[], None] | None = None
 
     def close(self) -> None:
+        if self._close_group is not None:
+            self._close_group()
+        for dev in self.group.devices[1:] if self.group is not None else []:
+            dev.close()
         self.device.close()
         self.model.close()
 
@@ -98,7 +107,8 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
                on_progress: ProgressCallback | None = None,
                rope: RopeOverride | None = None,
                max_context: int | None = None,
-               weights: str | None = None) -> LoadedModel:
+               weights: str | None = None,
+               tensor_parallel: int = 1) -> LoadedModel:
     """Open the GGUF at `path`, check `device` ("cpu", "cuda", "cuda:N"), and load the
     weights for its backend: numpy on cpu (kernels/cpu_backend.py), CudaOps on cuda
     (kernels/cuda_backend.py). `page_size` is the device's KV page size (None: its
@@ -112,7 +122,12 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
     `weights` is how the backend holds the matrices: "quantized" (the default on both:
     the file's blocks, read by the kernels directly), or "float" on cpu (float32, the
     reference path) and "bf16" on cuda (every matrix dequantized to bf16 at load); a value
-    the device's backend does not take is refused."""
+    the device's backend does not take is refused.
+
+    `tensor_parallel` N > 1 splits the model over N cpu devices (kernels/tensor_parallel.py
+    `cpu_group`: each a share of the cores, of the heads and FFN features, its own memory);
+    a model that does not split N ways is refused (`UnevenShard`, naming the tensor). Not
+    yet on cuda (the dispatcher over several GPUs is not built)."""
     t0 = time.perf_counter()
 
     def report(stage: str, done: int = 0, total: int = 0,
@@ -120,6 +135,7 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
         if on_progress is not None:
             on_progress(LoadProgress(stage, done, total, time.perf_counter() - t0, seconds))
 
+    check_tensor_parallel(tensor_parallel, device)  # before looking for a GPU
     check_device(device)
     check_weights(weights, device)
     model = ModelFile.open(path, rope=rope)
@@ -130,6 +146,9 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
         def on_bytes(done: int, total: int) -> None:
             report("weights", done, total)
 
+        if tensor_parallel > 1:
+            return _open_group(model, tensor_parallel, page_size, weights, max_context,
+                               report)
         if device == "cpu":
             transformer = cpu_transformer(
                 model, on_bytes, weights="quantized" if weights is None else weights,
@@ -150,6 +169,39 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
         raise
     report("ready")
     return LoadedModel(model, dev, transformer)
+
+
+def check_tensor_parallel(n: int, device: str) -> None:
+    """Raise InvalidParameters unless `n` devices can serve on `device` now."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidParameters(f"tensor_parallel must be a positive integer, not {n!r}",
+                                param="tensor_parallel")
+    if n > 1 and device != "cpu":
+        raise InvalidParameters("tensor_parallel > 1 runs on the cpu backend only so far "
+                                "(the dispatcher over several GPUs is not built yet)",
+                                param="tensor_parallel")
+
+
+def _open_group(model: ModelFile, n: int, page_size: int | None, weights: str | None,
+                max_context: int | None,
+                report: Callable[..., None]) -> LoadedModel:
+    """`model` over `n` cpu devices (the caller closes `model` if this raises)."""
+    from eagerlm.kernels.tensor_parallel import cpu_group
+
+    tp = cpu_group(model, n, weights="quantized" if weights is None else weights,
+                   on_compile=lambda seconds: report("compile", seconds=seconds),
+                   context=max_context)
+    devices: list[Device] = []
+    try:
+        devices = [open_device("cpu", page_size=page_size) for _ in range(n)]
+    except BaseException:
+        for dev in devices:
+            dev.close()
+        tp.close()
+        raise
+    report("ready")
+    group = DeviceGroup(devices, list(tp.transformers), tp.abort, tp.threads.contexts)
+    return LoadedModel(model, devices[0], tp.transformers[0], group, tp.close)
 
 
 class DraftVocabularyMismatch(InvalidParameters):

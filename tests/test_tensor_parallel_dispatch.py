@@ -7,8 +7,10 @@ device failure, and what is refused over several devices."""
 
 from __future__ import annotations
 
+import itertools
 import queue
 import random
+import re
 import threading
 import time
 
@@ -24,7 +26,7 @@ from eagerlm.dispatch.scheduler import SchedulerConfig
 from eagerlm.dispatch.speculation import SpeculationConfig
 from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
-from eagerlm.kernels.sampling import SamplingParams
+from eagerlm.kernels.sampling import Constraint, SamplingParams
 from eagerlm.kernels.tensor_parallel import TensorParallelModel, cpu_group
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.sharding import UnevenShard
@@ -107,7 +109,6 @@ def make(model, group=None, *, sync=False, budget=1 << 22, preempt="recompute",
 def assert_idle(d: Dispatcher) -> None:
     """Every device's pages back in its pool, its accounting sound."""
     d.flush()
-    assert len(d.pools) == 2
     for pool in d.pools:
         assert pool.n_free == pool.n_pages
         pool.audit()
@@ -120,6 +121,7 @@ def test_every_request_over_two_devices_equals_its_run_alone(model):
     reqs = random_workload((model[0], None), rng, 14)
     with make(model) as d:
         col = run_workload(d, reqs, rng)
+        assert len(d.pools) == 2 and all(p.stats().maps > 0 for p in d.pools)
         assert_idle(d)
     for key, prompt, params in reqs:
         assert col.result(key) == alone(model, prompt, params), key
@@ -171,6 +173,82 @@ def test_the_prefix_cache_serves_a_second_turn_on_every_device(model):
         assert_idle(d)
     assert reply == alone(model, first, params)[0]
     assert [t for o in warm for t in o.token_ids] == alone(model, second, params)[0]
+
+
+def test_rounds_are_launched_eagerly_over_two_devices(model, monkeypatch):
+    """Round n + 1 is launched on both devices before round n's tokens reach the service
+    thread (sync: never): device 0's samples reach device 1 by the broadcast inside the
+    round, not through the host. Device 1's forward takes 20 ms, so the round's collectives
+    wait for it and a tiny model's rounds cannot finish before the next launch."""
+    m, group = model
+    tf = group.transformers[1]
+    forward = tf.forward
+
+    def slow_forward(batch):
+        time.sleep(0.02)
+        return forward(batch)
+
+    monkeypatch.setattr(tf, "forward", slow_forward)
+    prompt = m.tokenizer.encode("the cat sat")
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    overlaps = {}
+    for sync in (False, True):
+        with make(model, sync=sync) as d:
+            tokens = [t for o in d.stream(prompt, params) for t in o.token_ids]
+            ts = sorted(d.traces, key=lambda t: t.round_id)
+        assert len(ts) == 30 and len(tokens) == 30
+        overlaps[sync] = sum(1 for a, b in itertools.pairwise(ts)
+                             if b.launch_end < a.tokens_ready)
+    assert overlaps[True] == 0
+    assert overlaps[False] > 15
+
+
+def test_constrained_requests_over_two_devices_match_their_grammar(model):
+    """Only device 0 samples, so only it waits for a constrained row's mask; eager and sync
+    give the same tokens, the text matches the grammar, and unconstrained requests beside
+    it are their runs alone."""
+    m, _ = model
+    pattern = "(cat|mat|sat)( (cat|mat|sat)){3}"
+    free = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    reqs = [(0, m.tokenizer.encode("say it:"),
+             SamplingParams(temperature=0.0, max_tokens=30,
+                            constraint=Constraint.regex(pattern))),
+            (1, m.tokenizer.encode("alpha beta"), free),
+            (2, m.tokenizer.encode("the cat sat on"), free)]
+    results = []
+    for sync in (False, True):
+        with make(model, sync=sync) as d:
+            col = run_workload(d, reqs)
+            assert_idle(d)
+        results.append({k: col.result(k) for k, _, _ in reqs})
+    assert results[0] == results[1]
+    assert re.fullmatch(pattern, results[0][0][1]), results[0][0][1]
+    assert results[0][0][2] is FinishReason.STOP
+    for key in (1, 2):
+        assert results[0][key] == alone(model, reqs[key][1], free)
+
+
+def test_four_devices_with_one_kv_head_each_of_two_replicated(tmp_path):
+    """Over four devices the two KV heads are each held by two devices; every request is
+    still its run alone through the sequential loop over the same four devices."""
+    m = ModelFile.open(write_synthetic_model(tmp_path / "q.gguf",
+                                             tiny_spec("qwen3", context_length=160)))
+    group = cpu_group(m, 4)
+    try:
+        rng = random.Random(11)
+        reqs = random_workload((m, None), rng, 6)
+        d = make((m, group))
+        try:
+            col = run_workload(d, reqs, rng)
+            d.flush()
+            assert len(d.pools) == 4
+            assert all(p.n_free == p.n_pages for p in d.pools)
+        finally:
+            d.shutdown()
+        for key, prompt, params in reqs:
+            assert col.result(key) == alone((m, group), prompt, params), key
+    finally:
+        group.close()
 
 
 def test_a_failure_on_device_1_ends_every_request_and_the_engine_closes(tmp_path):

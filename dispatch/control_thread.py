@@ -168,9 +168,12 @@ class ControlThread:
         # stream; the control thread only says when to rebuild or forget a session's
         self._sampler_state = SamplerState(transformer.config.vocab_size)
         self._forget: list[int] = []
-        self._graphs: DecodeRounds | None = self.backend.decode_graphs(
-            transformer, self._token_buf, max_batch=sc.max_batch, max_context=context_length,
-            layout=self.layout, enabled=config.cuda_graphs)
+        # not over several devices yet: a graph's padded rows would make device 0's
+        # collectives other sizes than the followers' (docs/tensor_parallel.md)
+        self._graphs: DecodeRounds | None = None if followers is not None else \
+            self.backend.decode_graphs(transformer, self._token_buf, max_batch=sc.max_batch,
+                                       max_context=context_length, layout=self.layout,
+                                       enabled=config.cuda_graphs)
         self._records: list[_RoundRecord | None] = [None] * n_slots
         self.round_id = 0
         self.last_event: Event | None = None

@@ -134,7 +134,8 @@ class Dispatcher:
             self.context_length, masks=self.masks, draft=draft,
             followers=None if failure is None else Followers(self.followers, self.pool,
                                                              failure))
-        self._leave = enter_on(self.control.compute, contexts[0] if contexts else None)
+        self._leave = enter_on(self.control.compute, contexts[0] if contexts
+                               and transformer.ops.stream is None else None)
         self._ids = itertools.count(1)
         self._closed = False
         self.service.start()
@@ -286,9 +287,9 @@ def _check_group(group: DeviceGroup, device: Device, transformer: Transformer,
     if group.devices[0] is not device or group.transformers[0] is not transformer:
         raise ValueError("a device group's device 0 and its transformer are the "
                          "dispatcher's device and transformer")
-    if any(d.kind != "cpu" for d in group.devices):
-        raise InvalidParameters("tensor_parallel > 1 in the dispatcher runs on the cpu "
-                                "backend only so far", param="tensor_parallel")
+    if len({d.kind for d in group.devices}) > 1:
+        raise InvalidParameters("a device group's devices are of one kind",
+                                param="tensor_parallel")
     if draft is not None or config.control.speculation.method != "off":
         raise InvalidParameters("speculative decoding is not supported yet with "
                                 "tensor_parallel > 1", param="speculative")

@@ -128,7 +128,9 @@ def _done() -> None:
 
 def enter_on(stream: Stream, context: DeviceContext | None) -> Callable[[], None]:
     """Make `stream`'s thread enter `context` (a cpu device's cores) for good; returns
-    what exits it there (enqueued, so after the stream's work so far)."""
+    what exits it there (enqueued, so after the stream's work so far). Only for a compute
+    stream of our own (numpy: its thread runs the round's work); a backend's own stream
+    (cuda) runs work on the thread that launches it, which enters the context itself."""
     if context is None:
         return _done
     stack = contextlib.ExitStack()
@@ -174,7 +176,10 @@ class FollowerThread:
         stream = self.backend.stream
         self._owns_compute = stream is None
         self.compute = stream if stream is not None else device.stream(f"compute-{rank}")
-        self._leave = enter_on(self.compute, context)
+        # where the round's work runs: on our compute stream's thread (cpu), else on this
+        # control thread, which launches it (cuda: its device's context current there)
+        self._leave = enter_on(self.compute, context) if self._owns_compute else _done
+        self._context = None if self._owns_compute else context
         self.pool = PagePool(device, n_pages)
         self.mirror = RegionMirror(self.pool, layout, self.compute, self._fence)
         meta_ints = max_round_tokens * 2 + max_batch * 4  # as the leader's ring slots
@@ -196,6 +201,10 @@ class FollowerThread:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        with self._context() if self._context is not None else contextlib.nullcontext():
+            self._serve()
+
+    def _serve(self) -> None:
         try:
             while not isinstance(msg := self.inbox.get(), Shutdown):
                 if isinstance(msg, RoundOrder):

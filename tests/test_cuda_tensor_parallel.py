@@ -167,3 +167,38 @@ def test_the_emulated_gpus_nccl_holds_calls_to_nccl4pys_signatures_and_rules():
         s0.close()
         s1.close()
         buf.free()
+
+
+def test_the_dispatcher_over_two_emulated_gpus_gives_each_request_its_run_alone(tmp_path):
+    """Phase 2 on cuda, below the engine (open_model still refuses cuda with N > 1): one
+    control thread per emulated GPU, NCCL's all-reduces and the token broadcast through
+    the fake NCCL, no decode graphs. Each request's tokens are its run alone through the
+    sequential loop over the same two GPUs (the emulated GEMM computes each row alone, so
+    batching changes no bit), and every GPU's pages come back."""
+    from eagerlm.dispatch.follower_thread import DeviceGroup
+    from eagerlm.kernels.sampling import SamplingParams
+    from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
+    from tests.test_dispatcher import run_workload
+    from tests.test_tensor_parallel_dispatch import alone, make
+
+    spec = tiny_spec("qwen3", n_layers=2, context_length=96)
+    model = ModelFile.open(write_synthetic_model(tmp_path / "q.gguf", spec))
+    with emulated_gpu_for_test(row_exact_gemm=True, devices=2):
+        group = cuda_group(model, 2)
+        try:
+            devices = [tf.ops.device for tf in group.transformers]
+            reqs = [(k, model.tokenizer.encode(f"the cat {k} sat on the mat"),
+                     SamplingParams(temperature=0.0 if k % 2 else 0.8, seed=k,
+                                    max_tokens=6 + k, ignore_eos=True)) for k in range(4)]
+            d = make((model, group), devices=devices, budget=None, memory_fraction=0.02)
+            assert isinstance(d.group, DeviceGroup)
+            try:
+                col = run_workload(d, reqs)
+                d.flush()
+                assert all(p.n_free == p.n_pages for p in d.pools)
+            finally:
+                d.shutdown()
+            for key, prompt, params in reqs:
+                assert col.result(key) == alone((model, group), prompt, params), key
+        finally:
+            group.close()

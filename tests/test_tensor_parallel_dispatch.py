@@ -35,7 +35,6 @@ from eagerlm.service.api.engine import Engine
 from eagerlm.service.api.engine_settings import EngineSettings
 from eagerlm.service.cli.commands import build_parser
 from eagerlm.vmm.device import open_device
-from eagerlm.vmm.kv_layout import ContiguousKV
 from tests.sequential_reference import SequentialGeneration
 from tests.test_dispatcher import Collector, random_workload, run_workload
 
@@ -74,8 +73,8 @@ class _GroupForward:
         self.ops = self
 
     def contiguous_kv(self, layout, capacity):
-        return _DeviceKVs(ContiguousKV(self.group.kv_layout(r), capacity)
-                          for r in range(self.group.size))
+        return _DeviceKVs(tf.ops.contiguous_kv(self.group.kv_layout(r), capacity)
+                          for r, tf in enumerate(self.group.transformers))
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         (s,) = batch.seqs
@@ -92,16 +91,16 @@ def alone(model, prompt, params):
 
 
 def make(model, group=None, *, sync=False, budget=1 << 22, preempt="recompute",
-         prefix_cache=True, speculation=None):
+         prefix_cache=True, speculation=None, devices=None, memory_fraction=0.9):
     m, tp = model
     tp = group or tp
-    devices = [open_device("cpu", page_size=PAGE) for _ in range(tp.size)]
+    devices = devices or [open_device("cpu", page_size=PAGE) for _ in range(tp.size)]
     cfg = DispatcherConfig(
         control=ControlConfig(SchedulerConfig(max_batch=8, max_round_tokens=32, map_ahead=4,
                                               preempt=preempt),
                               sync=sync, prefix_cache=prefix_cache,
                               speculation=speculation or SpeculationConfig()),
-        kv_budget_bytes=budget)
+        kv_budget_bytes=budget, memory_fraction=memory_fraction)
     group = DeviceGroup(devices, list(tp.transformers), tp.abort, tp.threads.contexts)
     return Dispatcher(devices[0], tp.transformers[0], m.tokenizer, cfg, group=group)
 
@@ -340,6 +339,6 @@ def test_the_front_ends_take_tensor_parallel_and_refuse_what_cannot_run(model_pa
     with pytest.raises(InvalidParameters, match="speculative"):
         EngineSettings(tensor_parallel=2, speculative="ngram")
     with pytest.raises(InvalidParameters, match="cpu backend only"):
-        Engine.load(model_path, "cuda", tensor_parallel=2)
+        Engine.load(model_path, "cuda", tensor_parallel=2)  # refused before any GPU
     with pytest.raises(UnevenShard, match="heads"):  # 4 query heads over 3 devices
         Engine.load(model_path, tensor_parallel=3)

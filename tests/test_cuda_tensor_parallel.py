@@ -202,3 +202,32 @@ def test_the_dispatcher_over_two_emulated_gpus_gives_each_request_its_run_alone(
                 assert col.result(key) == alone((model, group), prompt, params), key
         finally:
             group.close()
+
+
+def test_engine_load_with_tensor_parallel_2_on_two_emulated_gpus(tmp_path):
+    """The front door on cuda: the model over two (emulated) GPUs through the engine; its
+    greedy completion is the sequential loop's over a group of the same two GPUs, and a
+    third GPU that is not there is refused naming the setting."""
+    from eagerlm.errors import InvalidParameters
+    from eagerlm.kernels.sampling import SamplingParams
+    from eagerlm.service.api.engine import Engine
+    from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
+    from tests.test_tensor_parallel_dispatch import alone
+
+    path = write_synthetic_model(tmp_path / "q.gguf",
+                                 tiny_spec("qwen3", n_layers=2, context_length=96))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with emulated_gpu_for_test(row_exact_gemm=True, devices=2):
+        with pytest.raises(InvalidParameters, match="tensor_parallel 3"):
+            Engine.load(path, "cuda", tensor_parallel=3)
+        with Engine.load(path, "cuda", tensor_parallel=2, memory_fraction=0.02) as e:
+            assert e.loaded.group is not None and e.loaded.group.size == 2
+            prompt = e.tokenizer.encode("the cat sat")
+            tokens = [t for out in e.dispatcher.stream(prompt, params)
+                      for t in out.token_ids]
+        model = ModelFile.open(path)
+        group = cuda_group(model, 2)
+        try:
+            assert tokens == alone((model, group), prompt, params)[0]
+        finally:
+            group.close()

@@ -51,8 +51,8 @@ class EngineSettings:
     speculative: str = SpeculationConfig.method
     num_speculative_tokens: int = SpeculationConfig.num_tokens
     draft_model: str | None = None  # a GGUF with the same vocabulary (--draft-model)
-    # devices the model is split over (-tp; docs/tensor_parallel.md): cpu only so far,
-    # each device a share of the cores; 1: one device
+    # devices the model is split over (-tp; docs/tensor_parallel.md): cpu devices, each
+    # a share of the cores, or GPUs from the device's ordinal on; 1: one device
     tensor_parallel: int = 1
 
     def __post_init__(self) -> None:

@@ -126,8 +126,9 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
 
     `tensor_parallel` N > 1 splits the model over N cpu devices (kernels/tensor_parallel.py
     `cpu_group`: each a share of the cores, of the heads and FFN features, its own memory);
-    a model that does not split N ways is refused (`UnevenShard`, naming the tensor). Not
-    yet on cuda (the dispatcher over several GPUs is not built)."""
+    a model that does not split N ways is refused (`UnevenShard`, naming the tensor). On
+    cuda, N GPUs from `device`'s ordinal on (`cuda_group`, NCCL; tested on emulated GPUs
+    only)."""
     t0 = time.perf_counter()
 
     def report(stage: str, done: int = 0, total: int = 0,
@@ -135,7 +136,7 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
         if on_progress is not None:
             on_progress(LoadProgress(stage, done, total, time.perf_counter() - t0, seconds))
 
-    check_tensor_parallel(tensor_parallel, device)  # before looking for a GPU
+    check_tensor_parallel(tensor_parallel)
     check_device(device)
     check_weights(weights, device)
     model = ModelFile.open(path, rope=rope)
@@ -147,8 +148,8 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
             report("weights", done, total)
 
         if tensor_parallel > 1:
-            return _open_group(model, tensor_parallel, page_size, weights, max_context,
-                               report)
+            return _open_group(model, device, tensor_parallel, page_size, weights,
+                               max_context, report)
         if device == "cpu":
             transformer = cpu_transformer(
                 model, on_bytes, weights="quantized" if weights is None else weights,
@@ -171,34 +172,43 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
     return LoadedModel(model, dev, transformer)
 
 
-def check_tensor_parallel(n: int, device: str) -> None:
-    """Raise InvalidParameters unless `n` devices can serve on `device` now."""
+def check_tensor_parallel(n: int) -> None:
+    """Raise InvalidParameters unless `n` is a device count."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidParameters(f"tensor_parallel must be a positive integer, not {n!r}",
                                 param="tensor_parallel")
-    if n > 1 and device != "cpu":
-        raise InvalidParameters("tensor_parallel > 1 runs on the cpu backend only so far "
-                                "(the dispatcher over several GPUs is not built yet)",
-                                param="tensor_parallel")
 
 
-def _open_group(model: ModelFile, n: int, page_size: int | None, weights: str | None,
-                max_context: int | None,
+def _open_group(model: ModelFile, device: str, n: int, page_size: int | None,
+                weights: str | None, max_context: int | None,
                 report: Callable[..., None]) -> LoadedModel:
-    """`model` over `n` cpu devices (the caller closes `model` if this raises)."""
-    from eagerlm.kernels.tensor_parallel import cpu_group
+    """`model` over `n` devices: cpu devices, or the GPUs from `device`'s ordinal on
+    (the caller closes `model` if this raises)."""
+    from eagerlm.kernels.tensor_parallel import cpu_group, cuda_group
 
-    tp = cpu_group(model, n, weights="quantized" if weights is None else weights,
-                   on_compile=lambda seconds: report("compile", seconds=seconds),
-                   context=max_context)
-    devices: list[Device] = []
-    try:
-        devices = [open_device("cpu", page_size=page_size) for _ in range(n)]
-    except BaseException:
-        for dev in devices:
-            dev.close()
-        tp.close()
-        raise
+    mode = "quantized" if weights is None else weights
+    if device != "cpu":
+        from eagerlm.vmm.cuda_driver import device_count
+
+        first = int(device.partition(":")[2] or 0)
+        if first + n > (have := device_count()):
+            raise InvalidParameters(f"tensor_parallel {n} from {device} needs GPUs "
+                                    f"{first}..{first + n - 1}, but {have} are present",
+                                    param="tensor_parallel")
+        tp = cuda_group(model, n, ordinals=range(first, first + n), weights=mode)
+        devices = [tf.ops.device for tf in tp.transformers]
+    else:
+        tp = cpu_group(model, n, weights=mode,
+                       on_compile=lambda seconds: report("compile", seconds=seconds),
+                       context=max_context)
+        devices = []
+        try:
+            devices = [open_device("cpu", page_size=page_size) for _ in range(n)]
+        except BaseException:
+            for dev in devices:
+                dev.close()
+            tp.close()
+            raise
     report("ready")
     group = DeviceGroup(devices, list(tp.transformers), tp.abort, tp.threads.contexts)
     return LoadedModel(model, devices[0], tp.transformers[0], group, tp.close)

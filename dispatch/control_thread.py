@@ -263,6 +263,9 @@ class ControlThread:
                     self.followers.sync()
                 msg.done.set()
             elif isinstance(msg, DeviceCall):
+                if self.followers is not None:  # every device's part, each guarded
+                    self.followers.send_call(msg.others)
+                    msg.work = self.followers.guard(msg.work)
                 self.compute.launch(msg)  # in order after the rounds launched so far
 
     def _add(self, msg: AddSession) -> None:

@@ -211,10 +211,24 @@ class Dispatcher:
         if self._closed:
             raise EngineClosed("the engine is shut down")
         if self.group is not None:
-            raise InvalidParameters("device work between rounds (embeddings) is not "
-                                    "supported yet with tensor_parallel > 1",
+            raise InvalidParameters("device work on device 0 alone cannot run on a model "
+                                    "split over devices: call_on_every_device",
                                     param="tensor_parallel")
-        call = DeviceCall(work)
+        return self._call(DeviceCall(work))
+
+    def call_on_every_device(self, work: Callable[[Transformer], T]) -> T:
+        """`work(transformer)` of every device (its share of the model), between two
+        rounds as `call_between_rounds`; device 0's result. With a model split over
+        devices, the parts run together (their collectives meet) and a part that raises
+        aborts the group: the engine then fails, so check the input first."""
+        if self._closed:
+            raise EngineClosed("the engine is shut down")
+        tf0 = self.control.transformer
+        others = [] if self.group is None else self.group.transformers[1:]
+        return self._call(DeviceCall(lambda: work(tf0),
+                                     others=[lambda tf=tf: work(tf) for tf in others]))
+
+    def _call(self, call: DeviceCall) -> T:
         self.control.inbox.put(call)
         while not call.done.wait(0.05):
             if self.failure is not None:  # the control thread will never run it

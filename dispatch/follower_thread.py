@@ -74,6 +74,15 @@ class RoundOrder:
 
 
 @dataclass(frozen=True)
+class CallOrder:
+    """Device work outside any session (an embedding's forward: dispatch/messages.py's
+    DeviceCall), this device's part, launched between the same two rounds as device 0's;
+    its result is device 0's to return."""
+
+    work: Callable[[], object]
+
+
+@dataclass(frozen=True)
 class SyncOrder:
     """Apply `ops`, wait for the device and reclaim every free page, then set `done` (the
     leader's flush)."""
@@ -106,10 +115,10 @@ class Guarded:
     def __init__(self, work: Callable[[], object], failure: GroupFailure, rank: int) -> None:
         self.work, self.failure, self.rank = work, failure, rank
 
-    def __call__(self) -> None:
+    def __call__(self) -> object:
         aborted = False
         try:
-            self.work()
+            return self.work()
         except threading.BrokenBarrierError as exc:
             aborted = True
             exc.__traceback__ = None  # its frames hold the round's KV views
@@ -209,6 +218,8 @@ class FollowerThread:
             while not isinstance(msg := self.inbox.get(), Shutdown):
                 if isinstance(msg, RoundOrder):
                     self._launch(msg)
+                elif isinstance(msg, CallOrder):
+                    self.compute.launch(Guarded(msg.work, self.failure, self.rank))
                 elif isinstance(msg, SyncOrder):
                     self.mirror.apply(msg.ops)
                     self._drain_device()
@@ -293,3 +304,8 @@ class Followers:
 
     def guard(self, work: Callable[[], object]) -> Guarded:
         return Guarded(work, self.failure, 0)
+
+    def send_call(self, works: Sequence[Callable[[], object]]) -> None:
+        """Each follower's part of a DeviceCall, in order after the rounds sent so far."""
+        for t, work in zip(self.threads, works, strict=True):
+            t.inbox.put(CallOrder(work))

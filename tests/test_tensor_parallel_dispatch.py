@@ -293,14 +293,38 @@ def test_a_failure_on_device_1_ends_every_request_and_the_engine_closes(tmp_path
         group.close()
 
 
+def test_embeddings_run_on_every_device_between_rounds(model, model_path):
+    """An embedding's forward over two devices (each its share, meeting in the
+    all-reduces) between the rounds of a request in flight, which goes on unchanged; the
+    vector is a float64 numpy forward's (tests/reference_forward.py), within the cpu
+    backend's rounding."""
+    from eagerlm.service.api.embeddings import Pooling, embed_ids
+    from tests.test_embeddings import reference_embedding
+
+    m, _ = model
+    ids = m.tokenizer.encode("the cat sat on the mat and then some")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = [1, 2, 3]
+    with make(model) as d:
+        stream = d.stream(prompt, params)
+        first = next(stream)
+        for pooling in (Pooling.LAST, Pooling.MEAN):
+            v = d.call_on_every_device(lambda tf, p=pooling: embed_ids(tf, ids, p))
+            np.testing.assert_allclose(v, reference_embedding(str(model_path), ids, pooling),
+                                       atol=5e-3)
+        assert first.token_ids + [t for o in stream for t in o.token_ids] == alone(
+            model, prompt, params)[0]
+        assert_idle(d)
+
+
 def test_what_two_devices_do_not_do_yet_is_refused(model):
     m, _ = model
     prompt = m.tokenizer.encode("hello")
     with make(model) as d:
         with pytest.raises(InvalidParameters, match="speculative"):
             d.submit(prompt, SamplingParams(speculative="ngram"), lambda out: None)
-        with pytest.raises(InvalidParameters, match="tensor_parallel"):
-            d.call_between_rounds(lambda: None)
+        with pytest.raises(InvalidParameters, match="call_on_every_device"):
+            d.call_between_rounds(lambda: None)  # device 0 alone would wait for device 1
         # and the engine keeps serving
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         assert [t for o in d.stream(prompt, params) for t in o.token_ids] == alone(
@@ -320,8 +344,10 @@ def test_engine_open_with_tensor_parallel_2_serves_end_to_end(model, model_path)
                                kv_budget_bytes=1 << 22) as e:
             assert e.loaded.group is not None and e.loaded.group.size == 2
             done = await e.complete("the cat sat on the mat", params)
-            with pytest.raises(InvalidParameters, match="tensor_parallel"):
-                e.embed(["the cat"])
+            with pytest.raises(InvalidParameters, match="empty"):
+                e.embed([""])  # refused before any device: one failing would fail all
+            assert np.linalg.norm(e.embed(["the cat"])[0]) == pytest.approx(1.0)
+            assert e.failure is None
             return done
 
     done = anyio.run(main)

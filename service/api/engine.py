@@ -260,7 +260,6 @@ class Engine:
         server runs it on a worker thread). `pooling` defaults to the file's, else mean
         (service/api/embeddings.py). Runs between the dispatcher's rounds."""
         how = pooling or self.pooling or Pooling.MEAN
-        transformer = self.loaded.transformer
         out = []
         for item in inputs:
             ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
@@ -270,8 +269,10 @@ class Engine:
             bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
             if bad is not None:
                 raise InvalidParameters(f"token {bad} is not in the vocabulary", param="input")
-            out.append(self.dispatcher.call_between_rounds(
-                lambda ids=ids: embed_ids(transformer, ids, how)))
+            if not ids:  # here: an error inside the call would fail every device's
+                raise InvalidParameters("cannot embed an empty input", param="input")
+            out.append(self.dispatcher.call_on_every_device(
+                lambda tf, ids=ids: embed_ids(tf, ids, how)))
         return out
 
     def write_metrics(self, out: PrometheusText) -> None:

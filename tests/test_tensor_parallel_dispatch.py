@@ -366,3 +366,18 @@ def test_the_front_ends_take_tensor_parallel_and_refuse_what_cannot_run(model_pa
         EngineSettings(tensor_parallel=2, speculative="ngram")
     with pytest.raises(UnevenShard, match="heads"):  # 4 query heads over 3 devices
         Engine.load(model_path, tensor_parallel=3)
+
+
+def test_bench_offline_over_two_devices_produces_every_requested_token(tmp_path, capsys):
+    """`eagerlm bench offline -tp 2`: the measurement tools load the model over two
+    devices and drive the same dispatcher (service/measure/harness.py)."""
+    import json
+
+    out = tmp_path / "offline.json"
+    args = build_parser().parse_args(
+        ["bench", "offline", "--synthetic", "tiny", "-tp", "2", "-n", "4", "--input-len",
+         "4-16", "--output-len", "2-8", "--json", str(out)])
+    assert args.func(args) == 0
+    assert "Throughput:" in capsys.readouterr().out
+    s = json.loads(out.read_text())["summary"]
+    assert s["n_failed"] == 0 and s["output_tokens"] > 0

@@ -65,7 +65,7 @@ def positive_int(text: str) -> int:
 
 def add_tensor_parallel_args(p: argparse.ArgumentParser) -> None:
     """--tensor-parallel (-tp): for the commands that run the dispatcher (generate, chat,
-    serve); docs/tensor_parallel.md."""
+    serve, bench, profile); docs/tensor_parallel.md."""
     p.add_argument("--tensor-parallel", "-tp", dest="tensor_parallel", type=positive_int,
                    default=1, metavar="N",
                    help="split the model over N devices: on cpu each a share of the "

@@ -430,7 +430,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if not args.quiet:
         print("loading the model...", file=sys.stderr, flush=True)
     loaded = open_measured_model(args.model, args.synthetic, min_context=need, device=args.device,
-                                 weights=args.weights)
+                                 weights=args.weights, tensor_parallel=args.tensor_parallel)
     try:
         if not args.quiet:
             print(f"profiling {loaded.label}: {workload.n_requests} requests, prompt "

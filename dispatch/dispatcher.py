@@ -22,6 +22,7 @@ from eagerlm.dispatch.control_thread import ControlConfig, ControlThread
 from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
 from eagerlm.dispatch.follower_thread import (
     DeviceGroup,
+    DeviceRound,
     Followers,
     FollowerThread,
     GroupFailure,
@@ -142,6 +143,12 @@ class Dispatcher:
         for f in self.followers:
             f.start()
         self.control.start()
+
+    @property
+    def device_traces(self) -> list[collections.deque[DeviceRound]]:
+        """Per follower (device 1 ..), its rounds' events, newest last: the profiler's
+        lane of each device (device 0's are in `traces`)."""
+        return [f.traces for f in self.followers]
 
     @property
     def pools(self) -> list[PagePool]:

@@ -20,6 +20,7 @@ so to the service thread (which ends every request with an error) and ends.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -71,6 +72,17 @@ class RoundOrder:
     seq_rows: list[tuple[int, int, int]]  # per session: (first row, rows, n_past)
     regions: list[int]  # per session: its region (the leader's id)
     logit_rows: np.ndarray  # the rows the round samples, in the sampler's order
+
+
+@dataclass(frozen=True)
+class DeviceRound:
+    """A follower's part of one round on its compute stream, for the profiler's lane of
+    its device: events recorded before and after its work (the time its collectives
+    waited for the other devices included)."""
+
+    round_id: int
+    device_start: Event
+    device_end: Event
 
 
 @dataclass(frozen=True)
@@ -196,6 +208,8 @@ class FollowerThread:
         self._meta_dev = device.alloc(meta_ints * 4)
         self._token_buf = device.alloc(max_batch * 4)
         self.error: str | None = None
+        # its rounds, newest last (read by the profiler as the leader's RoundTraces are)
+        self.traces: collections.deque[DeviceRound] = collections.deque(maxlen=100_000)
         self._thread = threading.Thread(target=self._run, name=f"eagerlm-control-{rank}",
                                         daemon=True)
 
@@ -239,9 +253,12 @@ class FollowerThread:
         host.array.view(np.int32)[:order.meta.size] = order.meta
         self.compute.copy_h2d(self._meta_dev, host, order.meta.nbytes)
         kvs = [self.backend.session_kv(self.mirror.regions[r]) for r in order.regions]
+        start = self.compute.record(self.device.event())
         self.compute.launch(Guarded(FollowerWork(
             self.transformer, self._meta_dev, self._token_buf, order.n_rows, order.seq_rows,
             kvs, order.logit_rows), self.failure, self.rank))
+        self.traces.append(DeviceRound(order.round_id, start,
+                                       self.compute.record(self.device.event())))
 
     def _fence(self) -> Event:
         return self.compute.record(self.device.event(timing=False))

@@ -381,3 +381,27 @@ def test_bench_offline_over_two_devices_produces_every_requested_token(tmp_path,
     assert "Throughput:" in capsys.readouterr().out
     s = json.loads(out.read_text())["summary"]
     assert s["n_failed"] == 0 and s["output_tokens"] > 0
+
+
+def test_the_profiler_shows_a_lane_per_device(model):
+    """Each round's span on device 1 (its own events, its own clock) beside device 0's:
+    the two overlap in every round (they meet in its collectives), and the Perfetto trace
+    has device 1's track with every round."""
+    from eagerlm.service.measure.profiler import RoundCollector
+    from eagerlm.service.measure.round_timeline import DeviceClock
+    from eagerlm.service.measure.trace_export import PEER_TID, TracedRun, chrome_trace
+
+    m, _ = model
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with make(model) as d:
+        with RoundCollector(d, DeviceClock.calibrate(d.device)) as collector:
+            list(d.stream(m.tokenizer.encode("the cat sat"), params))
+    spans = collector.spans
+    assert len(spans) == 10
+    for s in spans:
+        (start, end), = s.peers
+        assert start < s.device_end and s.device_start < end, s
+    events = chrome_trace([TracedRun("eager", spans)])["traceEvents"]
+    assert len([e for e in events if e.get("tid") == PEER_TID and e["ph"] == "X"]) == 10
+    assert any(e.get("tid") == PEER_TID and e["ph"] == "M"
+               and e["args"].get("name") == "device 1 (compute stream)" for e in events)

@@ -19,6 +19,10 @@ Speculating sessions (dispatch/speculation.py) keep their length and tokens on t
 many tokens it accepted. The thread learns those counts when it harvests a round's output
 (at the latest when its ring slot is reused; rounds whose copy has completed are harvested
 before each plan, without waiting), and uses them only to bound later rounds.
+
+A model split over several devices (tensor parallelism) has one control thread per
+device: this one, device 0's, is the leader, which plans each round once and sends the
+others their orders before launching its own part (dispatch/follower_thread.py).
 """
 
 from __future__ import annotations

@@ -250,25 +250,42 @@ def test_four_devices_with_one_kv_head_each_of_two_replicated(tmp_path):
         group.close()
 
 
-def test_a_failure_on_device_1_ends_every_request_and_the_engine_closes(tmp_path):
-    """The follower's forward raises: the group's collectives are aborted, device 0's
-    round fails too, every request ends with `error`, a later one is answered with an
-    error at once, and shutdown returns (nothing waits in a collective forever)."""
+@pytest.mark.parametrize("where", ["forward on device 1", "forward on device 0",
+                                   "control thread of device 1"])
+def test_a_failure_on_one_device_ends_every_request_and_the_engine_closes(tmp_path, where):
+    """A device's forward raises (on the follower, or on the leader), or a follower's
+    control thread dies outside its rounds: the group's collectives are aborted, so the
+    other device's round fails too instead of waiting; every request ends with `error`
+    naming the fault, a later one is answered with an error at once, and shutdown returns
+    (nothing waits in a collective forever)."""
     path = tmp_path / "qwen3.gguf"
     m = ModelFile.open(write_synthetic_model(path, tiny_spec("qwen3", context_length=160)))
     group = cpu_group(m, 2)
-    tf = group.transformers[1]
+    rank = 0 if where.endswith("device 0") else 1
+    tf = group.transformers[rank]
     calls = {"n": 0}
     real_forward = tf.forward
 
     def failing_forward(batch):
         calls["n"] += 1
         if calls["n"] == 4:
-            raise RuntimeError("simulated fault on device 1")
+            raise RuntimeError(f"simulated fault on device {rank}")
         return real_forward(batch)
 
-    tf.forward = failing_forward
+    if where.startswith("forward"):
+        tf.forward = failing_forward
     d = make((m, group))
+    if where.startswith("control"):
+        mirror = d.followers[0].mirror
+        real_apply = mirror.apply
+
+        def failing_apply(ops):
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise RuntimeError("simulated fault on device 1")
+            real_apply(ops)
+
+        mirror.apply = failing_apply
     try:
         col = Collector()
         for key in range(3):
@@ -277,7 +294,7 @@ def test_a_failure_on_device_1_ends_every_request_and_the_engine_closes(tmp_path
                      col.sink_for(key))
         col.wait(3, timeout=30)
         assert {col.result(k)[2] for k in range(3)} == {FinishReason.ERROR}
-        assert "simulated fault on device 1" in col.outputs[0][-1].error
+        assert f"simulated fault on device {rank}" in col.outputs[0][-1].error
         late = queue.Queue()
         d.submit(m.tokenizer.encode("late"), SamplingParams(max_tokens=3), late.put)
         out = late.get(timeout=10)
@@ -290,6 +307,7 @@ def test_a_failure_on_device_1_ends_every_request_and_the_engine_closes(tmp_path
         closer.join(60)
         assert not closer.is_alive(), "shutdown hung"
         assert time.perf_counter() - t0 < 30
+        tf.forward = real_forward
         group.close()
 
 

@@ -403,7 +403,9 @@ class ControlThread:
             self.followers.send_round(
                 self.round_id, meta_host[:n_meta // 4], n_rows, seq_rows,
                 [r.session.region.rid for r in plan.rows],  # type: ignore[union-attr]
-                [seq_rows[i][0] + seq_rows[i][1] - 1 for _, _, i in sampled_rows])
+                [seq_rows[i][0] + seq_rows[i][1] - 1 - plan.rows[i].n_draft + j
+                 for _, _, i in sampled_rows for j in range(1 + plan.rows[i].n_draft)],
+                speculative=spec is not None)
             self.compute.launch(self.followers.guard(run))
         done = self.compute.record(self.device.event())
         trace.device_end = done

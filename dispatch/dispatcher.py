@@ -171,9 +171,12 @@ class Dispatcher:
         TokenOutOfVocabulary.check(prompt_ids, self.tokenizer.vocab_size, params,
                                    self.control.transformer.config.vocab_size)
         if self.group is not None and (
-                self.config.control.speculation.method_for(params) != "off"):
+                self.config.control.speculation.method_for(params) == "draft"
+                or (self.device.kind != "cpu"
+                    and self.config.control.speculation.method_for(params) != "off")):
             raise InvalidSamplingParams("speculative", "is not supported yet with a model "
-                                        "split over several devices (tensor_parallel > 1)")
+                                        "split over several devices (tensor_parallel > 1) "
+                                        "but for 'ngram' on cpu")
         if (self.config.control.speculation.method_for(params) == "draft"
                 and self.draft is None):
             raise InvalidSamplingParams("speculative", "is 'draft', but the engine has no "
@@ -311,6 +314,8 @@ def _check_group(group: DeviceGroup, device: Device, transformer: Transformer,
     if len({d.kind for d in group.devices}) > 1:
         raise InvalidParameters("a device group's devices are of one kind",
                                 param="tensor_parallel")
-    if draft is not None or config.control.speculation.method != "off":
-        raise InvalidParameters("speculative decoding is not supported yet with "
-                                "tensor_parallel > 1", param="speculative")
+    method = config.control.speculation.method
+    if draft is not None or method == "draft" or (device.kind != "cpu" and method != "off"):
+        raise InvalidParameters("speculative decoding over several devices is built for "
+                                "prompt lookup ('ngram') on cpu only so far",
+                                param="speculative")

@@ -72,6 +72,9 @@ class RoundOrder:
     seq_rows: list[tuple[int, int, int]]  # per session: (first row, rows, n_past)
     regions: list[int]  # per session: its region (the leader's id)
     logit_rows: np.ndarray  # the rows the round samples, in the sampler's order
+    # speculating sessions: their draft rows' tokens and their positions are device 0's,
+    # broadcast at the start of the round (`RoundBackend.broadcast_round`)
+    speculative: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,16 +169,22 @@ class FollowerWork:
 
     def __init__(self, transformer: Transformer, meta: Any, token_buf: Any, n_rows: int,
                  seq_rows: list[tuple[int, int, int]], kvs: list[Any],
-                 logit_rows: np.ndarray) -> None:
+                 logit_rows: np.ndarray, speculative: bool = False) -> None:
         self.transformer = transformer
         self.meta, self.token_buf, self.n_rows = meta, token_buf, n_rows
         self.seq_rows, self.kvs, self.logit_rows = seq_rows, kvs, logit_rows
+        self.speculative = speculative
 
     def __call__(self) -> None:
         backend: RoundBackend = self.transformer.ops
+        seq_rows = self.seq_rows
+        if self.speculative:  # device 0's proposals and positions
+            pasts = backend.broadcast_round(self.meta, self.n_rows, None)
+            seq_rows = [(st, n, past) for (st, n, _), past in zip(seq_rows, pasts,
+                                                                  strict=True)]
         tokens = backend.round_inputs(self.meta, self.n_rows, self.token_buf)
         slices = [SeqSlice(st, n, past, kv)
-                  for (st, n, past), kv in zip(self.seq_rows, self.kvs, strict=True)]
+                  for (st, n, past), kv in zip(seq_rows, self.kvs, strict=True)]
         self.transformer.forward(ForwardBatch(tokens, slices, self.logit_rows))
         self.kvs = []
         backend.broadcast_tokens(self.token_buf)
@@ -256,7 +265,7 @@ class FollowerThread:
         start = self.compute.record(self.device.event())
         self.compute.launch(Guarded(FollowerWork(
             self.transformer, self._meta_dev, self._token_buf, order.n_rows, order.seq_rows,
-            kvs, order.logit_rows), self.failure, self.rank))
+            kvs, order.logit_rows, order.speculative), self.failure, self.rank))
         self.traces.append(DeviceRound(order.round_id, start,
                                        self.compute.record(self.device.event())))
 
@@ -296,13 +305,13 @@ class Followers:
 
     def send_round(self, round_id: int, meta: np.ndarray, n_rows: int,
                    seq_rows: list[tuple[int, int, int]], regions: list[int],
-                   logit_rows: np.ndarray) -> None:
+                   logit_rows: list[int], speculative: bool = False) -> None:
         meta = meta.copy()
         meta.flags.writeable = False
         logit_rows = np.array(logit_rows, np.int64)
         logit_rows.flags.writeable = False
         order = RoundOrder(round_id, self.pool.take_journal(), meta, n_rows, list(seq_rows),
-                           list(regions), logit_rows)
+                           list(regions), logit_rows, speculative)
         for t in self.threads:
             t.inbox.put(order)
 

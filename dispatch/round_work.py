@@ -127,6 +127,9 @@ class RoundWork:
         seq_rows, past_of = self.seq_rows, None
         if self.spec is not None:  # positions from the device, proposals into draft rows
             seq_rows, past_of = self._spec_prepare()
+            if self.broadcast:  # the other devices' forwards need both (cpu: known here)
+                backend.broadcast_round(self.meta, self.n_rows,
+                                        [past for _, _, past in seq_rows])
         if self.draft is not None:
             self._draft_steps(seq_rows, past_of is not None)
         tokens = backend.round_inputs(self.meta, self.n_rows, self.token_buf)

@@ -109,6 +109,15 @@ class RoundBackend(Protocol[A]):
         on a device alone."""
         ...
 
+    def broadcast_round(self, rows: DeviceBuffer, n_rows: int,
+                        pasts: Sequence[int] | None) -> list[int]:
+        """A speculative round of a model split over devices: device 0's metadata rows
+        (its proposals written into the draft rows) and its sessions' positions (`pasts`,
+        read from the device there) into every device's, before the forward; returns the
+        positions. On cuda the positions are never on the host: not supported there (the
+        dispatcher refuses speculation over several GPUs)."""
+        ...
+
     def token_counts(self, vocab: int, prompt: Sequence[int], output: Sequence[int]) -> Any:
         """A penalized session's token counts, built from its tokens so far: when it
         first samples, or after a preemption. From then on `count_inputs` keeps them up

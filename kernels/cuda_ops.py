@@ -56,6 +56,8 @@ from eagerlm.vmm.cuda_driver import cu, driver
 from eagerlm.vmm.kv_layout import KVLayout
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from eagerlm.kernels.cuda_graphs import DecodeGraphs
     from eagerlm.kernels.model import Transformer
     from eagerlm.loader.weights import MoEWeights
@@ -317,6 +319,12 @@ class CudaOps(CudaSampling, CudaSpeculation):
         stream)."""
         if self.collective is not None:
             self.collective.broadcast_ints(self, token_buf.ptr, token_buf.nbytes // 4)
+
+    def broadcast_round(self, rows: DeviceBuffer, n_rows: int,
+                        pasts: Sequence[int] | None) -> list[int]:
+        """Refused: a speculative round's positions stay on the device on cuda
+        (`spec_positions`); the dispatcher does not speculate over several GPUs."""
+        raise NotImplementedError("speculative decoding over several GPUs is not built")
 
     def softcap(self, x: DeviceTensor, cap: float) -> DeviceTensor:
         out = self.empty(x.shape, x.dtype)

@@ -335,12 +335,33 @@ def test_embeddings_run_on_every_device_between_rounds(model, model_path):
         assert_idle(d)
 
 
+def test_prompt_lookup_speculation_over_two_devices_changes_no_token(model):
+    """Speculating sessions' proposals and positions are made on device 0 inside the
+    round and broadcast to device 1 before the forward: every request, greedy or
+    sampled, is still its run alone (without speculation) through the sequential loop,
+    and proposals were accepted (so rounds did verify drafts over both devices)."""
+    from tests.test_speculative import repetitive_prompt
+
+    reqs = [(k, repetitive_prompt(model, k),
+             SamplingParams(temperature=0.0 if k < 3 else 0.8, seed=k, max_tokens=48,
+                            ignore_eos=True)) for k in range(4)]
+    spec = SpeculationConfig("ngram", num_tokens=4, adaptive=False)
+    with make(model, speculation=spec) as d:
+        col = run_workload(d, reqs)
+        traces = list(d.traces)
+        assert_idle(d)
+    assert sum(t.n_draft_rows for t in traces) > 0
+    assert d.service.stats.accepted_tokens > 0
+    for key, prompt, params in reqs:
+        assert col.result(key) == alone(model, prompt, params), key
+
+
 def test_what_two_devices_do_not_do_yet_is_refused(model):
     m, _ = model
     prompt = m.tokenizer.encode("hello")
     with make(model) as d:
         with pytest.raises(InvalidParameters, match="speculative"):
-            d.submit(prompt, SamplingParams(speculative="ngram"), lambda out: None)
+            d.submit(prompt, SamplingParams(speculative="draft"), lambda out: None)
         with pytest.raises(InvalidParameters, match="call_on_every_device"):
             d.call_between_rounds(lambda: None)  # device 0 alone would wait for device 1
         # and the engine keeps serving
@@ -348,7 +369,7 @@ def test_what_two_devices_do_not_do_yet_is_refused(model):
         assert [t for o in d.stream(prompt, params) for t in o.token_ids] == alone(
             model, prompt, params)[0]
     with pytest.raises(InvalidParameters, match="speculative"):
-        make(model, speculation=SpeculationConfig("ngram"))
+        make(model, speculation=SpeculationConfig("draft"))
 
 
 def test_engine_open_with_tensor_parallel_2_serves_end_to_end(model, model_path):
@@ -381,7 +402,8 @@ def test_the_front_ends_take_tensor_parallel_and_refuse_what_cannot_run(model_pa
     with pytest.raises(InvalidParameters, match="tensor_parallel"):
         EngineSettings(tensor_parallel=0)
     with pytest.raises(InvalidParameters, match="speculative"):
-        EngineSettings(tensor_parallel=2, speculative="ngram")
+        EngineSettings(tensor_parallel=2, speculative="draft", draft_model="draft.gguf")
+    assert EngineSettings(tensor_parallel=2, speculative="ngram").tensor_parallel == 2
     with pytest.raises(UnevenShard, match="heads"):  # 4 query heads over 3 devices
         Engine.load(model_path, tensor_parallel=3)
 

@@ -65,10 +65,11 @@ class EngineSettings:
                 self.tensor_parallel, int) or self.tensor_parallel < 1:
             raise InvalidParameters(f"tensor_parallel must be a positive integer, not "
                                     f"{self.tensor_parallel!r}", param="tensor_parallel")
-        if self.tensor_parallel > 1 and (self.speculative != "off"
+        if self.tensor_parallel > 1 and (self.speculative == "draft"
                                          or self.draft_model is not None):
-            raise InvalidParameters("speculative decoding is not supported yet with "
-                                    "tensor_parallel > 1", param="speculative")
+            raise InvalidParameters("speculative decoding with a draft model is not "
+                                    "supported yet with tensor_parallel > 1 (prompt "
+                                    "lookup, 'ngram', is)", param="speculative")
         if self.speculative == "draft" and self.draft_model is None:
             raise InvalidParameters("speculative 'draft' needs a draft model "
                                     "(--draft-model PATH)", param="draft_model")

@@ -71,7 +71,8 @@ def add_tensor_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over N devices: on cpu each a share of the "
                         "cores with its own KV pool (the heads and FFN features split, two "
                         "all-reduces per layer); on cuda N GPUs from --device's on (NCCL; "
-                        "not yet verified on GPUs); not with --speculative (default 1)")
+                        "not yet verified on GPUs); --speculative ngram on cpu only, no "
+                        "--draft-model (default 1)")
 
 
 def kv_budget_bytes(mib: int | None) -> int | None:

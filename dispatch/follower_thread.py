@@ -11,7 +11,9 @@ own device and launches `FollowerWork` on its own compute stream: the round's fo
 its share of the model, which meets the other devices in the collectives, then the
 broadcast of the tokens device 0 sampled into its own token buffer, so its next round's
 decode inputs are there before that round runs. Nothing waits for the host: a follower is
-bounded by the orders it has, the leader by its lookahead permits.
+bounded by the orders it has, the leader by its lookahead permits. In a round with
+speculating sessions (prompt lookup, cpu), device 0's rows (its proposals) and positions
+are broadcast before the forward, and a follower's round takes them in place of its own.
 
 Failure: work that raises on any device aborts the group's collectives (`abort`), so every
 device waiting in one raises instead of waiting forever; a follower thread that fails says

@@ -176,6 +176,8 @@ def test_the_dispatcher_over_two_emulated_gpus_gives_each_request_its_run_alone(
     sequential loop over the same two GPUs (the emulated GEMM computes each row alone, so
     batching changes no bit), and every GPU's pages come back."""
     from eagerlm.dispatch.follower_thread import DeviceGroup
+    from eagerlm.dispatch.speculation import SpeculationConfig
+    from eagerlm.errors import InvalidParameters
     from eagerlm.kernels.sampling import SamplingParams
     from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
     from tests.test_dispatcher import run_workload
@@ -190,6 +192,9 @@ def test_the_dispatcher_over_two_emulated_gpus_gives_each_request_its_run_alone(
             reqs = [(k, model.tokenizer.encode(f"the cat {k} sat on the mat"),
                      SamplingParams(temperature=0.0 if k % 2 else 0.8, seed=k,
                                     max_tokens=6 + k, ignore_eos=True)) for k in range(4)]
+            with pytest.raises(InvalidParameters, match="speculative"):  # not on cuda yet
+                make((model, group), devices=devices, budget=None, memory_fraction=0.02,
+                     speculation=SpeculationConfig("ngram"))
             d = make((model, group), devices=devices, budget=None, memory_fraction=0.02)
             assert isinstance(d.group, DeviceGroup)
             try:

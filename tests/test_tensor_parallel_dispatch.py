@@ -445,3 +445,7 @@ def test_the_profiler_shows_a_lane_per_device(model):
     assert len([e for e in events if e.get("tid") == PEER_TID and e["ph"] == "X"]) == 10
     assert any(e.get("tid") == PEER_TID and e["ph"] == "M"
                and e["args"].get("name") == "device 1 (compute stream)" for e in events)
+    from eagerlm.service.measure.timeline_plot import rows_for
+
+    assert rows_for(spans) == ("control: plan", "control: launch", "device", "device 1",
+                               "service: tokens")

@@ -4,7 +4,8 @@
 # Usage: bash .ci/gpu_check.sh [tests|micro|decode|peer|bench|all|dry] [SHAPES]   (default all)
 #   micro: vmm, load, GEMM (bf16, and weights kept as GGUF blocks: the common types at many
 #   token counts, then every type at 1, 8 and 512) and attention benchmarks;
-#   decode: bench_gpu_decode (a Q4_K_M file, quantized and bf16 weights), peer: HF
+#   decode: bench_gpu_decode (a Q4_K_M file, quantized and bf16 weights), and with 2 or
+#   more GPUs `eagerlm bench -tp` over them beside -tp 1; peer: HF
 #   transformers, each on SHAPES (comma-separated; default qwen3-0.6b,llama-3.2-1b, plus
 #   llama-3.1-8b for decode); bench = micro + decode + peer; dry: every benchmark's command
 #   line with --help (imports and flags checked, nothing measured).
@@ -77,6 +78,21 @@ if part decode; then
     run "decode $shape" $limit bench_decode.log \
       python3 benchmarks/bench_gpu_decode.py --shapes $shape --json "$out/decode_$shape.json"
   done
+fi
+if part decode; then
+  # tensor parallelism (issue 34): the engine over the most GPUs found that split the
+  # shape's heads (a power of two), beside one GPU, in the same call; only with two or more
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  tp=1
+  while [ $((tp * 2)) -le "${gpus:-0}" ] && [ "$tp" -lt 8 ]; do tp=$((tp * 2)); done
+  [ "$what" = dry ] && [ "$tp" -lt 2 ] && tp=2
+  if [ "$tp" -ge 2 ]; then
+    for n in 1 "$tp"; do
+      run "tensor parallel -tp $n" 300 bench_tensor_parallel.log \
+        python3 -m eagerlm bench offline --synthetic qwen3-0.6b --device cuda -tp "$n" \
+        -n 32 --input-len 128 --output-len 128 --json "$out/tensor_parallel_$n.json"
+    done
+  fi
 fi
 if part peer; then
   for shape in ${shapes:-qwen3-0.6b llama-3.2-1b}; do

@@ -19,6 +19,10 @@ Speculating sessions (dispatch/speculation.py) keep their length and tokens on t
 many tokens it accepted. The thread learns those counts when it harvests a round's output
 (at the latest when its ring slot is reused; rounds whose copy has completed are harvested
 before each plan, without waiting), and uses them only to bound later rounds.
+
+A model split over several devices (tensor parallelism) has one control thread per
+device: this one, device 0's, is the leader, which plans each round once and sends the
+others their orders before launching its own part (dispatch/follower_thread.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eagerlm.dispatch.follower_thread import Followers
 from eagerlm.dispatch.mask_board import MaskBoard
 from eagerlm.dispatch.messages import (
     AddSession,
@@ -102,8 +107,12 @@ class ControlThread:
     def __init__(self, device: Device, transformer: Transformer, pool: PagePool,
                  config: ControlConfig, inbox: queue.Queue, to_service: queue.Queue,
                  lookahead: threading.Semaphore, context_length: int,
-                 masks: MaskBoard | None = None, draft: Transformer | None = None) -> None:
+                 masks: MaskBoard | None = None, draft: Transformer | None = None,
+                 followers: Followers | None = None) -> None:
+        """`followers`: with a model split over several devices (dispatch/follower_thread.py),
+        this is device 0's thread, the leader: each round's order goes to the others."""
         self.device = device
+        self.followers = followers
         self.masks = masks  # constrained sessions' token masks, posted by the service
         self.transformer = transformer
         self.backend: RoundBackend = transformer.ops  # what a round asks of the backend
@@ -163,9 +172,12 @@ class ControlThread:
         # stream; the control thread only says when to rebuild or forget a session's
         self._sampler_state = SamplerState(transformer.config.vocab_size)
         self._forget: list[int] = []
-        self._graphs: DecodeRounds | None = self.backend.decode_graphs(
-            transformer, self._token_buf, max_batch=sc.max_batch, max_context=context_length,
-            layout=self.layout, enabled=config.cuda_graphs)
+        # not over several devices yet: a graph's padded rows would make device 0's
+        # collectives other sizes than the followers' (docs/tensor_parallel.md)
+        self._graphs: DecodeRounds | None = None if followers is not None else \
+            self.backend.decode_graphs(transformer, self._token_buf, max_batch=sc.max_batch,
+                                       max_context=context_length, layout=self.layout,
+                                       enabled=config.cuda_graphs)
         self._records: list[_RoundRecord | None] = [None] * n_slots
         self.round_id = 0
         self.last_event: Event | None = None
@@ -192,6 +204,8 @@ class ControlThread:
         except BaseException as exc:  # report, never die silently
             error = f"control thread failed: {exc!r}"
             traceback.print_exc()
+            if self.followers is not None:
+                self.followers.abort(error)  # no device waits for a round never coming
         finally:
             try:
                 with contextlib.suppress(StreamError):  # already reported above
@@ -249,8 +263,13 @@ class ControlThread:
                 if self.cache is not None:
                     self.cache.clear()
                 self._drain_device()
+                if self.followers is not None:
+                    self.followers.sync()
                 msg.done.set()
             elif isinstance(msg, DeviceCall):
+                if self.followers is not None:  # every device's part, each guarded
+                    self.followers.send_call(msg.others)
+                    msg.work = self.followers.guard(msg.work)
                 self.compute.launch(msg)  # in order after the rounds launched so far
 
     def _add(self, msg: AddSession) -> None:
@@ -369,7 +388,8 @@ class ControlThread:
                          self._sampled_dev[slot], n_rows, seq_rows, kvs, seq_work,
                          self._sampler_state, self._forget,
                          (self._lp_dev[slot], self._lp_ids_dev[slot]) if want_logprobs
-                         else None, masks=self.masks, trace=trace, spec=spec, draft=draft)
+                         else None, masks=self.masks, trace=trace, spec=spec, draft=draft,
+                         broadcast=self.followers is not None)
         # a decode round: fixed buffers (one with constrained rows replays the forward
         # only, then samples its free rows before waiting for the masks; one with
         # speculating sessions runs their steps there too)
@@ -377,7 +397,16 @@ class ControlThread:
                 n_rows == n_seqs if spec is None else draft is None):
             run.graph = (self._graphs, rows.copy())
         self._forget = []
-        self.compute.launch(run)
+        if self.followers is None:
+            self.compute.launch(run)
+        else:  # the order first: the leader's work meets the followers' in collectives
+            self.followers.send_round(
+                self.round_id, meta_host[:n_meta // 4], n_rows, seq_rows,
+                [r.session.region.rid for r in plan.rows],  # type: ignore[union-attr]
+                [seq_rows[i][0] + seq_rows[i][1] - 1 - plan.rows[i].n_draft + j
+                 for _, _, i in sampled_rows for j in range(1 + plan.rows[i].n_draft)],
+                speculative=spec is not None)
+            self.compute.launch(self.followers.guard(run))
         done = self.compute.record(self.device.event())
         trace.device_end = done
         self.copy.wait_event(done)

@@ -20,6 +20,14 @@ from typing import TypeVar
 
 from eagerlm.dispatch.control_thread import ControlConfig, ControlThread
 from eagerlm.dispatch.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+from eagerlm.dispatch.follower_thread import (
+    DeviceGroup,
+    DeviceRound,
+    Followers,
+    FollowerThread,
+    GroupFailure,
+    enter_on,
+)
 from eagerlm.dispatch.grammar import GrammarCompiler, GrammarLimits, GrammarMatcher
 from eagerlm.dispatch.kv_capacity import KVCapacity, plan_capacity
 from eagerlm.dispatch.mask_board import MaskBoard
@@ -34,9 +42,10 @@ from eagerlm.dispatch.messages import (
     Shutdown,
     Submit,
 )
+from eagerlm.dispatch.region_journal import JournaledPool
 from eagerlm.dispatch.service_thread import ServiceThread
 from eagerlm.dispatch.speculation import kv_layouts
-from eagerlm.errors import EngineClosed
+from eagerlm.errors import EngineClosed, InvalidParameters
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import InvalidSamplingParams, SamplingParams
 from eagerlm.loader.tokenizer import Tokenizer
@@ -65,10 +74,16 @@ class DispatcherConfig:
 class Dispatcher:
     def __init__(self, device: Device, transformer: Transformer, tokenizer: Tokenizer,
                  config: DispatcherConfig | None = None,
-                 draft: Transformer | None = None) -> None:
+                 draft: Transformer | None = None, group: DeviceGroup | None = None) -> None:
         """`draft`: a draft model for speculative decoding (dispatch/speculation.py), on the
-        same device, with the same vocabulary (the engine checks it when loading)."""
+        same device, with the same vocabulary (the engine checks it when loading).
+        `group`: a model split over several devices (tensor parallelism), `device` and
+        `transformer` its device 0's; one control thread per device
+        (dispatch/follower_thread.py)."""
         self.config = config or DispatcherConfig()
+        group = group if group is not None and group.size > 1 else None
+        if group is not None:
+            _check_group(group, device, transformer, self.config, draft)
         self.device = device
         self.tokenizer = tokenizer
         self.draft = draft
@@ -83,8 +98,10 @@ class Dispatcher:
             memory_fraction=self.config.memory_fraction)
         self.context_length = self.capacity.context_length
         log.info("%s", self.capacity.describe())  # the CLI prints it (service/cli.py)
-        self.pool = PagePool(device, self.capacity.n_pages)
         ctl = self.config.control
+        n_slots = ctl.lookahead + 2
+        self.pool = (PagePool(device, self.capacity.n_pages) if group is None
+                     else JournaledPool(device, self.capacity.n_pages))
         self.lookahead = threading.Semaphore(1 if ctl.sync else ctl.lookahead)
         to_control: queue.Queue = queue.Queue()
         to_service: queue.Queue = queue.Queue()
@@ -98,13 +115,45 @@ class Dispatcher:
         self.service = ServiceThread(tokenizer, self.context_length, to_service, to_control,
                                      self.lookahead, on_round=self._on_round,
                                      masks=self.masks)
-        self.control = ControlThread(device, transformer, self.pool, ctl, to_control,
-                                     to_service, self.lookahead, self.context_length,
-                                     masks=self.masks, draft=draft)
+        # the other devices' control threads, each with its own pool of the same size
+        self.group = group
+        self.followers: list[FollowerThread] = []
+        contexts = group.contexts if group is not None and group.contexts else None
+        failure = GroupFailure(group.abort) if group is not None else None
+        if group is not None:
+            assert failure is not None
+            sc = ctl.scheduler
+            self.followers = [
+                FollowerThread(r, group.devices[r], group.transformers[r],
+                               self.capacity.n_pages, layout, max_batch=sc.max_batch,
+                               max_round_tokens=sc.max_round_tokens, n_slots=n_slots,
+                               failure=failure, to_service=to_service,
+                               context=contexts[r] if contexts else None)
+                for r in range(1, group.size)]
+        self.control = ControlThread(
+            device, transformer, self.pool, ctl, to_control, to_service, self.lookahead,
+            self.context_length, masks=self.masks, draft=draft,
+            followers=None if failure is None else Followers(self.followers, self.pool,
+                                                             failure))
+        self._leave = enter_on(self.control.compute, contexts[0] if contexts
+                               and transformer.ops.stream is None else None)
         self._ids = itertools.count(1)
         self._closed = False
         self.service.start()
+        for f in self.followers:
+            f.start()
         self.control.start()
+
+    @property
+    def device_traces(self) -> list[collections.deque[DeviceRound]]:
+        """Per follower (device 1 ..), its rounds' events, newest last: the profiler's
+        lane of each device (device 0's are in `traces`)."""
+        return [f.traces for f in self.followers]
+
+    @property
+    def pools(self) -> list[PagePool]:
+        """Every device's page pool, device 0's first."""
+        return [self.pool, *(f.pool for f in self.followers)]
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
                sink: OutputSink, grammar: GrammarMatcher | None = None) -> int:
@@ -121,6 +170,13 @@ class Dispatcher:
             raise PromptTooLong(len(prompt_ids), self.context_length)
         TokenOutOfVocabulary.check(prompt_ids, self.tokenizer.vocab_size, params,
                                    self.control.transformer.config.vocab_size)
+        if self.group is not None and (
+                self.config.control.speculation.method_for(params) == "draft"
+                or (self.device.kind != "cpu"
+                    and self.config.control.speculation.method_for(params) != "off")):
+            raise InvalidSamplingParams("speculative", "is not supported yet with a model "
+                                        "split over several devices (tensor_parallel > 1) "
+                                        "but for 'ngram' on cpu")
         if (self.config.control.speculation.method_for(params) == "draft"
                 and self.draft is None):
             raise InvalidSamplingParams("speculative", "is 'draft', but the engine has no "
@@ -164,7 +220,25 @@ class Dispatcher:
         and wait for its result. Rounds go on before and after it."""
         if self._closed:
             raise EngineClosed("the engine is shut down")
-        call = DeviceCall(work)
+        if self.group is not None:
+            raise InvalidParameters("device work on device 0 alone cannot run on a model "
+                                    "split over devices: call_on_every_device",
+                                    param="tensor_parallel")
+        return self._call(DeviceCall(work))
+
+    def call_on_every_device(self, work: Callable[[Transformer], T]) -> T:
+        """`work(transformer)` of every device (its share of the model), between two
+        rounds as `call_between_rounds`; device 0's result. With a model split over
+        devices, the parts run together (their collectives meet) and a part that raises
+        aborts the group: the engine then fails, so check the input first."""
+        if self._closed:
+            raise EngineClosed("the engine is shut down")
+        tf0 = self.control.transformer
+        others = [] if self.group is None else self.group.transformers[1:]
+        return self._call(DeviceCall(lambda: work(tf0),
+                                     others=[lambda tf=tf: work(tf) for tf in others]))
+
+    def _call(self, call: DeviceCall) -> T:
         self.control.inbox.put(call)
         while not call.done.wait(0.05):
             if self.failure is not None:  # the control thread will never run it
@@ -184,6 +258,9 @@ class Dispatcher:
             return self.service.failure or "the control thread has stopped"
         if not self.service.alive:
             return "the service thread has stopped"
+        for f in self.followers:
+            if not f.alive:
+                return f.error or f"device {f.rank}'s control thread has stopped"
         return self.service.failure
 
     def flush(self, timeout: float = 30.0) -> None:
@@ -201,13 +278,44 @@ class Dispatcher:
         self.masks.shutdown()  # a round waiting for a mask: its tokens are discarded now
         self.control.inbox.put(Shutdown())
         self.control.join(timeout)
-        self.service.inbox.put(Shutdown())  # after the control thread's last message
+        for f in self.followers:  # after the leader's last order
+            f.inbox.put(Shutdown())
+        for f in self.followers:
+            f.join(timeout)
+        if self.group is not None and (self.control.alive
+                                       or any(f.alive for f in self.followers)):
+            # a device stuck in a collective for one that will never come: release it
+            self.group.abort()
+            self.control.join(timeout)
+            for f in self.followers:
+                f.join(timeout)
+        self.service.inbox.put(Shutdown())  # after the control threads' last message
         self.service.join(timeout)
+        self._leave()  # device 0's compute stream leaves its cores, then closes
         self.control.close()
         self.pool.close()
+        for f in self.followers:
+            f.close()
 
     def __enter__(self) -> Dispatcher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _check_group(group: DeviceGroup, device: Device, transformer: Transformer,
+                 config: DispatcherConfig, draft: Transformer | None) -> None:
+    """Refuse, with the setting to change, what the dispatcher does not do yet over
+    several devices (docs/tensor_parallel.md, "Phase 2")."""
+    if group.devices[0] is not device or group.transformers[0] is not transformer:
+        raise ValueError("a device group's device 0 and its transformer are the "
+                         "dispatcher's device and transformer")
+    if len({d.kind for d in group.devices}) > 1:
+        raise InvalidParameters("a device group's devices are of one kind",
+                                param="tensor_parallel")
+    method = config.control.speculation.method
+    if draft is not None or method == "draft" or (device.kind != "cpu" and method != "off"):
+        raise InvalidParameters("speculative decoding over several devices is built for "
+                                "prompt lookup ('ngram') on cpu only so far",
+                                param="speculative")

@@ -112,6 +112,9 @@ class DeviceCall:
     done: threading.Event = field(default_factory=threading.Event)
     result: list[object] = field(default_factory=list)
     error: list[BaseException] = field(default_factory=list)
+    # a model split over devices: device r's part (r = 1 ..), launched by its own control
+    # thread at the same point of its rounds (dispatch/follower_thread.py)
+    others: list[Callable[[], object]] = field(default_factory=list)
 
     def __call__(self) -> None:
         try:

@@ -99,8 +99,11 @@ class RoundWork:
                  seq_work: list[SeqWork], state: SamplerState, forget: list[int],
                  logprob_out: tuple[Any, Any] | None, masks: MaskBoard | None = None,
                  trace: RoundTrace | None = None, spec: SpecRound | None = None,
-                 draft: DraftRound | None = None) -> None:
+                 draft: DraftRound | None = None, broadcast: bool = False) -> None:
+        """`broadcast`: the model is split over several devices; after sampling, the token
+        buffer goes to every device's (`RoundBackend.broadcast_tokens`)."""
         self.transformer = transformer
+        self.broadcast = broadcast
         self.backend: RoundBackend = transformer.ops
         self.meta, self.token_buf, self.sampled = meta, token_buf, sampled
         self.n_rows, self.seq_rows = n_rows, seq_rows
@@ -112,6 +115,11 @@ class RoundWork:
         self.graph: tuple[DecodeRounds, np.ndarray] | None = None  # (graphs, host rows)
 
     def __call__(self) -> None:
+        self._run()
+        if self.broadcast:  # device 0's samples into every device's token buffer
+            self.backend.broadcast_tokens(self.token_buf)
+
+    def _run(self) -> None:
         backend = self.backend
         if self.graph is not None and self._replay(*self.graph):
             self.kvs = []
@@ -119,6 +127,9 @@ class RoundWork:
         seq_rows, past_of = self.seq_rows, None
         if self.spec is not None:  # positions from the device, proposals into draft rows
             seq_rows, past_of = self._spec_prepare()
+            if self.broadcast:  # the other devices' forwards need both (cpu: known here)
+                backend.broadcast_round(self.meta, self.n_rows,
+                                        [past for _, _, past in seq_rows])
         if self.draft is not None:
             self._draft_steps(seq_rows, past_of is not None)
         tokens = backend.round_inputs(self.meta, self.n_rows, self.token_buf)

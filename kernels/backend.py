@@ -102,6 +102,22 @@ class RoundBackend(Protocol[A]):
         round's sampler wrote, so the backend gathers them where they are."""
         ...
 
+    def broadcast_tokens(self, token_buf: DeviceBuffer) -> None:
+        """Device 0's token buffer (int32) into every device's, on the compute stream, at
+        the end of a round of a model split over several devices: only device 0 samples,
+        and the next round's decode inputs must be on every device before it runs. Nothing
+        on a device alone."""
+        ...
+
+    def broadcast_round(self, rows: DeviceBuffer, n_rows: int,
+                        pasts: Sequence[int] | None) -> list[int]:
+        """A speculative round of a model split over devices: device 0's metadata rows
+        (its proposals written into the draft rows) and its sessions' positions (`pasts`,
+        read from the device there) into every device's, before the forward; returns the
+        positions. On cuda the positions are never on the host: not supported there (the
+        dispatcher refuses speculation over several GPUs)."""
+        ...
+
     def token_counts(self, vocab: int, prompt: Sequence[int], output: Sequence[int]) -> Any:
         """A penalized session's token counts, built from its tokens so far: when it
         first samples, or after a preemption. From then on `count_inputs` keeps them up

@@ -56,6 +56,8 @@ from eagerlm.vmm.cuda_driver import cu, driver
 from eagerlm.vmm.kv_layout import KVLayout
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from eagerlm.kernels.cuda_graphs import DecodeGraphs
     from eagerlm.kernels.model import Transformer
     from eagerlm.loader.weights import MoEWeights
@@ -311,6 +313,18 @@ class CudaOps(CudaSampling, CudaSpeculation):
     def all_gather(self, x: DeviceTensor) -> DeviceTensor:
         """Every device's `x` `[rows, n]` side by side along the last axis, by rank."""
         return x if self.collective is None else self.collective.all_gather(self, x)
+
+    def broadcast_tokens(self, token_buf: DeviceBuffer) -> None:
+        """Device 0's token buffer in every device's (ncclBroadcast, in place, on this
+        stream)."""
+        if self.collective is not None:
+            self.collective.broadcast_ints(self, token_buf.ptr, token_buf.nbytes // 4)
+
+    def broadcast_round(self, rows: DeviceBuffer, n_rows: int,
+                        pasts: Sequence[int] | None) -> list[int]:
+        """Refused: a speculative round's positions stay on the device on cuda
+        (`spec_positions`); the dispatcher does not speculate over several GPUs."""
+        raise NotImplementedError("speculative decoding over several GPUs is not built")
 
     def softcap(self, x: DeviceTensor, cap: float) -> DeviceTensor:
         out = self.empty(x.shape, x.dtype)

@@ -87,6 +87,12 @@ class NcclCollective:
                             int(ops.stream.handle))
         return x
 
+    def broadcast_ints(self, ops: CudaOps, ptr: int, n: int, root: int = 0) -> None:
+        """Device `root`'s `n` int32 at `ptr` in every device's (in place): a token buffer."""
+        ops.ctx.bind()
+        self.nccl.broadcast(ptr, ptr, n, self._dtypes["i32"], root, self.comm,
+                            int(ops.stream.handle))
+
     def close(self) -> None:
         comm, self.comm = self.comm, None
         if comm is not None:

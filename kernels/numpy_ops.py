@@ -378,6 +378,29 @@ class NumpyOps:
         """Every device's `x` `[rows, n]` side by side along the last axis, by rank."""
         return x if self.collective is None else self.collective.all_gather(x)
 
+    def broadcast_tokens(self, token_buf: DeviceBuffer) -> None:
+        """Device 0's token buffer in every device's, through shared host memory."""
+        if self.collective is None:
+            return
+        buf = _host_view(token_buf)
+        got = self.collective.broadcast(buf, root=0)
+        if self.collective.rank != 0:
+            buf[:] = got
+
+    def broadcast_round(self, rows: DeviceBuffer, n_rows: int,
+                        pasts: Sequence[int] | None) -> list[int]:
+        """Device 0's rows and positions on every device, through shared host memory."""
+        meta = _host_view(rows)[:2 * n_rows]
+        if self.collective is None:
+            assert pasts is not None
+            return list(pasts)
+        mine = np.concatenate([meta, np.asarray(pasts if pasts is not None else [],
+                                                np.int32)]).astype(np.int32)
+        got = self.collective.broadcast(mine, root=0)
+        if self.collective.rank != 0:
+            meta[:] = got[:2 * n_rows]
+        return [int(p) for p in got[2 * n_rows:]]
+
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
         return np.tanh(x / np.float32(cap)) * np.float32(cap)
 

@@ -53,8 +53,13 @@ class DeviceThreads:
         self._threads = [threading.Thread(target=self._loop, args=(c, q), daemon=True,
                                           name=f"{name}-{r}")
                          for r, (c, q) in enumerate(zip(contexts, self._queues, strict=True))]
+        self.contexts = list(contexts)
         for t in self._threads:
             t.start()
+
+    def abort(self) -> None:
+        """Release every device waiting in a collective (one has failed)."""
+        self._abort()
 
     @staticmethod
     def _loop(context: Callable[[], contextlib.AbstractContextManager[Any]],
@@ -121,15 +126,19 @@ class TensorParallelModel(Generic[A]):
     def run(self, calls: Sequence[Callable[[], T]]) -> list[T]:
         return self.threads.run(calls)
 
+    def abort(self) -> None:
+        self.threads.abort()
+
     def close(self) -> None:
         self.threads.close()
 
 
 def cpu_group(model: Any, size: int, *, weights: str = "quantized",
-              split_lm_head: bool = True) -> TensorParallelModel[np.ndarray]:
+              split_lm_head: bool = True, **load: Any) -> TensorParallelModel[np.ndarray]:
     """`model` (a ModelFile) over `size` cpu devices: each a worker group pinned to its
     share of the cores (`cpu_threads.core_shares`), the all-reduces through shared host
-    memory (kernels/host_collective.py)."""
+    memory (kernels/host_collective.py). `load`: `cpu_transformer`'s loading options
+    (`on_compile`, `context`), given to every device's."""
     from eagerlm.kernels.cpu_backend import cpu_transformer
     from eagerlm.kernels.cpu_threads import core_shares, device_cores
     from eagerlm.kernels.host_collective import HostGroup
@@ -138,7 +147,8 @@ def cpu_group(model: Any, size: int, *, weights: str = "quantized",
     group = HostGroup(size)
     transformers = [cpu_transformer(model, weights=weights,  # type: ignore[arg-type]
                                     shard=s if size > 1 else None,
-                                    collective=group.member(s.rank) if size > 1 else None)
+                                    collective=group.member(s.rank) if size > 1 else None,
+                                    **load)
                     for s in shards]
     threads = DeviceThreads([lambda cores=cores: device_cores(cores)
                              for cores in core_shares(size)], group.abort)

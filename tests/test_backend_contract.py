@@ -67,7 +67,8 @@ def test_the_contract_is_the_forwards_ops_and_the_rounds_duties() -> None:
     assert set(protocol_members(Ops)[0]) < set(methods)
     assert {"round_inputs", "sample_round", "token_counts", "count_inputs", "logit_bias",
             "session_kv", "decode_graphs", "spec_prepare", "spec_accept", "spec_positions",
-            "draft_inputs", "draft_propose", "round_cost"} == set(
+            "draft_inputs", "draft_propose", "round_cost", "broadcast_tokens",
+            "broadcast_round"} == set(
         protocol_members(RoundBackend)[0])
     assert {"kv_dtype", "stream"} == protocol_members(RoundBackend)[1]
     assert {"contiguous_kv", "to_numpy"} <= set(methods) and "name" in data

@@ -167,3 +167,72 @@ def test_the_emulated_gpus_nccl_holds_calls_to_nccl4pys_signatures_and_rules():
         s0.close()
         s1.close()
         buf.free()
+
+
+def test_the_dispatcher_over_two_emulated_gpus_gives_each_request_its_run_alone(tmp_path):
+    """Phase 2 on cuda, below the engine (open_model still refuses cuda with N > 1): one
+    control thread per emulated GPU, NCCL's all-reduces and the token broadcast through
+    the fake NCCL, no decode graphs. Each request's tokens are its run alone through the
+    sequential loop over the same two GPUs (the emulated GEMM computes each row alone, so
+    batching changes no bit), and every GPU's pages come back."""
+    from eagerlm.dispatch.follower_thread import DeviceGroup
+    from eagerlm.dispatch.speculation import SpeculationConfig
+    from eagerlm.errors import InvalidParameters
+    from eagerlm.kernels.sampling import SamplingParams
+    from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
+    from tests.test_dispatcher import run_workload
+    from tests.test_tensor_parallel_dispatch import alone, make
+
+    spec = tiny_spec("qwen3", n_layers=2, context_length=96)
+    model = ModelFile.open(write_synthetic_model(tmp_path / "q.gguf", spec))
+    with emulated_gpu_for_test(row_exact_gemm=True, devices=2):
+        group = cuda_group(model, 2)
+        try:
+            devices = [tf.ops.device for tf in group.transformers]
+            reqs = [(k, model.tokenizer.encode(f"the cat {k} sat on the mat"),
+                     SamplingParams(temperature=0.0 if k % 2 else 0.8, seed=k,
+                                    max_tokens=6 + k, ignore_eos=True)) for k in range(4)]
+            with pytest.raises(InvalidParameters, match="speculative"):  # not on cuda yet
+                make((model, group), devices=devices, budget=None, memory_fraction=0.02,
+                     speculation=SpeculationConfig("ngram"))
+            d = make((model, group), devices=devices, budget=None, memory_fraction=0.02)
+            assert isinstance(d.group, DeviceGroup)
+            try:
+                col = run_workload(d, reqs)
+                d.flush()
+                assert all(p.n_free == p.n_pages for p in d.pools)
+            finally:
+                d.shutdown()
+            for key, prompt, params in reqs:
+                assert col.result(key) == alone((model, group), prompt, params), key
+        finally:
+            group.close()
+
+
+def test_engine_load_with_tensor_parallel_2_on_two_emulated_gpus(tmp_path):
+    """The front door on cuda: the model over two (emulated) GPUs through the engine; its
+    greedy completion is the sequential loop's over a group of the same two GPUs, and a
+    third GPU that is not there is refused naming the setting."""
+    from eagerlm.errors import InvalidParameters
+    from eagerlm.kernels.sampling import SamplingParams
+    from eagerlm.service.api.engine import Engine
+    from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
+    from tests.test_tensor_parallel_dispatch import alone
+
+    path = write_synthetic_model(tmp_path / "q.gguf",
+                                 tiny_spec("qwen3", n_layers=2, context_length=96))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with emulated_gpu_for_test(row_exact_gemm=True, devices=2):
+        with pytest.raises(InvalidParameters, match="tensor_parallel 3"):
+            Engine.load(path, "cuda", tensor_parallel=3)
+        with Engine.load(path, "cuda", tensor_parallel=2, memory_fraction=0.02) as e:
+            assert e.loaded.group is not None and e.loaded.group.size == 2
+            prompt = e.tokenizer.encode("the cat sat")
+            tokens = [t for out in e.dispatcher.stream(prompt, params)
+                      for t in out.token_ids]
+        model = ModelFile.open(path)
+        group = cuda_group(model, 2)
+        try:
+            assert tokens == alone((model, group), prompt, params)[0]
+        finally:
+            group.close()

@@ -44,6 +44,10 @@ class OutOfPages(RuntimeError):
 class PagePool:
     """`n_pages` physical pages of `device.page_size` bytes, and the regions mapping them."""
 
+    # what `new_region` makes: a subclass may note what its regions do (the tensor-parallel
+    # leader's journal, dispatch/region_journal.py)
+    region_type: type[KVRegion] = KVRegion
+
     def __init__(self, device: Device, n_pages: int) -> None:
         self.device = device
         self.page_size = device.page_size
@@ -105,7 +109,7 @@ class PagePool:
             else:
                 vm = self.device.reserve(size, self.latency)
                 self._n_reservations += 1
-            region = KVRegion(self, layout, max_tokens, vm)
+            region = self.region_type(self, layout, max_tokens, vm)
             self._regions.add(region)
             return region
 

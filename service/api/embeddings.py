@@ -9,8 +9,9 @@ attention; the pooled vector is L2-normalised, as such models' cards prescribe a
 llama.cpp does by default.
 
 Each input is one forward over a private contiguous KV cache (as perplexity's chunks), run
-on the dispatcher's compute stream between its rounds (`Dispatcher.call_between_rounds`),
-so the ops are never used from two threads at once.
+on the dispatcher's compute stream between its rounds (`Dispatcher.call_on_every_device`:
+with a model split over devices, on every device's), so the ops are never used from two
+threads at once.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ class Engine:
         self.tokenizer: Tokenizer = loaded.model.tokenizer
         self.dispatcher = Dispatcher(loaded.device, loaded.transformer, self.tokenizer,
                                      settings.dispatcher_config(),
-                                     draft=None if draft is None else draft.transformer)
+                                     draft=None if draft is None else draft.transformer,
+                                     group=loaded.group)
         self.name = settings.model_name or Path(loaded.model.path).stem
         self.metrics = EngineMetrics()
         self.turns = TurnMemory(self.tokenizer, settings.chat_turns_remembered)
@@ -92,7 +93,7 @@ class Engine:
         loaded = open_model(model_path, device, page_size=config.page_size,
                             on_progress=on_progress or log_progress,
                             rope=config.rope_override(), max_context=config.max_context,
-                            weights=config.weights)
+                            weights=config.weights, tensor_parallel=config.tensor_parallel)
         draft = None
         try:
             if config.draft_model is not None:
@@ -259,7 +260,6 @@ class Engine:
         server runs it on a worker thread). `pooling` defaults to the file's, else mean
         (service/api/embeddings.py). Runs between the dispatcher's rounds."""
         how = pooling or self.pooling or Pooling.MEAN
-        transformer = self.loaded.transformer
         out = []
         for item in inputs:
             ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
@@ -269,8 +269,10 @@ class Engine:
             bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
             if bad is not None:
                 raise InvalidParameters(f"token {bad} is not in the vocabulary", param="input")
-            out.append(self.dispatcher.call_between_rounds(
-                lambda ids=ids: embed_ids(transformer, ids, how)))
+            if not ids:  # here: an error inside the call would fail every device's
+                raise InvalidParameters("cannot embed an empty input", param="input")
+            out.append(self.dispatcher.call_on_every_device(
+                lambda tf, ids=ids: embed_ids(tf, ids, how)))
         return out
 
     def write_metrics(self, out: PrometheusText) -> None:

@@ -51,6 +51,9 @@ class EngineSettings:
     speculative: str = SpeculationConfig.method
     num_speculative_tokens: int = SpeculationConfig.num_tokens
     draft_model: str | None = None  # a GGUF with the same vocabulary (--draft-model)
+    # devices the model is split over (-tp; docs/tensor_parallel.md): cpu devices, each
+    # a share of the cores, or GPUs from the device's ordinal on; 1: one device
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         self.rope_override()  # bad values fail here, before anything is loaded
@@ -58,6 +61,15 @@ class EngineSettings:
             raise InvalidParameters(f"weights must be 'quantized' or 'float' (cpu), "
                                     f"'quantized' or 'bf16' (cuda), not {self.weights!r}")
         self.speculation()  # likewise
+        if isinstance(self.tensor_parallel, bool) or not isinstance(
+                self.tensor_parallel, int) or self.tensor_parallel < 1:
+            raise InvalidParameters(f"tensor_parallel must be a positive integer, not "
+                                    f"{self.tensor_parallel!r}", param="tensor_parallel")
+        if self.tensor_parallel > 1 and (self.speculative == "draft"
+                                         or self.draft_model is not None):
+            raise InvalidParameters("speculative decoding with a draft model is not "
+                                    "supported yet with tensor_parallel > 1 (prompt "
+                                    "lookup, 'ngram', is)", param="speculative")
         if self.speculative == "draft" and self.draft_model is None:
             raise InvalidParameters("speculative 'draft' needs a draft model "
                                     "(--draft-model PATH)", param="draft_model")

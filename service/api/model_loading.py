@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from eagerlm.dispatch.follower_thread import DeviceGroup
 from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.cpu_backend import WEIGHTS_MODES, cpu_transformer
 from eagerlm.kernels.model import Transformer
@@ -56,8 +57,16 @@ class LoadedModel:
     model: ModelFile
     device: Device
     transformer: Transformer
+    # a model split over several devices (tensor_parallel > 1): `device` and `transformer`
+    # are its device 0's; the dispatcher runs one control thread per device
+    group: DeviceGroup | None = None
+    _close_group: Callable[[], None] | None = None
 
     def close(self) -> None:
+        if self._close_group is not None:
+            self._close_group()
+        for dev in self.group.devices[1:] if self.group is not None else []:
+            dev.close()
         self.device.close()
         self.model.close()
 
@@ -98,7 +107,8 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
                on_progress: ProgressCallback | None = None,
                rope: RopeOverride | None = None,
                max_context: int | None = None,
-               weights: str | None = None) -> LoadedModel:
+               weights: str | None = None,
+               tensor_parallel: int = 1) -> LoadedModel:
     """Open the GGUF at `path`, check `device` ("cpu", "cuda", "cuda:N"), and load the
     weights for its backend: numpy on cpu (kernels/cpu_backend.py), CudaOps on cuda
     (kernels/cuda_backend.py). `page_size` is the device's KV page size (None: its
@@ -112,7 +122,13 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
     `weights` is how the backend holds the matrices: "quantized" (the default on both:
     the file's blocks, read by the kernels directly), or "float" on cpu (float32, the
     reference path) and "bf16" on cuda (every matrix dequantized to bf16 at load); a value
-    the device's backend does not take is refused."""
+    the device's backend does not take is refused.
+
+    `tensor_parallel` N > 1 splits the model over N cpu devices (kernels/tensor_parallel.py
+    `cpu_group`: each a share of the cores, of the heads and FFN features, its own memory);
+    a model that does not split N ways is refused (`UnevenShard`, naming the tensor). On
+    cuda, N GPUs from `device`'s ordinal on (`cuda_group`, NCCL; tested on emulated GPUs
+    only)."""
     t0 = time.perf_counter()
 
     def report(stage: str, done: int = 0, total: int = 0,
@@ -120,6 +136,7 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
         if on_progress is not None:
             on_progress(LoadProgress(stage, done, total, time.perf_counter() - t0, seconds))
 
+    check_tensor_parallel(tensor_parallel)
     check_device(device)
     check_weights(weights, device)
     model = ModelFile.open(path, rope=rope)
@@ -130,6 +147,9 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
         def on_bytes(done: int, total: int) -> None:
             report("weights", done, total)
 
+        if tensor_parallel > 1:
+            return _open_group(model, device, tensor_parallel, page_size, weights,
+                               max_context, report)
         if device == "cpu":
             transformer = cpu_transformer(
                 model, on_bytes, weights="quantized" if weights is None else weights,
@@ -150,6 +170,48 @@ def open_model(path: str | os.PathLike[str], device: str = "cpu", *,
         raise
     report("ready")
     return LoadedModel(model, dev, transformer)
+
+
+def check_tensor_parallel(n: int) -> None:
+    """Raise InvalidParameters unless `n` is a device count."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidParameters(f"tensor_parallel must be a positive integer, not {n!r}",
+                                param="tensor_parallel")
+
+
+def _open_group(model: ModelFile, device: str, n: int, page_size: int | None,
+                weights: str | None, max_context: int | None,
+                report: Callable[..., None]) -> LoadedModel:
+    """`model` over `n` devices: cpu devices, or the GPUs from `device`'s ordinal on
+    (the caller closes `model` if this raises)."""
+    from eagerlm.kernels.tensor_parallel import cpu_group, cuda_group
+
+    mode = "quantized" if weights is None else weights
+    if device != "cpu":
+        from eagerlm.vmm.cuda_driver import device_count
+
+        first = int(device.partition(":")[2] or 0)
+        if first + n > (have := device_count()):
+            raise InvalidParameters(f"tensor_parallel {n} from {device} needs GPUs "
+                                    f"{first}..{first + n - 1}, but {have} are present",
+                                    param="tensor_parallel")
+        tp = cuda_group(model, n, ordinals=range(first, first + n), weights=mode)
+        devices = [tf.ops.device for tf in tp.transformers]
+    else:
+        tp = cpu_group(model, n, weights=mode,
+                       on_compile=lambda seconds: report("compile", seconds=seconds),
+                       context=max_context)
+        devices = []
+        try:
+            devices = [open_device("cpu", page_size=page_size) for _ in range(n)]
+        except BaseException:
+            for dev in devices:
+                dev.close()
+            tp.close()
+            raise
+    report("ready")
+    group = DeviceGroup(devices, list(tp.transformers), tp.abort, tp.threads.contexts)
+    return LoadedModel(model, devices[0], tp.transformers[0], group, tp.close)
 
 
 class DraftVocabularyMismatch(InvalidParameters):

@@ -28,6 +28,7 @@ from eagerlm.service.api.progress import ProgressBar
 from eagerlm.service.cli.device_args import (
     add_device_args,
     add_speculation_args,
+    add_tensor_parallel_args,
     kv_budget_bytes,
 )
 from eagerlm.service.cli.env_settings import apply_env_defaults
@@ -85,6 +86,7 @@ def _engine_settings(args: argparse.Namespace, **settings: object) -> dict[str, 
     settings["speculative"] = args.speculative
     settings["num_speculative_tokens"] = args.num_speculative_tokens
     settings["draft_model"] = args.draft_model
+    settings["tensor_parallel"] = args.tensor_parallel
     return settings
 
 
@@ -308,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     def engine_args(p: argparse.ArgumentParser) -> None:
         model_arg(p)
         add_device_args(p)
+        add_tensor_parallel_args(p)
         p.add_argument("--ctx", "-c", "--ctx-size", type=int, default=None, metavar="N",
                        help="context length in tokens (default: the model's trained "
                             "context; more only as far as its rope scaling reaches, e.g. "

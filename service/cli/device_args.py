@@ -52,6 +52,29 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                         "hold in it")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def add_tensor_parallel_args(p: argparse.ArgumentParser) -> None:
+    """--tensor-parallel (-tp): for the commands that run the dispatcher (generate, chat,
+    serve, bench, profile); docs/tensor_parallel.md."""
+    p.add_argument("--tensor-parallel", "-tp", dest="tensor_parallel", type=positive_int,
+                   default=1, metavar="N",
+                   help="split the model over N devices: on cpu each a share of the "
+                        "cores with its own KV pool (the heads and FFN features split, two "
+                        "all-reduces per layer); on cuda N GPUs from --device's on (NCCL; "
+                        "not yet verified on GPUs); --speculative ngram on cpu only, no "
+                        "--draft-model (default 1)")
+
+
 def kv_budget_bytes(mib: int | None) -> int | None:
     """--kv-budget-mib in bytes; None (the flag not given) leaves the default pool."""
     return None if mib is None else mib << 20

@@ -158,7 +158,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         need = args.input_len.high + args.output_len.high + 1
         loaded = open_measured_model(args.model, args.synthetic, min_context=need,
-                                     device=args.device, weights=args.weights)
+                                     device=args.device, weights=args.weights,
+                                     tensor_parallel=args.tensor_parallel)
         try:
             run = bench_offline if args.bench_kind == "offline" else bench_online_engine
             result = run(loaded, workload, engine_settings(args), args.sync)

@@ -28,7 +28,12 @@ from eagerlm.dispatch.speculation import SpeculationConfig
 from eagerlm.errors import InvalidParameters
 from eagerlm.kernels.sampling import Constraint, SamplingParams
 from eagerlm.service.api.model_loading import LoadedModel, open_model
-from eagerlm.service.cli.device_args import add_device_args, kv_budget_bytes, speculative_tokens
+from eagerlm.service.cli.device_args import (
+    add_device_args,
+    add_tensor_parallel_args,
+    kv_budget_bytes,
+    speculative_tokens,
+)
 from eagerlm.service.measure.request_metrics import RequestRecord
 from eagerlm.service.measure.workload import CONSTRAINED_SCHEMA, LengthRange, PlannedRequest
 
@@ -95,17 +100,20 @@ def synthetic_names() -> list[str]:
 
 def open_measured_model(model_path: str | None, synthetic: str | None,
                         min_context: int = 256, device: str = "cpu",
-                        weights: str | None = None) -> MeasuredModel:
+                        weights: str | None = None,
+                        tensor_parallel: int = 1) -> MeasuredModel:
     """`open_model` (service/api/model_loading.py) on `device` of `model_path`, or of the
     synthetic model `synthetic` (see `synthetic_names`: `tiny` is a 2-layer qwen3 for
     tests, the others are real shapes with random weights) written to a temporary file
-    first; with neither, of the demo model. `weights`: as `open_model`'s."""
+    first; with neither, of the demo model. `weights`, `tensor_parallel`: as
+    `open_model`'s."""
     if synthetic is None:
         if model_path is None:
             from eagerlm.loader.demo_model import demo_model_path
 
             model_path = demo_model_path()
-        return _measured(open_model(model_path, device, weights=weights),
+        return _measured(open_model(model_path, device, weights=weights,
+                                    tensor_parallel=tensor_parallel),
                          Path(model_path).name)
 
     import dataclasses
@@ -125,7 +133,8 @@ def open_measured_model(model_path: str | None, synthetic: str | None,
     tmpdir = tempfile.mkdtemp(prefix="eagerlm-synthetic-")
     try:
         path = write_synthetic_model(Path(tmpdir) / f"{synthetic}.gguf", spec)
-        return _measured(open_model(path, device, weights=weights), f"synthetic {synthetic}",
+        return _measured(open_model(path, device, weights=weights,
+                                    tensor_parallel=tensor_parallel), f"synthetic {synthetic}",
                          tmpdir)
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
@@ -133,12 +142,13 @@ def open_measured_model(model_path: str | None, synthetic: str | None,
 
 
 def _measured(loaded: LoadedModel, label: str, tmpdir: str | None = None) -> MeasuredModel:
-    return MeasuredModel(loaded.model, loaded.device, loaded.transformer, label, tmpdir)
+    return MeasuredModel(loaded.model, loaded.device, loaded.transformer, loaded.group,
+                         loaded._close_group, label, tmpdir)
 
 
 def start_engine(loaded: MeasuredModel, settings: DispatchSettings, sync: bool) -> Dispatcher:
     return Dispatcher(loaded.device, loaded.transformer, loaded.model.tokenizer,
-                      settings.dispatcher_config(sync))
+                      settings.dispatcher_config(sync), group=loaded.group)
 
 
 @dataclass
@@ -230,6 +240,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                        help="a synthetic model with random weights instead: "
                             + ", ".join(synthetic_names()))
     add_device_args(p)
+    add_tensor_parallel_args(p)
 
 
 def add_engine_args(p: argparse.ArgumentParser,

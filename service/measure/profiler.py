@@ -98,6 +98,8 @@ class RoundCollector:
     def __init__(self, engine: Dispatcher, clock: DeviceClock, interval_s: float = 2.0) -> None:
         self.engine = engine
         self.clock = clock
+        # the other devices of a split model: each its own clock (its events' times)
+        self.peer_clocks = [DeviceClock.calibrate(f.device) for f in engine.followers]
         self.interval_s = interval_s
         self.spans: list[RoundSpan] = []
         self.cpu_s = 0.0  # CPU time the collector used (its own cost, measured directly)
@@ -137,7 +139,21 @@ class RoundCollector:
                 continue
         if new:
             self._seen = new[0].round_id
-            self.spans.extend(spans_from_traces(new, self.clock))
+            self.spans.extend(spans_from_traces(new, self.clock, self._peers(new[-1].round_id)))
+
+    def _peers(self, first: int) -> list[tuple[dict[int, Any], DeviceClock]]:
+        """Each other device's rounds from round `first` on, by id, with its clock."""
+        out = []
+        for rounds, clock in zip(self.engine.device_traces, self.peer_clocks, strict=True):
+            for _ in range(100):
+                try:
+                    new = list(itertools.takewhile(lambda r: r.round_id >= first,
+                                                   reversed(rounds)))
+                    break
+                except RuntimeError:  # its control thread appended meanwhile: read again
+                    continue
+            out.append(({r.round_id: r for r in new}, clock))
+        return out
 
 
 @dataclass(frozen=True)
@@ -430,7 +446,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if not args.quiet:
         print("loading the model...", file=sys.stderr, flush=True)
     loaded = open_measured_model(args.model, args.synthetic, min_context=need, device=args.device,
-                                 weights=args.weights)
+                                 weights=args.weights, tensor_parallel=args.tensor_parallel)
     try:
         if not args.quiet:
             print(f"profiling {loaded.label}: {workload.n_requests} requests, prompt "

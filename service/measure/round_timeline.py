@@ -26,8 +26,9 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from eagerlm.dispatch.messages import RoundTrace
 from eagerlm.vmm.device import Device, Event
@@ -92,6 +93,9 @@ class RoundSpan:
     n_draft_rows: int = 0  # speculation: rows that verified proposals
     n_draft_tokens: int = 0  # proposals verified (fewer than the rows when none was found)
     n_accepted_tokens: int = 0  # and accepted
+    # a model split over devices: device r's (start, end) of this round, r = 1 .. (None
+    # where its record was not found)
+    peers: tuple[tuple[float, float] | None, ...] = ()
 
     @property
     def host_s(self) -> float:
@@ -107,17 +111,28 @@ class RoundSpan:
         return self.n_decode > 0 and self.n_prefill_tokens == 0
 
 
-def spans_from_traces(traces: Iterable[RoundTrace], clock: DeviceClock) -> list[RoundSpan]:
-    """Convert consumed rounds' traces (their events completed), sorted by round id."""
+def spans_from_traces(traces: Iterable[RoundTrace], clock: DeviceClock,
+                      peers: Sequence[tuple[Mapping[int, Any], DeviceClock]] = ()
+                      ) -> list[RoundSpan]:
+    """Convert consumed rounds' traces (their events completed), sorted by round id.
+    `peers`: the other devices of a split model, each its rounds by id (with
+    `device_start` / `device_end` events: dispatch/follower_thread.py's DeviceRound) and
+    its clock."""
     spans = []
     for t in traces:
         if t.device_start is None or t.device_end is None:
             continue
+        lanes = []
+        for rounds, peer_clock in peers:
+            r = rounds.get(t.round_id)
+            lanes.append(None if r is None else (peer_clock.host_time(r.device_start),
+                                                 peer_clock.host_time(r.device_end)))
         spans.append(RoundSpan(
             t.round_id, t.plan_start, t.plan_end, t.launch_end,
             clock.host_time(t.device_start), clock.host_time(t.device_end), t.tokens_ready,
             t.n_decode, t.n_prefill_tokens, t.n_sessions, t.pages_in_use, t.n_constrained,
-            t.mask_wait, t.n_draft_rows, t.n_draft_tokens, t.n_accepted_tokens))
+            t.mask_wait, t.n_draft_rows, t.n_draft_tokens, t.n_accepted_tokens,
+            tuple(lanes)))
     return sorted(spans, key=lambda s: s.round_id)
 
 

@@ -1,6 +1,7 @@
 """A PNG of a window of rounds per mode, one above the other on the same time scale:
 where the host plans and launches, where the device is busy, and when tokens reach the
-service thread. The gaps in the device row are the bubbles. Bars narrower than 0.2% of
+service thread. The gaps in the device row are the bubbles. With a model split over
+devices (`-tp N`), a row per other device (`device r`) below device 0's. Bars narrower than 0.2% of
 the window are drawn at that width so that sub-millisecond host work stays visible.
 
 matplotlib is imported only here and only when a plot is drawn (it is in the `test`
@@ -30,7 +31,18 @@ def plot_window(spans: Sequence[RoundSpan], n_rounds: int) -> list[RoundSpan]:
     return list(pool[first:first + n_rounds])
 
 
-def _bars(s: RoundSpan, row: str) -> tuple[float, float]:
+def rows_for(spans: Sequence[RoundSpan]) -> tuple[str, ...]:
+    """The plot's rows: ROWS, with a row per other device of a split model after
+    device 0's."""
+    n = max((len(s.peers) for s in spans), default=0)
+    at = ROWS.index("device") + 1
+    return ROWS[:at] + tuple(f"device {r + 1}" for r in range(n)) + ROWS[at:]
+
+
+def _bars(s: RoundSpan, row: str) -> tuple[float, float] | None:
+    if row.startswith("device "):  # another device of a split model (None: not found)
+        r = int(row.split()[1]) - 1
+        return s.peers[r] if r < len(s.peers) else None
     return {"control: plan": (s.plan_start, s.plan_end),
             "control: launch": (s.plan_end, s.launch_end),
             "device": (s.device_start, s.device_end),
@@ -46,7 +58,8 @@ def plot_timeline(path: str | Path, runs: Sequence[tuple[str, Sequence[RoundSpan
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 * len(runs) + 0.8),
+    height = max(len(rows_for(spans)) for _, spans in runs) / len(ROWS) if runs else 1.0
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 * height * len(runs) + 0.8),
                              sharex=True, squeeze=False)
     for ax, (name, spans) in zip(axes[:, 0], runs):
         window = plot_window(spans, n_rounds)
@@ -57,17 +70,18 @@ def plot_timeline(path: str | Path, runs: Sequence[tuple[str, Sequence[RoundSpan
         # host work can be a thousandth of a round: widen bars to stay visible (the trace
         # file has the exact times)
         min_ms = 0.002 * (max(s.tokens_ready for s in window) - t0) * 1e3
-        for y, row in enumerate(ROWS):
+        rows = rows_for(window)
+        for y, row in enumerate(rows):
             bars = [((a - t0) * 1e3, max((b - a) * 1e3, min_ms))
-                    for a, b in (_bars(s, row) for s in window)]
-            ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=COLORS[row],
+                    for a, b in filter(None, (_bars(s, row) for s in window))]
+            ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=COLORS.get(row, COLORS["device"]),
                            edgecolors="white", linewidth=0.4)
         for s in window:  # round numbers on the device bars
-            ax.text((s.device_start - t0) * 1e3, ROWS.index("device") + 0.42,
+            ax.text((s.device_start - t0) * 1e3, rows.index("device") + 0.42,
                     str(s.round_id), fontsize=6, va="bottom")
         bubble = steady_bubble(spans)
-        ax.set_yticks(range(len(ROWS)), ROWS)
-        ax.set_ylim(-0.6, len(ROWS) - 0.2)
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_ylim(-0.6, len(rows) - 0.2)
         ax.invert_yaxis()
         ax.set_title(f"{name}: rounds {window[0].round_id}-{window[-1].round_id}, "
                      f"steady-decode bubble {bubble.fraction:.1%}", fontsize=9)

@@ -9,6 +9,9 @@ other. Tracks per process:
 - `control thread`: a `plan` slice then a `launch` slice per round;
 - `device (compute stream)`: a `round N` slice per round, from its start event to its end
   event, with batch composition in `args`;
+- with a model split over devices (`-tp N`), `device r (compute stream)` for r = 1 ..
+  N - 1: the same rounds on each other device (the time in its collectives, waiting for
+  the slowest device, included);
 - `service thread`: `tokens to host`, from the round's device end until the service thread
   had the tokens (the copy and the hand-over);
 - counters `batch` (decode sessions, prefill tokens) and `rounds in flight` (the lookahead
@@ -31,6 +34,7 @@ from eagerlm.service.measure.request_metrics import RequestRecord
 from eagerlm.service.measure.round_timeline import RoundSpan, in_flight_at_launch
 
 CONTROL_TID, DEVICE_TID, SERVICE_TID, REQUESTS_TID = 1, 2, 3, 4
+PEER_TID = 10  # device r + 1 of a split model (tensor parallelism): PEER_TID + r
 TRACK_NAMES = {CONTROL_TID: "control thread", DEVICE_TID: "device (compute stream)",
                SERVICE_TID: "service thread", REQUESTS_TID: "requests"}
 
@@ -58,7 +62,10 @@ def chrome_trace(runs: Sequence[TracedRun], metadata: Mapping[str, Any] | None =
                        "args": {"name": f"eagerlm {run.name}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                        "args": {"sort_index": pid}})
-        for tid, name in TRACK_NAMES.items():
+        n_peers = max((len(s.peers) for s in run.spans), default=0)
+        tracks = {**TRACK_NAMES, **{PEER_TID + r: f"device {r + 1} (compute stream)"
+                                    for r in range(n_peers)}}
+        for tid, name in tracks.items():
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                            "args": {"name": name}})
             events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
@@ -74,6 +81,10 @@ def chrome_trace(runs: Sequence[TracedRun], metadata: Mapping[str, Any] | None =
                                  s.device_start, s.device_end, t0,
                                  {"decode": s.n_decode, "prefill_tokens": s.n_prefill_tokens,
                                   "sessions": s.n_sessions, "pages_in_use": s.pages_in_use}))
+            for r, lane in enumerate(s.peers):  # the same round on the other devices
+                if lane is not None:
+                    events.append(_slice(f"round {s.round_id}", "device", pid, PEER_TID + r,
+                                         *lane, t0, rid))
             events.append(_slice("tokens to host", "service", pid, SERVICE_TID, s.device_end,
                                  s.tokens_ready, t0, rid))
             events.append({"ph": "C", "name": "batch", "pid": pid, "tid": 0,

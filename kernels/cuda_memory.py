@@ -105,8 +105,10 @@ class Allocation:
         with contextlib.suppress(Exception):  # interpreter shutdown
             if not self.captured and self.allocator.defer_free(ptr):
                 return
-            if not self.allocator.ops.ctx.released:
-                self.allocator.free(ptr)
+            ctx = self.allocator.ops.ctx
+            if not ctx.released:
+                with ctx.visiting():
+                    self.allocator.free(ptr)
 
 
 class StagingRing:

@@ -66,7 +66,7 @@ class CudaEvent(Event):
 
     def __del__(self) -> None:
         # At interpreter shutdown or with a dead context there is nothing useful to do.
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), self.ctx.visiting():
             self.destroy()
 
 

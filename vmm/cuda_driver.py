@@ -10,7 +10,9 @@ call (it cannot load libcuda); `CudaContext.open` turns that into `NoCudaDevice`
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from eagerlm.errors import DeviceUnavailable, EngineFailure
@@ -131,6 +133,21 @@ class CudaContext:
         if getattr(_current, "ctx", None) is not self.ctx:
             cu("cuCtxSetCurrent", self.ctx)
             _current.ctx = self.ctx
+
+    @contextlib.contextmanager
+    def visiting(self) -> Iterator[None]:
+        """Bound for a moment, then the calling thread's own context put back: for
+        finalizers, which the garbage collector runs on whatever thread allocates, possibly
+        between another device's `bind()` and its driver call (that call then ran on this
+        context, or on none)."""
+        before = getattr(_current, "ctx", None)
+        self.bind()
+        try:
+            yield
+        finally:
+            if before is not None and before is not self.ctx:
+                cu("cuCtxSetCurrent", before)
+                _current.ctx = before
 
     def allocation_prop(self) -> Any:
         """Properties of a physical page: pinned device memory on this device."""

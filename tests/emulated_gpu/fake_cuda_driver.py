@@ -36,6 +36,9 @@ _VALIDATE = _real_driver_missing()
 _VALIDATING = threading.local()
 
 
+_IDS = itertools.count(0x1000)
+_CONTEXT_BASES = itertools.count(0xC7C7, 0x100)
+
 class _Worker:
     """A fake stream: a thread running closures in order."""
 
@@ -103,9 +106,13 @@ class FakeDriver:
     def __init__(self, memory_bytes: int = 512 << 20, n_devices: int = 1) -> None:
         self.total = memory_bytes
         self.used = 0
-        self.ids = itertools.count(0x1000)
+        # Handles and contexts are numbered across every driver of the process: a stale
+        # object of an earlier test's driver, finalized during a later test, then names
+        # nothing here (an error its finalizer ignores) instead of this driver's own event
+        # or context of the same number.
+        self.ids = _IDS
         self.n_devices = n_devices
-        self.ctx_id = 0xC7C7  # device d's primary context is ctx_id + d
+        self.ctx_id = next(_CONTEXT_BASES)  # device d's primary context is ctx_id + d
         self.ctx_refs = 0
         self.tls = threading.local()
         self.handles: dict[int, tuple[int, int]] = {}  # id -> (memfd, size)

@@ -345,7 +345,10 @@ def test_profile_with_constrained_requests_shows_the_mask_wait(tmp_path, capsys)
     for mode in ("eager", "sync"):
         m = report["modes"][mode]
         assert m["latency"]["output_tokens"] == 4 * 10  # constrained ones run to length
-        assert m["timeline"]["constrained_rounds"] == len(m["rounds"])
+        # (a round may hold only free rows: one before the constrained requests' first
+        # or after their last, as the arrivals fall on a busy machine)
+        assert m["timeline"]["constrained_rounds"] == sum(
+            r["n_constrained"] > 0 for r in m["rounds"]) > 0
         assert sum(r["n_constrained"] for r in m["rounds"]) == 2 * 10
         assert all(r["mask_wait"] >= 0 for r in m["rounds"])
         assert m["timeline"]["mask_wait_max_ms"] >= m["timeline"]["mask_wait_ms"] >= 0

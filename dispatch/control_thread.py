@@ -49,6 +49,7 @@ from eagerlm.dispatch.messages import (
     Shutdown,
     StopSession,
 )
+from eagerlm.dispatch.owned_thread import OwnedThread
 from eagerlm.dispatch.prefix_cache import PrefixCache
 from eagerlm.dispatch.round_speculation import RoundSpeculation, drafts
 from eagerlm.dispatch.round_work import (
@@ -103,7 +104,7 @@ class _RoundRecord:
     harvested: bool = False
 
 
-class ControlThread:
+class ControlThread(OwnedThread):
     def __init__(self, device: Device, transformer: Transformer, pool: PagePool,
                  config: ControlConfig, inbox: queue.Queue, to_service: queue.Queue,
                  lookahead: threading.Semaphore, context_length: int,
@@ -182,17 +183,7 @@ class ControlThread:
         self.round_id = 0
         self.last_event: Event | None = None
         self._stalled = False  # the last plan was empty: wait for a message, briefly
-        self._thread = threading.Thread(target=self._run, name="eagerlm-control", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+        super().__init__("eagerlm-control")
 
     # -- the thread ---------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from eagerlm.dispatch.messages import ControlStopped, Shutdown
+from eagerlm.dispatch.owned_thread import OwnedThread
 from eagerlm.dispatch.region_journal import JournaledPool, RegionMirror, RegionOp
 from eagerlm.kernels.backend import RoundBackend
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
@@ -192,7 +193,7 @@ class FollowerWork:
         backend.broadcast_tokens(self.token_buf)
 
 
-class FollowerThread:
+class FollowerThread(OwnedThread):
     """Device r's control thread (r > 0): takes the leader's orders, keeps its own page
     pool, regions and buffers, launches each round on its own compute stream."""
 
@@ -221,18 +222,7 @@ class FollowerThread:
         self.error: str | None = None
         # its rounds, newest last (read by the profiler as the leader's RoundTraces are)
         self.traces: collections.deque[DeviceRound] = collections.deque(maxlen=100_000)
-        self._thread = threading.Thread(target=self._run, name=f"eagerlm-control-{rank}",
-                                        daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+        super().__init__(f"eagerlm-control-{rank}")
 
     def _run(self) -> None:
         with self._context() if self._context is not None else contextlib.nullcontext():

@@ -33,6 +33,7 @@ from eagerlm.dispatch.messages import (
     StopSession,
     Submit,
 )
+from eagerlm.dispatch.owned_thread import OwnedThread
 from eagerlm.dispatch.token_judge import TokenJudge
 from eagerlm.kernels.sampling import TokenLogprob
 from eagerlm.loader.tokenizer import Tokenizer
@@ -70,7 +71,7 @@ class ServiceStats:
     finished: dict[str, int] = field(default_factory=dict)
 
 
-class ServiceThread:
+class ServiceThread(OwnedThread):
     def __init__(self, tokenizer: Tokenizer, context_length: int, inbox: queue.Queue,
                  to_control: queue.Queue, lookahead: threading.Semaphore,
                  on_round: Callable[[RoundDone], None] | None = None,
@@ -86,17 +87,7 @@ class ServiceThread:
         self.stats = ServiceStats()
         self._requests: dict[int, _Request] = {}
         self._dead: str | None = None  # why the engine stopped, once it has
-        self._thread = threading.Thread(target=self._run, name="eagerlm-service", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+        super().__init__("eagerlm-service")
 
     @property
     def failure(self) -> str | None:

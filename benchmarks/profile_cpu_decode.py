@@ -50,8 +50,7 @@ from eagerlm.kernels.quantized import QuantizedMatrix, quantized_linear
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
 
-OPS = ("embed", "rms_norm", "add_rms_norm", "linear", "gated_ffn_act", "moe_ffn", "softcap",
-       "rows", "rope", "kv_append", "attention")
+OPS = tuple(name for name in numpy_ops.FORWARD_OPS if not name.startswith("_"))
 
 
 class OpTimer:

@@ -130,8 +130,9 @@ def _host_view(buf: DeviceBuffer, dtype: type[np.generic] = np.int32) -> np.ndar
     return cast("HostBuffer", buf).array.view(dtype)
 
 
-# the ops of kernels/model.py's forward (`Ops`), which the decode replay records
-_FORWARD_OPS = ("embed", "rms_norm", "add_rms_norm", "linear", "gated_ffn_act", "moe_ffn",
+# the ops of kernels/model.py's forward (`Ops`), which the decode replay records (and
+# benchmarks/profile_cpu_decode.py times; `_rope_table` is the rope op's helper)
+FORWARD_OPS = ("embed", "rms_norm", "add_rms_norm", "linear", "gated_ffn_act", "moe_ffn",
                 "softcap", "all_reduce", "all_gather", "rows", "rope", "kv_append",
                 "attention", "_rope_table")
 
@@ -486,7 +487,7 @@ class NumpyOps:
     @classmethod
     def _own_ops(cls) -> bool:
         """Whether every op of the forward is NumpyOps' own (what RecordingOps mirrors)."""
-        return all(getattr(cls, name) is getattr(NumpyOps, name) for name in _FORWARD_OPS)
+        return all(getattr(cls, name) is getattr(NumpyOps, name) for name in FORWARD_OPS)
 
     # -- KV cache and attention ------------------------------------------------------
 

@@ -4,10 +4,11 @@ memory bandwidth, per weight type, matrix shape and rows of x.
 `quantized_linear(x, w)` (kernels/quantized.py) is timed as the forward calls it: on every
 core above `cpu_threads.SERIAL_MAX_VALUES` multiply-adds, with x quantized to 8 bits per
 call for the block types. Matrices are random blocks (loader/synthetic.py's writer: gguf-py's
-quantizer, or random bytes with sane scales for the types it cannot quantize). Each timed
-call reads a different copy of the matrix, the copies together over `--working-set` MiB
-(default 96, three times this machine's L3), so every call reads its weights from memory
-as a decode step does; `--in-cache` times one copy, warm.
+quantizer, or loader/ggml_quants.py's port of ggml's for Q1_0, or random bytes with sane
+scales for the types neither quantizes). Each timed call reads a different copy of the
+matrix, the copies together over `--working-set` MiB (default 96, three times this
+machine's L3), so every call reads its weights from memory as a decode step does;
+`--in-cache` times one copy, warm.
 
 Reported per (type, shape, rows of x): microseconds per call (median over `--repeats`
 passes, each the median of `--calls` calls; the passes run the types in alternating order,
@@ -37,13 +38,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from benchmarks.bench_cpu_decode import copy_bandwidth_gb_s
 from eagerlm.kernels import cpu_threads
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES
 from eagerlm.kernels.cpu_threads import CoreWorkers, core_workers, hold_blas_to_one_thread
 from eagerlm.kernels.quantized import QuantizedMatrix, quantized_linear, warm_up
+from eagerlm.loader import ggml_quants
 from eagerlm.loader.synthetic import RANDOM_BYTE_TYPES, bf16_bits, random_blocks
 
 Q = GGMLQuantizationType
@@ -80,7 +82,7 @@ def random_matrix(qtype: GGMLQuantizationType, rows: int, cols: int,
         elif qtype == Q.BF16:
             raw = bf16_bits(values).view(np.uint8)
         else:
-            raw = quants.quantize(values, qtype)
+            raw = ggml_quants.quantize(values, qtype)
     return QuantizedMatrix.of(qtype, (rows, cols), raw.reshape(rows, -1))
 
 

@@ -3,7 +3,8 @@
 Every quantized type of ggml is, block by block, small integers times a scale per group of
 16 or 32 values, for some plus a per-group minimum: `value = sc[s] * (q - OFFSET) + mn[s]`,
 with a constant `OFFSET` per type (the registry's `code_offset`: 8 for Q4_0's nibbles, 32
-for Q6_K's 6-bit codes, ...). A decoder turns one block into exactly that:
+for Q6_K's 6-bit codes, 1 for Q1_0's sign bits as codes 0 and 2, ...). A decoder turns
+one block into exactly that:
 
     decode_<type>(row, o, q, sc, mn)
 
@@ -34,10 +35,11 @@ bytes; a signed code costs a sign transfer): nibbles and bit fields as they are,
 types' signed grid values shifted up by their largest magnitude.
 
 Block layouts are ggml's, as gguf-py's `gguf/quants.py` dequantizes them (the reference
-the tests hold these to). Codes are unpacked 32 at a time as `Bytes32` vectors
-(kernels/cpu_simd.py); scales are a few scalars per block. The IQ grids, sign patterns
-and codebook come from gguf-py through kernels/iq_tables.py, the tables the CUDA kernels
-are generated from.
+the tests hold these to; for Q1_0, which gguf-py 0.19 cannot dequantize, llama.cpp's own
+dequantizer's values, tests/fixtures/q1_0_llama.npz). Codes are unpacked 32 at a time as
+`Bytes32` vectors (kernels/cpu_simd.py); scales are a few scalars per block. The IQ grids,
+sign patterns and codebook come from gguf-py through kernels/iq_tables.py, the tables the
+CUDA kernels are generated from.
 """
 
 from __future__ import annotations
@@ -209,6 +211,19 @@ def decode_nvfp4(row, o, q, sc, mn):
     table = load_bytes(_FP4_CODES, 0)
     for c in range(2):
         store_bytes(q, 32 * c, lut16(table, load_nibbles_by8(row, o + 4 + 16 * c)))
+
+
+# -- 128-value blocks: Q1_0 --------------------------------------------------------------------
+
+@njit(**_INLINE)
+def decode_q1_0(row, o, q, sc, mn):
+    """18 bytes per 128 values: float16 d, then a bit per value (bit i % 8 of byte i // 8);
+    value = +d where it is set, else -d: code 2 * bit, offset 1, the same scale d for the
+    block's four groups of 32 (llama.cpp's activations are Q8_0's 32-value blocks too)."""
+    d = load_f16(row, o)
+    for s in range(4):
+        sc[s] = d
+        store_bytes(q, 32 * s, bit_lanes(load_u32(row, o + 2 + 4 * s), 2))
 
 
 # -- K-quants: 256-value superblocks ---------------------------------------------------------

@@ -115,6 +115,7 @@ BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (
     _blocks(Q.TQ2_0, 32, offset=1),
     _blocks(Q.MXFP4, 32, offset=12),
     _blocks(Q.NVFP4, 16, offset=12),
+    _blocks(Q.Q1_0, 32, offset=1),
 )}
 
 _built: dict[GGMLQuantizationType, ModuleType] = {}

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 
+from eagerlm.loader import ggml_quants
 from eagerlm.loader.architectures import ARCHITECTURES, Keys, config_from_keys
 from eagerlm.loader.config import ModelConfig
 from eagerlm.loader.tiny_vocab import TinyVocab, bpe_vocab, spm_vocab
@@ -382,7 +383,7 @@ def _encode(values: np.ndarray, qtype: GGMLQuantizationType,
         rms = np.sqrt(np.mean(np.square(blocks, dtype=np.float64), axis=1))
         scale = rms / _unit_scale_rms(qtype)
         return random_blocks(qtype, scale, rng).reshape(*values.shape[:-1], -1)
-    return quants.quantize(values, qtype)
+    return ggml_quants.quantize(values, qtype)
 
 
 def _random_block_matrix(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType,

@@ -13,8 +13,9 @@ from dataclasses import dataclass, fields
 from typing import Generic, TypeVar
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from eagerlm.loader import ggml_quants
 from eagerlm.loader.architectures import architecture
 from eagerlm.loader.config import ModelConfig
 from eagerlm.loader.errors import GGUFFormatError, UnsupportedTensorType, quoted
@@ -23,12 +24,13 @@ from eagerlm.loader.gguf_file import GGUFFile, TensorInfo
 T = TypeVar("T")
 
 Q = GGMLQuantizationType
-# Types we dequantize (through gguf-py's numpy reference); anything else is refused by name.
+# Types we read (dequantized in numpy by gguf-py's reference, or loader/ggml_quants.py's
+# ports of ggml's for those gguf-py cannot); anything else is refused by name.
 SUPPORTED_TYPES = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
     Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M,
-    Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.NVFP4,
+    Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.NVFP4, Q.Q1_0,
 })
 
 
@@ -286,7 +288,8 @@ _DEQUANT_STEP = 1 << 18  # elements per gguf-py call: cache-sized temporaries
 
 def dequantize_blocks(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Quantized bytes as float32, by gguf-py's own per-block arithmetic (so bit-identical
-    to `quants.dequantize`), handed 256k elements per call. gguf-py works through 16 rows
+    to `quants.dequantize`; loader/ggml_quants.py's port of ggml's for the types gguf-py
+    cannot dequantize), handed 256k elements per call. gguf-py works through 16 rows
     per numpy pass, and on short rows its per-pass overhead dominated: 2-4x slower, and the
     demo model's Q8_0 embedding (262k rows of 640) alone took 3.6 s to load."""
     block, type_size = GGML_QUANT_SIZES[qtype]
@@ -296,7 +299,7 @@ def dequantize_blocks(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarra
     for start in range(0, len(blocks), step):
         part = blocks[start:start + step]
         out[start * block:(start + len(part)) * block] = \
-            quants.dequantize(part.reshape(1, -1), qtype).reshape(-1)
+            ggml_quants.dequantize(part.reshape(1, -1), qtype).reshape(-1)
     return out
 
 

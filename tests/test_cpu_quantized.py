@@ -3,9 +3,11 @@ kernels/cpu_kernel_registry.py: kernels/cpu_quant_loops.py over kernels/cpu_bloc
 kernels/cpu_float_loops.py for F16 / BF16).
 
 The reference is independent of the kernels: gguf-py's `gguf.quants.dequantize` of the same
-blocks, in float64, then a float64 matmul. Blocks are random: the types gguf-py cannot
-quantize (K-quants, IQ types, NVFP4) are random bytes with sane scales (loader/synthetic.py's
-`random_blocks`), the others quantized random normals.
+blocks (for Q1_0, which gguf-py cannot dequantize, llama.cpp's values of them:
+tests/block_reference.py), in float64, then a float64 matmul. Blocks are random: the types
+gguf-py cannot quantize (K-quants, IQ types, NVFP4) are random bytes with sane scales
+(loader/synthetic.py's `random_blocks`), Q1_0's drawn from llama.cpp's fixture, the others
+quantized random normals.
 
 Tolerances, derived:
 
@@ -57,6 +59,8 @@ from eagerlm.loader.synthetic import (
 )
 from eagerlm.loader.weights import SUPPORTED_TYPES
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
+from tests import block_reference
+from tests.block_reference import LLAMA_CPP_TYPES, fixture_blocks
 from tests.test_dispatcher import make, random_workload, run_workload
 
 Q = GGMLQuantizationType
@@ -74,14 +78,16 @@ def random_matrix(qtype: GGMLQuantizationType, rows: int, cols: int,
     n_blocks = rows * cols // block
     if qtype in RANDOM_BYTE_TYPES:
         raw = random_blocks(qtype, rng.uniform(0.002, 0.02, n_blocks).astype(np.float32), rng)
+    elif qtype in LLAMA_CPP_TYPES:
+        raw = fixture_blocks(qtype, n_blocks, rng)
     else:
         raw = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
     return QuantizedMatrix.of(qtype, (rows, cols), raw.view(np.uint8))
 
 
 def reference(w: QuantizedMatrix) -> np.ndarray:
-    """gguf-py's dequantization of the same blocks, float64."""
-    return quants.dequantize(w.blocks, w.qtype).astype(np.float64).reshape(w.shape)
+    """gguf-py's (or llama.cpp's) dequantization of the same blocks, float64."""
+    return block_reference.dequantize(w.blocks, w.qtype).astype(np.float64).reshape(w.shape)
 
 
 def offsets(w: QuantizedMatrix) -> np.ndarray:
@@ -232,13 +238,26 @@ def test_a_matrix_of_one_block_per_row_is_computed(qtype):
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
-def test_each_types_dequantizer_equals_gguf_py(qtype):
-    """Rows from the middle of the matrix: gguf-py's float32 values, at most one rounding
-    apart (the compiler may fuse scale * q + m into one multiply-add)."""
+def test_each_types_dequantizer_equals_the_reference(qtype):
+    """Rows from the middle of the matrix: gguf-py's (llama.cpp's) float32 values, at most
+    one rounding apart (the compiler may fuse scale * q + m into one multiply-add)."""
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, np.random.default_rng(int(qtype)))
     got = w.dequantize_rows(5, np.empty((20, IN_FEATURES), np.float32))
-    want = quants.dequantize(w.blocks, qtype).reshape(w.shape)[5:25]
+    want = block_reference.dequantize(w.blocks, qtype).reshape(w.shape)[5:25]
     assert np.all(np.abs(got - want) <= EPS32 * (np.abs(want) + offsets(w)[5:25]))
+
+
+def test_q1_0s_dequantizer_gives_llama_cpps_values_for_every_scale():
+    """Every block of llama.cpp's fixture (tests/block_reference.py), the special scales
+    too (zeros of both signs, a subnormal, the largest float16, infinities, NaN): llama.cpp's
+    float32 values to the bit (a NaN as a NaN, whatever its sign)."""
+    blocks, want = block_reference.llama_cpp_blocks()
+    w = QuantizedMatrix.of(Q.Q1_0, (64, 1024), blocks.reshape(64, -1))
+    with np.errstate(all="ignore"):
+        got = w.dequantize().reshape(want.shape)
+    nan = np.isnan(want)
+    assert nan.any() and np.array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
 @pytest.mark.parametrize("qtype", FLOAT_TYPES, ids=lambda q: q.name)

@@ -8,7 +8,9 @@ import struct
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 
+from eagerlm.loader import ggml_quants
 from eagerlm.loader.architectures import config_from_gguf
 from eagerlm.loader.errors import (
     GGUFFormatError,
@@ -17,9 +19,17 @@ from eagerlm.loader.errors import (
     UnsupportedTensorType,
 )
 from eagerlm.loader.gguf_file import GGUFFile
-from eagerlm.loader.weights import SUPPORTED_TYPES, build_weights, dequantize_blocks
+from eagerlm.loader.weights import (
+    SUPPORTED_TYPES,
+    build_weights,
+    dequantize_blocks,
+    load_numpy_weights,
+)
+from tests import block_reference
+from tests.block_reference import LLAMA_CPP_TYPES
 
 STRING, ARRAY, UINT32, FLOAT32, BOOL, INT32 = 8, 9, 4, 6, 7, 5
+Q = GGMLQuantizationType
 
 
 def _str(s: str) -> bytes:
@@ -249,7 +259,46 @@ def test_wrong_tensor_shape(tmp_path):
             build_weights(f, config_from_gguf(f), lambda info: None)
 
 
-@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES - {0, 1, 30}, key=int))  # quantized
+def test_a_q1_0_tensor_loads_as_llama_cpps_values(tmp_path):
+    """Q1_0 (ggml type 41, which gguf-py 0.19 sizes but cannot dequantize) is read like
+    every other type: a file whose attn_q is Q1_0 loads, its values llama.cpp's
+    (tests/block_reference.py)."""
+    kvs = [_kv("general.architecture", STRING, "llama"), *llama_kvs()[1:]]
+    kvs[2] = _kv("llama.embedding_length", UINT32, 256)
+    kvs[3] = _kv("llama.feed_forward_length", UINT32, 256)
+    tensors = llama_tensors(d=256, ff=256)
+    raw = block_reference.fixture_blocks(Q.Q1_0, 256 * 256 // 128, np.random.default_rng(0))
+    tensors[2] = ("blk.0.attn_q.weight", [256, 256], 41, raw.tobytes())
+    with GGUFFile.open(write(tmp_path, gguf_bytes(kvs, tensors))) as f:
+        assert f.tensor_info("blk.0.attn_q.weight").qtype == Q.Q1_0
+        wq = load_numpy_weights(f, config_from_gguf(f)).layers[0].wq
+    want = block_reference.dequantize(raw.reshape(256, -1), Q.Q1_0)
+    np.testing.assert_array_equal(wq, want)
+
+
+def test_q1_0_dequantization_is_llama_cpps_to_the_bit():
+    """Reference: llama.cpp's dequantizer on the fixture's blocks, special scales
+    (infinities, NaN, signed zeros) included, repeated past two steps of the chunked
+    loop."""
+    blocks, values = block_reference.llama_cpp_blocks()
+    with np.errstate(all="ignore"):
+        got = dequantize_blocks(np.tile(blocks, (9, 1)).reshape(-1), Q.Q1_0)
+    assert got.dtype == np.float32 and got.size > 2 * (1 << 18)
+    np.testing.assert_array_equal(got.view(np.uint32),
+                                  np.tile(values, (9, 1)).reshape(-1).view(np.uint32))
+
+
+def test_q1_0_quantization_is_llama_cpps_to_the_bit():
+    """Reference: llama.cpp's `ggml_quantize_chunk` (what `llama-quantize` writes a Q1_0
+    file with) on the fixture's rows, a block of zeros and exact zeros among them: what
+    loader/synthetic.py writes a Q1_0 model with."""
+    with np.load(block_reference.FIXTURE) as f:
+        rows, want = f["rows"], f["quantized"]
+    np.testing.assert_array_equal(ggml_quants.quantize(rows, Q.Q1_0), want)
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES - {0, 1, 30} - LLAMA_CPP_TYPES,
+                                         key=int))  # quantized, gguf-py dequantizes them
 def test_dequantization_is_gguf_pys_to_the_bit(qtype):
     """Reference: gguf-py's `quants.dequantize`, on random bytes (every bit pattern of
     scales and values; the non-finite results of non-finite scales compare by their bits),

@@ -29,6 +29,8 @@ from eagerlm.loader.synthetic import (
 )
 from eagerlm.loader.weights import SUPPORTED_TYPES
 from eagerlm.vmm.kv_layout import ContiguousKV
+from tests import block_reference
+from tests.block_reference import LLAMA_CPP_TYPES, fixture_blocks
 
 SPECS = {  # as test_forward.py's: qwen3 with one KV head (replicated on every device)
     "llama": tiny_spec("llama"),
@@ -115,6 +117,8 @@ def _blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
     if qtype in RANDOM_BYTE_TYPES:
         return random_blocks(qtype, np.full(rows * cols // block, 0.01, np.float32), rng
                              ).reshape(-1)
+    if qtype in LLAMA_CPP_TYPES:
+        return fixture_blocks(qtype, rows * cols // block, rng).reshape(-1)
     values = rng.standard_normal((rows, cols), dtype=np.float32)
     return quants.quantize(values, qtype).reshape(-1).view(np.uint8)
 
@@ -127,12 +131,12 @@ def test_every_weight_type_is_split_on_block_boundaries_without_dequantizing(qty
     rows, cols = 6, 4 * max(block, 32)
     raw = _blocks(qtype, rows, cols)
     info = TensorInfo("blk.0.ffn_down.weight", qtype, (rows, cols), 0, raw.size)
-    full = quants.dequantize(raw.reshape(rows, -1), qtype).reshape(rows, cols)
+    full = block_reference.dequantize(raw.reshape(rows, -1), qtype).reshape(rows, cols)
     for cut in (Split(0, 2, 5), Split(1, cols // 4, 3 * cols // 4), Split(1, 0, cols // 4)):
         part = shard_bytes(raw, info, cut)
         part_info = shard_info(info, cut)
         assert part.size == part_info.n_bytes  # whole blocks, the same bytes
-        got = quants.dequantize(part.reshape(part_info.shape[0], -1), qtype)
+        got = block_reference.dequantize(part.reshape(part_info.shape[0], -1), qtype)
         want = full[cut.start:cut.stop] if cut.axis == 0 else full[:, cut.start:cut.stop]
         np.testing.assert_array_equal(got.reshape(want.shape), want)
 

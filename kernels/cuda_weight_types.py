@@ -115,7 +115,8 @@ class WeightType:
         return tuple(n for n in names if n is not None)
 
 
-# Every type gguf-py 0.19 reads (its quants.py), in ggml's order.
+# Every type gguf-py 0.19 reads (its quants.py), in ggml's order, and Q1_0, which it sizes but
+# cannot read (loader/ggml_quants.py).
 WEIGHT_TYPES: dict[GGMLQuantizationType, WeightType] = {t.qtype: t for t in (
     WeightType(Q.F32, held="bf16"),
     WeightType(Q.F16),
@@ -143,6 +144,7 @@ WEIGHT_TYPES: dict[GGMLQuantizationType, WeightType] = {t.qtype: t for t in (
     WeightType(Q.TQ2_0),
     WeightType(Q.MXFP4),
     WeightType(Q.NVFP4),
+    WeightType(Q.Q1_0),
 )}
 
 BY_NAME: dict[str, WeightType] = {t.name: t for t in WEIGHT_TYPES.values()}

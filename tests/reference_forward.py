@@ -1,12 +1,14 @@
 """A naive float64 transformer forward, independent of the engine, for tests.
 
 It reads the file with gguf-py's own `GGUFReader` (not our reader), dequantizes with
-`gguf.quants`, and computes every token, head and position with explicit loops from the
-definitions of each architecture as llama.cpp implements them (src/models/llama.cpp,
-qwen2.cpp, qwen3.cpp, qwen3moe.cpp, gemma3.cpp, openai-moe.cpp, phi3.cpp; hparams from
-llama-model.cpp; build_moe_ffn in llama-graph.cpp for the mixtures of experts). Slow, and
-meant to be: it shares no code with kernels/. Not covered: rope scaling (YaRN, linear) and
-rope frequency factors.
+`gguf.quants` (Q1_0, which gguf-py cannot dequantize, with loader/ggml_quants.py's port of
+ggml's dequantizer, held to llama.cpp's to the bit by tests/test_gguf_file.py), and
+computes every token, head and position with explicit loops from the definitions of each
+architecture as llama.cpp implements them (src/models/llama.cpp, qwen2.cpp, qwen3.cpp,
+qwen3moe.cpp, gemma3.cpp, openai-moe.cpp, phi3.cpp; hparams from llama-model.cpp;
+build_moe_ffn in llama-graph.cpp for the mixtures of experts). Slow, and meant to be: it
+shares no code with kernels/. Not covered: rope scaling (YaRN, linear) and rope frequency
+factors.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import math
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, quants
+
+from eagerlm.loader import ggml_quants
 
 
 def _field(r: GGUFReader, key: str, default=None):
@@ -45,7 +49,7 @@ def load(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     weights = {}
     hp["types"] = {t.name: t.tensor_type for t in r.tensors}
     for t in r.tensors:
-        w = quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+        w = ggml_quants.dequantize(t.data, t.tensor_type).astype(np.float64)
         weights[t.name] = w.reshape([int(x) for x in reversed(t.shape.tolist())])
     return hp, weights
 

@@ -28,6 +28,7 @@ from eagerlm.kernels.sampling import (
 )
 from eagerlm.loader.config import Activation, RopeParams, RopeStyle
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
+from tests import block_reference
 from tests.cuda_testing import (  # noqa: F401  (fixtures)
     REF,
     appended_batches,
@@ -289,10 +290,13 @@ def test_decode_attention_splits_long_contexts(ops) -> None:
 def _blocks(qtype, n_blocks: int) -> np.ndarray:
     """Random valid blocks: quantized from random floats where gguf-py can, else random
     bytes with small finite scales (K-quants, IQ types, NVFP4: every other field of their
-    blocks is a bounded integer, so every bit pattern is a block)."""
+    blocks is a bounded integer, so every bit pattern is a block); Q1_0's from llama.cpp's
+    fixture (tests/block_reference.py)."""
     from eagerlm.loader.synthetic import random_blocks
 
     block, _ = quants.GGML_QUANT_SIZES[qtype]
+    if qtype in block_reference.LLAMA_CPP_TYPES:
+        return block_reference.fixture_blocks(qtype, n_blocks, rng).reshape(-1)
     try:
         return quants.quantize(rand(n_blocks * block), qtype).reshape(-1)
     except NotImplementedError:
@@ -300,11 +304,12 @@ def _blocks(qtype, n_blocks: int) -> np.ndarray:
         return random_blocks(qtype, scales, rng).reshape(-1)
 
 
-# every type gguf-py 0.19 dequantizes (its quants.py), written out so that a type dropped
-# from the registry fails here
+# every type gguf-py 0.19 dequantizes (its quants.py), and Q1_0, which it only sizes,
+# written out so that a type dropped from the registry fails here
 DEQUANT_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K,
                  Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S,
-                 Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.NVFP4]
+                 Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.NVFP4,
+                 Q.Q1_0]
 
 
 def test_every_supported_type_has_its_kernels() -> None:
@@ -320,14 +325,15 @@ def test_every_supported_type_has_its_kernels() -> None:
 
 @pytest.mark.parametrize("qtype", DEQUANT_TYPES, ids=lambda q: q.name)
 def test_dequantization_equals_gguf(ops, qtype) -> None:
-    """Reference: gguf-py's `quants.dequantize` of the same bytes: the float32 output equal
-    to the bit, the bf16 output that value rounded (within one bf16 ulp). 256 blocks: an IQ
-    type's grid lookups then reach nearly every entry of its table (IQ1's 2048 included)."""
+    """Reference: gguf-py's `quants.dequantize` of the same bytes (llama.cpp's values for
+    Q1_0): the float32 output equal to the bit, the bf16 output that value rounded (within
+    one bf16 ulp). 256 blocks: an IQ type's grid lookups then reach nearly every entry of
+    its table (IQ1's 2048 included)."""
     from eagerlm.kernels.cuda_weight_types import WEIGHT_TYPES
     from eagerlm.kernels.device_tensor import to_bf16_bits
 
     raw = _blocks(qtype, 256)
-    want = quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
+    want = block_reference.dequantize(raw, qtype).astype(np.float32).reshape(-1)
     n = want.size
     src = ops.upload(np.ascontiguousarray(raw).view(np.uint8))
     for out_dtype in ("bf16", "f32"):

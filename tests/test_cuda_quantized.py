@@ -3,7 +3,8 @@ kernels/cuda/quant_matrix.cu): the fused GEMV, the tile path, the embedding look
 loader and the memory check, and whole models against the cpu backend.
 
 Reference: the same product in float64 over gguf-py's dequantization of the same random
-blocks (`quants.dequantize`), of the bf16 activations the kernels read. The kernels'
+blocks (`quants.dequantize`; llama.cpp's values for Q1_0, tests/block_reference.py), of the
+bf16 activations the kernels read. The kernels'
 own error is float32 accumulation and, for bf16 outputs, one rounding: `close`'s bf16
 bound. Shapes are odd on purpose: output rows not a multiple of a GEMV block's four warps,
 nor of a tile, inputs a few blocks wide (a lane with no unit to read), 1, 3 and 8 rows.
@@ -18,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 from eagerlm.kernels.device_tensor import DeviceTensor
 from eagerlm.vmm.kv_layout import ContiguousKV, KVLayout
+from tests import block_reference
 from tests.cuda_testing import (  # noqa: F401  (fixtures)
     bf16,
     close,
@@ -32,7 +34,7 @@ from tests.cuda_testing import (  # noqa: F401  (fixtures)
 # every type (kernels/cuda_weight_types.py), in ggml's order
 ALL_TYPES = [Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
              Q.Q6_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ3_XXS, Q.IQ1_S, Q.IQ4_NL, Q.IQ3_S, Q.IQ2_S,
-             Q.IQ4_XS, Q.IQ1_M, Q.BF16, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.NVFP4]
+             Q.IQ4_XS, Q.IQ1_M, Q.BF16, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.NVFP4, Q.Q1_0]
 FLOAT_TYPES = [Q.F32, Q.F16, Q.BF16]
 BLOCK_TYPES = [t for t in ALL_TYPES if t not in FLOAT_TYPES]  # the int8 GEMV's
 
@@ -40,11 +42,14 @@ BLOCK_TYPES = [t for t in ALL_TYPES if t not in FLOAT_TYPES]  # the int8 GEMV's
 def _blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
     """Random valid blocks of a `rows` x `cols` matrix, uint8 [rows, row bytes]: quantized
     from random floats where gguf-py can, else random bytes with small finite scales
-    (every other field of a K-quant, IQ or NVFP4 block is a bounded integer)."""
+    (every other field of a K-quant, IQ or NVFP4 block is a bounded integer); Q1_0's drawn
+    from llama.cpp's fixture."""
     from eagerlm.loader.synthetic import random_blocks
 
     block, type_size = GGML_QUANT_SIZES[qtype]
     n_blocks = rows * cols // block
+    if qtype in block_reference.LLAMA_CPP_TYPES:
+        return block_reference.fixture_blocks(qtype, n_blocks, rng).reshape(rows, -1)
     try:
         raw = quants.quantize(rand(rows, cols), qtype)
     except NotImplementedError:
@@ -67,9 +72,9 @@ def _on_device(ops, qtype: Q, raw: np.ndarray, cols: int):
 
 def _reference(x: np.ndarray, raw: np.ndarray, qtype: Q, bias: np.ndarray | None, *,
                bf16_weights: bool = False) -> np.ndarray:
-    """float64 x @ W^T (+ bias), W gguf-py's values of the blocks (rounded to bf16 first
-    with `bf16_weights`: what the tile path multiplies)."""
-    w = quants.dequantize(raw, qtype).astype(np.float32).reshape(raw.shape[0], -1)
+    """float64 x @ W^T (+ bias), W gguf-py's (llama.cpp's) values of the blocks (rounded to
+    bf16 first with `bf16_weights`: what the tile path multiplies)."""
+    w = block_reference.dequantize(raw, qtype).astype(np.float32).reshape(raw.shape[0], -1)
     if bf16_weights:
         w = bf16(w)
     y = x.astype(np.float64) @ w.astype(np.float64).T
@@ -118,8 +123,8 @@ def test_fused_gemv_shares_rows_between_warps_and_takes_up_to_eight_rows(ops, qt
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_fused_gemv_equals_float64_dequantize_then_matmul(ops, qtype) -> None:
     """Every type's decoder in the float GEMV: 13 output rows (not a multiple of a block's
-    four rows) of about 9 units (whole blocks: 9 units, or 10 of NVFP4, 16 of a
-    super-block type), one row with a bias and bf16 out, then 5 rows over 4 warps per row
+    four rows) of about 9 units (whole blocks: 9 units, or 10 of NVFP4, 12 of Q1_0, 16 of
+    a super-block type), one row with a bias and bf16 out, then 5 rows over 4 warps per row
     (most lanes idle) as float32 logits; the weights are gguf-py's values exactly (F16's
     not rounded to bf16), so only float32 accumulation and the output's rounding differ."""
     cols = _cols(qtype, 9)
@@ -269,7 +274,7 @@ def test_embedding_rows_of_a_block_table_are_gguf_values_times_the_scale(ops, qt
     table = _on_device(ops, qtype, raw, 256)
     ids = np.array([5, 0, 3, 6, 5], np.int32)
     got = ops.to_numpy(ops.embed(table, ids, 1.5))
-    values = quants.dequantize(raw, qtype).astype(np.float32).reshape(6, 256)
+    values = block_reference.dequantize(raw, qtype).astype(np.float32).reshape(6, 256)
     np.testing.assert_array_equal(got[[0, 1, 2, 4]], values[[5, 0, 3, 5]] * np.float32(1.5))
     assert np.isnan(got[3]).all()
 

@@ -97,7 +97,7 @@ def test_quant_matrix_is_one_module_per_weight_type_with_that_types_kernels() ->
     module, so a model loads the modules of its types and compiles nothing else."""
     from eagerlm.kernels.cuda_weight_types import WEIGHT_TYPES
 
-    assert len(WEIGHT_TYPES) == 26
+    assert len(WEIGHT_TYPES) == 27
     for t in WEIGHT_TYPES.values():
         assert MODULES[t.module].source == "quant_matrix"
         assert {k for k, (m, _) in SIGNATURES.items() if m == t.module} == set(t.kernels)

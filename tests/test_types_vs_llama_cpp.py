@@ -10,17 +10,18 @@ loader/synthetic.py and must hash, tensor for tensor, as llama.cpp's did.
 
 The bound is llama.cpp's noise, measured here: llama.cpp multiplies with its activations
 rounded to the weights' dot type (8-bit blocks with one scale per 32 values for the
-32-value types, per 256 for the K-quants and IQ4_XS; float16 or bfloat16 for those types),
-so its logits are not the exact products of its own weights. How far they are is the
-distance from them to the float64 forward of tests/reference_forward.py on the same file
-(gguf-py's dequantizer, no rounding of activations): over the top 32 log-probs, a mean of
-0.001 (F16), 0.011 (BF16), 0.038-0.040 (the 32-value types) and 0.054-0.058 (Q4_K, Q6_K,
-IQ4_XS) when the fixture was made, up to 0.37 on one row. eagerlm may round its own
-activations too (8-bit, as llama.cpp), independently of llama.cpp, which puts it up to
-sqrt(2) times that noise away: the test allows twice the mean distance and four times the
-KL divergence (KL grows with the square of a perturbation), and top-1 agreement on every
-row whose two most likely tokens llama.cpp separates by more than twice its largest
-deviation on any row; on closer rows a top-1 is a tie within noise.
+32-value types, per 256 for the K-quants and IQ4_XS; float16 or bfloat16 for those
+types), so its logits are not the exact products of its own weights. How far they are is
+the distance from them to the float64 forward of tests/reference_forward.py on the same
+file (gguf-py's dequantizer, loader/ggml_quants.py's for Q1_0, no rounding of
+activations): over the top 32 log-probs, a mean of 0.001 (F16), 0.011 (BF16), 0.019
+(Q1_0), 0.038-0.040 (the 32-value types) and 0.054-0.058 (Q4_K, Q6_K, IQ4_XS) when the
+fixture was made, up to 0.37 on one row. eagerlm may round its own activations too
+(8-bit, as llama.cpp), independently of llama.cpp, which puts it up to sqrt(2) times that
+noise away: the test allows twice the mean distance and four times the KL divergence (KL
+grows with the square of a perturbation), and top-1 agreement on every row whose two most
+likely tokens llama.cpp separates by more than twice its largest deviation on any row; on
+closer rows a top-1 is a tie within noise.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def eagerlm_logprobs(path: str) -> np.ndarray:
 
 def test_the_fixture_covers_the_types_and_stays_small() -> None:
     assert set(CASES) >= {"F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "IQ4_NL",
-                          "IQ4_XS"}
+                          "IQ4_XS", "Q1_0"}
     committed = sum((FIXTURES / c["file"]).stat().st_size for c in CASES.values() if c["file"])
     assert committed + OUT_PATH.stat().st_size < 3_000_000
 

@@ -272,6 +272,20 @@ struct NVFP4 {
   }
 };
 
+// -- 128-value blocks ------------------------------------------------------------------
+
+// Q1_0: d, qs[16]: value j is +d where bit j % 8 of qs[j / 8] is set, else -d: d * (q - 1),
+// q = 2 * bit (spread4's bit 4 shifted down to bit 1).
+struct Q1_0 {
+  static constexpr int QK = 128, BYTES = 18;
+  __device__ static void unit(const unsigned char* b, int s, IntUnit& w) {
+    const unsigned bits = (unsigned)ld_i32(b + 2 + 4 * s);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w.q[k] = spread4(bits >> (4 * k)) >> 3;
+    set_scales(w, ld_f16(b), 0.0f, 1);
+  }
+};
+
 // -- K-quants: super-blocks of 256 values ------------------------------------------------
 
 // scales[16] (4-bit scale | 4-bit min per 16 values), qs[64], d, dmin:

@@ -216,12 +216,17 @@ the low nibbles of bytes 0-7, 8-15 their high nibbles, then the same for bytes 8
 @intrinsic
 def bit_lanes(typingctx, word, value):
     """Lane i = `value` (truncated to a byte) where bit i of the 32-bit integer `word` is
-    set, else 0."""
+    set, else 0. The word is broadcast to eight 32-bit lanes and its byte i // 8 picked
+    within each 128-bit half (`vpbroadcastd`, `vpshufb`): the same instructions LLVM chose
+    for a shuffle of the word's four bytes into 32 lanes, but its cost model priced that
+    one so high that a decoder calling this four times (Q1_0) was no longer unrolled in
+    the loops, and its codes and scales went through the stack (Q1_0's one-row GEMV 1.7x
+    slower, Q5_0 / Q5_1's 1.5x; docs/performance.md)."""
     def codegen(context, builder, signature, args):
         w = builder.trunc(context.cast(builder, args[0], signature.args[0], types.int64), _I32)
-        as_bytes = builder.bitcast(w, _vec(_I8, 4))
-        spread = builder.shuffle_vector(as_bytes, as_bytes, _constant_lanes(
-            _vec(_I32, 32), [i // 8 for i in range(32)]))
+        words = builder.bitcast(_splat(builder, w, _vec(_I32, 8)), _V32)
+        spread = builder.shuffle_vector(words, words, _constant_lanes(
+            _vec(_I32, 32), [16 * (i // 16) + i // 8 for i in range(32)]))
         bits = _constant_lanes(_V32, [1 << (i % 8) for i in range(32)])
         hit = builder.icmp_unsigned("==", builder.and_(spread, bits), bits)
         lanes = _scalar_to(context, builder, args[1], signature.args[1], _V32)

@@ -5,9 +5,9 @@ few numpy calls each; at decode, on rows of a few hundred values, numpy's per-ca
 overhead is the whole cost: 8-20 µs per norm and per rope, 108 norms and 36 ropes per token
 of the demo model, all of it holding the GIL. Compiled, each is one call of 1-3 µs that
 releases the GIL, which also leaves the host threads of eager dispatch more of the round
-to overlap with. The gated FFN activation (SwiGLU, GeGLU) is compiled too, though
-numpy's SIMD exp and tanh are faster than numba's libm calls: the decode replay
-(kernels/cpu_decode_program.py) must compute the bits the ops compute.
+to overlap with. The gated FFN activation (SwiGLU, GeGLU) is compiled too, on
+kernels/cpu_vector_math.py's vector exp: the decode replay (kernels/cpu_decode_program.py)
+must compute the bits the ops compute, and it cannot call numpy.
 
 Each kernel computes what kernels/numpy_ops.py's docstrings specify, in float32, with
 `fastmath` sums (a different order than numpy's pairwise sums: the tests hold them to a
@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from eagerlm.kernels.cpu_vector_math import gated_row
 from eagerlm.kernels.numba_settings import JIT
 
 # `fastmath` without the no-NaN / no-inf promises, so an overflow stays visible
@@ -92,27 +93,15 @@ def row_products(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
             out[r, e] = s
 
 
-_GELU_C = np.float32(np.sqrt(2.0 / np.pi))
-
-
 @njit(**_JIT)
 def gated(gate: np.ndarray, up: np.ndarray, gelu: bool, out: np.ndarray) -> None:
-    """out = act(gate) * up per row `[n, d]`: SiLU, gate / (1 + exp(-gate)) (SwiGLU), or
-    with `gelu` GELU's tanh approximation (GeGLU), each value alone: a row's values are the
-    same bits in any batch, and in the decode replay (kernels/cpu_decode_program.py), which
-    calls this for its rows. (numpy's SIMD exp is faster, ~3x on a decode row, but its bits
-    differ from numba's, and the replay cannot call it.)"""
+    """out = act(gate) * up per row `[n, d]`: SiLU (SwiGLU) or with `gelu` GELU's tanh
+    approximation (GeGLU), eight values at a time through kernels/cpu_vector_math.py's exp
+    (libm's scalar exp took six times as long), each value alone: a row's values are the
+    same bits in any batch, and in the decode replay (kernels/cpu_decode_program.py),
+    which calls this for its rows."""
     for i in range(gate.shape[0]):
-        g, u, o = gate[i], up[i], out[i]
-        for j in range(gate.shape[1]):
-            x = g[j]
-            if gelu:
-                x3 = x * x * x
-                a = np.float32(0.5) * x * (_ONE + np.tanh(_GELU_C * (x + np.float32(0.044715)
-                                                                      * x3)))
-            else:
-                a = x / (_ONE + np.exp(-x))
-            o[j] = a * u[j]
+        gated_row(gate[i], up[i], gelu, out[i])
 
 
 KERNELS = (rms_norm, add_rms_norm, rope, row_products, gated)  # for kernels/cpu_compile.py

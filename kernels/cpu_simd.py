@@ -13,7 +13,7 @@ vectors instead, so what runs is what is written:
 - `Int32x8` (`<8 x i32>`): integer dot-product partial sums, from `dot_unsigned` /
   `dot_signed` (32 codes times 32 int8 activations, four products per 32-bit lane:
   llama.cpp's `vpmaddubsw` + `vpmaddwd`).
-- `Float32x8` (`<8 x float>`): float32 partial sums and values (`+ - *`, scalars
+- `Float32x8` (`<8 x float>`): float32 partial sums and values (`+ - * /`, scalars
   broadcast, `muladd`), computed in the order written (numba_settings.JIT_ORDERED).
 
 The vectors are generic LLVM IR, lowered by LLVM for whatever the machine has (AVX2 as
@@ -328,7 +328,8 @@ def gather_u32x8(typingctx, table, i0, i1, i2, i3, i4, i5, i6, i7):
 _INT_OPS = {operator.and_: "and_", operator.or_: "or_", operator.xor: "xor",
             operator.add: "add", operator.sub: "sub", operator.mul: "mul",
             operator.lshift: "shl", operator.rshift: "lshr"}
-_FLOAT_OPS = {operator.add: "fadd", operator.sub: "fsub", operator.mul: "fmul"}
+_FLOAT_OPS = {operator.add: "fadd", operator.sub: "fsub", operator.mul: "fmul",
+              operator.truediv: "fdiv"}
 
 
 def _vector_binop(vector_type: _VectorType, name: str):

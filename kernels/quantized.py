@@ -41,7 +41,9 @@ from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
 from eagerlm.kernels.cpu_row_kernel import RowKernel, register
 from eagerlm.kernels.cpu_threads import by_output_features, by_output_pieces, core_workers
 
-TILE_ELEMENTS = 1 << 18  # weights per tile: 1 MiB of float32, cache-sized
+# weights per tile: 2 MiB of float32 (128K-4M measured, docs/performance.md: 2816-value
+# rows gained 8% over 1 MiB; an OpenBLAS call repacks x for every tile)
+TILE_ELEMENTS = 1 << 19
 # Below this many multiply-adds a `gemv` runs on the calling thread: at ~30 G multiply-adds
 # a second per core (8-bit dot products) 2M take ~70 us alone, ~35 us on two cores plus the
 # ~25-30 us a hand-off to the other core's worker costs (measured, docs/performance.md).

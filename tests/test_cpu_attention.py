@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
-from eagerlm.kernels.cpu_attention import DecodeRows
+from eagerlm.kernels.cpu_attention import QUERY_BLOCK, DecodeRows
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.vmm.kv_layout import TokenMajorKV
@@ -100,22 +100,29 @@ def test_decode_rows_attend_like_float64_attention_beside_a_prompt(window):
         np.testing.assert_array_equal(kv.data, old)
 
 
-def test_a_prompts_rows_attend_alike_at_once_in_chunks_and_beside_other_sessions():
-    """A row's attention is the same bits however its prompt is cut into rounds (the
-    quantized kernels' 8-bit activations would turn a last-bit difference into a whole
-    rounding step)."""
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 12])  # 12: the dots' value-by-value path
+def test_a_prompts_rows_attend_alike_at_once_in_chunks_and_beside_other_sessions(head_dim):
+    """A row's attention is the same bits however its prompt is cut into rounds, and so
+    into the kernel's blocks of `QUERY_BLOCK` rows (the quantized kernels' 8-bit
+    activations would turn a last-bit difference into a whole rounding step)."""
+    n = 40
+    assert n > 2 * QUERY_BLOCK
     rng = np.random.default_rng(3)
-    k = rng.standard_normal((12, N_KV, HEAD_DIM)).astype(np.float32)
-    q = rng.standard_normal((12, N_HEADS, HEAD_DIM)).astype(np.float32)
+    k = rng.standard_normal((n, N_KV, head_dim)).astype(np.float32)
+    q = rng.standard_normal((n, N_HEADS, head_dim)).astype(np.float32)
     ops = NumpyOps()
 
+    def new_cache(seed) -> TokenMajorKV:
+        return TokenMajorKV(np.random.default_rng(seed).standard_normal(
+            (CAPACITY, N_LAYERS, 2, N_KV, head_dim)).astype(np.float32))
+
     def prefill(cuts: list[int], other: bool) -> np.ndarray:
-        kv, out = cache(np.random.default_rng(4)), []
+        kv, out = new_cache(4), []
         for a, b in itertools.pairwise(cuts):
             kvs, n_pasts, n_news = [kv], [a], [b - a]
             kq, qq = k[a:b], q[a:b]
             if other:  # a decode session before the prompt's rows
-                kvs, n_pasts, n_news = [cache(rng)] + kvs, [5] + n_pasts, [1] + n_news
+                kvs, n_pasts, n_news = [new_cache(5)] + kvs, [5] + n_pasts, [1] + n_news
                 kq, qq = np.concatenate([k[:1], kq]), np.concatenate([q[:1], qq])
             batch = batch_of(kvs, n_pasts, n_news)
             ops.kv_append(batch, 0, kq, kq)
@@ -123,8 +130,9 @@ def test_a_prompts_rows_attend_alike_at_once_in_chunks_and_beside_other_sessions
             out.append(rows[1:] if other else rows)
         return np.concatenate(out)
 
-    whole = prefill([0, 12], False)
-    for cuts, other in (([0, 1, 5, 12], False), ([0, 7, 12], True), ([0, 12], True)):
+    whole = prefill([0, n], False)
+    for cuts, other in (([0, 1, 5, 12, n], False), ([0, 7, 23, n], True), ([0, n], True),
+                        (list(range(n + 1)), False)):
         np.testing.assert_array_equal(prefill(cuts, other), whole)
 
 

@@ -1,0 +1,158 @@
+"""exp on eight float32 lanes at once, and what the compiled row ops and attention build on
+it: the gated FFN activations (SiLU, GELU) and a softmax's exponentials.
+
+numba lowers `np.exp` on a float32 to a scalar libm call (no vector math library is
+assumed: SVML comes from an Intel runtime package numba does not require), about 5 ns a
+value here: a 128-token prefill of a 0.5B model spent 20 ms in its SwiGLU and most of its
+45 ms of attention on it. This is Cephes' `expf` on a `Float32x8` (kernels/cpu_simd.py):
+x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n put into the
+exponent bits: within 1.01 ulp of float64's e^x over [-87.3, 88.37] (tests), 0.0 below
+-88.37 (libm: subnormals down to -103), +inf above 88.37 (libm: above 88.72), NaN kept NaN;
+six times libm's speed.
+
+Every value goes through the vector: the last, short group of a row is copied into a
+padded buffer first (`exp_tail`), so a value's bits never depend on where it sits in a row
+or how many rows are computed together (the batch invariance of
+docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit
+from numba.extending import intrinsic
+
+from eagerlm.kernels.cpu_simd import (
+    float32x8,
+    lane_sum,
+    load_f32x8,
+    stack_empty,
+    store_f32x8,
+    zeros_f32x8,
+)
+from eagerlm.kernels.numba_settings import JIT_ORDERED
+
+_F32, _I32 = ir.FloatType(), ir.IntType(32)
+_F8, _I8x32 = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
+
+# Cephes expf's constants (ln 2 split in two so n * ln2 is exact enough; the polynomial's
+# coefficients for e^r - 1 - r, over r^2)
+_LOG2E = 1.44269504088896341
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
+_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+         1.6666665459e-1, 5.0000001201e-1)
+_HIGH, _LOW = 88.3762626647949, -88.3762626647949
+
+
+def _f8(value: float) -> ir.Constant:
+    return ir.Constant(_F8, [float(np.float32(value))] * 8)
+
+
+def _exp_ir(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    fma = builder.module.declare_intrinsic("llvm.fmuladd.v8f32",
+                                           fnty=ir.FunctionType(_F8, [_F8, _F8, _F8]))
+    floor = builder.module.declare_intrinsic("llvm.floor.v8f32", fnty=ir.FunctionType(_F8, [_F8]))
+    under = builder.fcmp_ordered("<", x, _f8(_LOW))  # false for NaN: NaN stays NaN
+    over = builder.fcmp_ordered(">", x, _f8(_HIGH))
+    c = builder.select(over, _f8(_HIGH), builder.select(under, _f8(_LOW), x))
+    n = builder.call(floor, [builder.call(fma, [c, _f8(_LOG2E), _f8(0.5)])])
+    r = builder.fsub(c, builder.fmul(n, _f8(_LN2_HI)))
+    r = builder.fsub(r, builder.fmul(n, _f8(_LN2_LO)))
+    p = _f8(_POLY[0])
+    for coefficient in _POLY[1:]:
+        p = builder.call(fma, [p, r, _f8(coefficient)])
+    r2 = builder.fmul(r, r)
+    e = builder.fadd(builder.call(fma, [p, r2, r]), _f8(1.0))
+    bits = builder.shl(builder.add(builder.fptosi(n, _I8x32), ir.Constant(_I8x32, [127] * 8)),
+                       ir.Constant(_I8x32, [23] * 8))
+    e = builder.fmul(e, builder.bitcast(bits, _F8))
+    e = builder.select(under, _f8(0.0), e)
+    inf = ir.Constant(_F8, [float("inf")] * 8)
+    return builder.select(over, inf, e)
+
+
+@intrinsic
+def exp_f32x8(typingctx, x):
+    """e^x lane-wise (a `Float32x8`), the module's Cephes `expf`."""
+    def codegen(context, builder, signature, args):
+        return _exp_ir(builder, args[0])
+    return float32x8(x), codegen
+
+
+@njit(inline="always", **JIT_ORDERED)
+def exp_tail(src, dst, start, stop):
+    """dst[start:stop] = e^src[start:stop] for a last group of fewer than 8 values,
+    through the same vector as the rest (a padded stack buffer)."""
+    pad = stack_empty(8, np.float32)
+    for j in range(8):
+        pad[j] = src[start + j] if start + j < stop else np.float32(0.0)
+    store_f32x8(pad, 0, exp_f32x8(load_f32x8(pad, 0)))
+    for j in range(start, stop):
+        dst[j] = pad[j - start]
+
+
+_GELU_2C = np.float32(2.0 * np.sqrt(2.0 / np.pi))
+_GELU_2C3 = np.float32(2.0 * np.sqrt(2.0 / np.pi) * 0.044715)
+
+
+@njit(inline="always", **JIT_ORDERED)
+def gated_x8(g, u, gelu):
+    """act(g) * u on eight lanes: SiLU, g / (1 + e^-g), or with `gelu` GELU's tanh
+    approximation, 0.5 g (1 + tanh(c (g + 0.044715 g^3))) = g / (1 + e^(-2c (g + 0.044715
+    g^3))) (the same function, written with the one exp)."""
+    z = g * (_GELU_2C + _GELU_2C3 * (g * g)) if gelu else g
+    return g / (np.float32(1.0) + exp_f32x8(np.float32(0.0) - z)) * u
+
+
+@njit(inline="always", **JIT_ORDERED)
+def gated_row(g, u, gelu, out):
+    """out = act(g) * u over 1-D float32 rows, a short last group through a padded
+    buffer (the same vector as the rest)."""
+    d = len(g)
+    whole = d // 8 * 8
+    for j in range(0, whole, 8):
+        store_f32x8(out, j, gated_x8(load_f32x8(g, j), load_f32x8(u, j), gelu))
+    if whole < d:
+        pg = stack_empty(8, np.float32)
+        pu = stack_empty(8, np.float32)
+        for j in range(8):
+            pg[j] = g[whole + j] if whole + j < d else np.float32(0.0)
+            pu[j] = u[whole + j] if whole + j < d else np.float32(0.0)
+        store_f32x8(pg, 0, gated_x8(load_f32x8(pg, 0), load_f32x8(pu, 0), gelu))
+        for j in range(whole, d):
+            out[j] = pg[j - whole]
+
+
+@njit(inline="always", **JIT_ORDERED)
+def exp_shifted(row, n, shift):
+    """row[:n] = e^(row[:n] - shift) in place, and their sum (eight lane sums, then the
+    lanes summed: one order for a given n): a softmax's numerators and denominator."""
+    acc = zeros_f32x8()
+    whole = n // 8 * 8
+    for j in range(0, whole, 8):
+        e = exp_f32x8(load_f32x8(row, j) - shift)
+        store_f32x8(row, j, e)
+        acc = acc + e
+    if whole < n:  # (no -inf padding: callers compiled with `fastmath` assume no inf)
+        pad = stack_empty(8, np.float32)
+        for j in range(8):
+            pad[j] = row[whole + j] - shift if whole + j < n else np.float32(0.0)
+        store_f32x8(pad, 0, exp_f32x8(load_f32x8(pad, 0)))
+        for j in range(whole, whole + 8):
+            if j < n:
+                row[j] = pad[j - whole]
+            else:
+                pad[j - whole] = np.float32(0.0)
+        acc = acc + load_f32x8(pad, 0)
+    return lane_sum(acc)
+
+
+@njit(**JIT_ORDERED)
+def exp_row(src, dst):
+    """dst = e^src over a 1-D float32 row (tests; the kernels inline the same loop)."""
+    whole = len(src) // 8 * 8
+    for j in range(0, whole, 8):
+        store_f32x8(dst, j, exp_f32x8(load_f32x8(src, j)))
+    if whole < len(src):
+        exp_tail(src, dst, whole, len(src))

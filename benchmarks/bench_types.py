@@ -156,9 +156,12 @@ def eagerlm_pass(path: Path, args: argparse.Namespace, plan: Plan | None,
         ids = prompt_ids(model, args.prompt_tokens)
         cfg = model.config
         layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-        warm = ContiguousKV(layout, 8)  # first-call allocations not charged to the prompt
-        tf.forward(ForwardBatch.single(ids[:4], 0, warm))
-        tf.forward(ForwardBatch.single(ids[4:5], 4, warm))
+        # first-call allocations (the tiles of the many-rows path too) not charged to the
+        # prompt: a short prompt past `gemv_rows`, then a decode step
+        n_warm = min(len(ids) - 1, 32)
+        warm = ContiguousKV(layout, n_warm + 1)
+        tf.forward(ForwardBatch.single(ids[:n_warm], 0, warm))
+        tf.forward(ForwardBatch.single(ids[n_warm:n_warm + 1], n_warm, warm))
 
         limit = plan.decode_tokens if plan else args.decode_tokens
         kv = ContiguousKV(layout, args.prompt_tokens + limit)

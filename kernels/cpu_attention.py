@@ -105,6 +105,19 @@ def _add_scaled(acc: np.ndarray, acc_at: int, p: np.float32, b: np.ndarray, b_at
         acc[acc_at + d] += p * b[b_at + d]
 
 
+@njit(inline="always", **_JIT)
+def _first_key(pos: int, window: int) -> int:
+    """The first key position a query at `pos` sees (causal, and the sliding window)."""
+    return max(0, pos - window + 1) if window > 0 else 0
+
+
+@njit(inline="always", **_JIT)
+def _rows_seeing(t: int, first: int, m: int, window: int) -> tuple[int, int]:
+    """Rows r_a .. r_b - 1 of a block of m rows at positions first, first + 1, ... see
+    key t."""
+    return max(0, t - first), (min(m, t - first + window) if window > 0 else m)
+
+
 @njit(**_JIT)
 def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.ndarray,
                  positions: np.ndarray, layer_offset: int, token_stride: int, n_kv: int,
@@ -152,7 +165,7 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
         b, h = item // n_kv, item % n_kv
         i0, m = starts[b], starts[b + 1] - starts[b]
         first, last = positions[i0], positions[i0 + m - 1]
-        lo = max(0, first - window + 1) if window > 0 else 0
+        lo = _first_key(first, window)
         cache = numba.carray(_f32_at(bases[i0]), ((last + 1) * token_stride,))
         k_at = layer_offset + h * hd
         v_at = k_at + kv_dim
@@ -161,18 +174,16 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
                 for d in range(hd):
                     qs[(r * group + j) * hd + d] = (q[rows[i0 + r], h * group + j, d]
                                                     * np.float32(scale))
-        for t in range(lo, last + 1):  # rows r_a .. r_b - 1 see key t
-            at = t * token_stride + k_at
-            r_a = max(0, t - first)
-            r_b = min(m, t - first + window) if window > 0 else m
+        for t in range(lo, last + 1):
+            r_a, r_b = _rows_seeing(t, first, m, window)
             for r in range(r_a, r_b):
-                row_lo = max(0, first + r - window + 1) if window > 0 else 0
+                at = t - _first_key(first + r, window)  # row r's scores start at its first key
                 for j in range(group):
                     k = r * group + j
-                    scores[k, t - row_lo] = _dot(qs, k * hd, cache, at, hd)
+                    scores[k, at] = _dot(qs, k * hd, cache, t * token_stride + k_at, hd)
         for r in range(m):
             pos = first + r
-            seen = pos + 1 - (max(0, pos - window + 1) if window > 0 else 0)
+            seen = pos + 1 - _first_key(pos, window)
             for j in range(group):
                 weights = scores[r * group + j]
                 top = weights[:seen].max()
@@ -184,14 +195,12 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
                 totals[r * group + j] = total
         acc[:m * group * hd] = 0.0
         for t in range(lo, last + 1):
-            at = t * token_stride + v_at
-            r_a = max(0, t - first)
-            r_b = min(m, t - first + window) if window > 0 else m
+            r_a, r_b = _rows_seeing(t, first, m, window)
             for r in range(r_a, r_b):
-                row_lo = max(0, first + r - window + 1) if window > 0 else 0
+                at = t - _first_key(first + r, window)
                 for j in range(group):
                     k = r * group + j
-                    _add_scaled(acc, k * hd, scores[k, t - row_lo], cache, at, hd)
+                    _add_scaled(acc, k * hd, scores[k, at], cache, t * token_stride + v_at, hd)
         for r in range(m):
             for j in range(group):
                 o = (r * group + j) * hd

@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_cpu_decode import copy_bandwidth_gb_s, tensor_bytes
+from eagerlm.kernels import cpu_decode_program
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cpu_backend import cpu_transformer
 from eagerlm.loader.model_file import ModelFile
@@ -44,6 +45,7 @@ def main() -> None:
 
     model = ModelFile.open(args.model)
     tf = cpu_transformer(model)
+    cpu_decode_program.TABLE_READY.wait()  # on a cold cache compiled after the load
     cfg = tf.config
     layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
     capacity = args.prompt_tokens + args.blocks * args.block * 2 + 8

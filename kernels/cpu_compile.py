@@ -12,13 +12,26 @@ the cache yet and the machine has more than one core, a helper process
 disk cache while this process compiles the rest, then this one loads the helper's from the
 cache. The split balances measured compile times (`_COLD_SECONDS`) and the helper's own
 start-up. If the helper fails, this process compiles its share itself.
+
+The decode replay's table (kernels/cpu_decode_program.py) is only an optimization: the
+forward runs op by op without it, with the same results. So when it is not in the cache
+yet, the load does not wait for it: the helper compiles it last, after its share (it calls
+the row ops and the attention rows, by then in the cache), the load returns once
+everything else is compiled, and a thread here loads the table from the cache when the
+helper is done (`cpu_decode_program.TABLE_READY`; until then decode batches run op by op,
+and a forward never compiles it). A helper still compiling when this process exits
+finishes on its own: numba writes each cache file under a temporary name and renames it,
+so a helper cut short (Ctrl-C) leaves no half-written entry, only at worst an index entry
+whose data a later compile writes again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -90,24 +103,47 @@ def _quantizer(qtype: GGMLQuantizationType) -> list:
 
 def compile_kernels(qtypes: Iterable[GGMLQuantizationType]) -> float:
     """Compile (or load from numba's disk cache) the kernels a model with matrices of
-    `qtypes` runs, and nothing else; returns the seconds it took. The first forward would
-    otherwise pay it."""
+    `qtypes` runs, and nothing else; returns the seconds the load waited for. The first
+    forward would otherwise pay it. A decode replay's table not in the cache yet compiles
+    in the helper process after this returns (the module's docstring)."""
     t0 = time.perf_counter()
     groups = _groups(qtypes)
     cold = [g for g in groups if not g.cached() and not g.after]
+    later = [g for g in groups if g.after and not g.cached()]
     helper_share = _helper_share(cold) if core_count() > 1 else []
-    helper = _start_helper(helper_share) if helper_share else None
+    helper = _Helper.start([*helper_share, *later]) if helper_share or later else None
     for g in groups:
         if g not in helper_share and not g.after:
             g.warm_up()
     if helper is not None:
-        helper.wait()
+        helper.wait_for([g.name for g in helper_share])
+        if not later:
+            helper.process.wait()
     for g in helper_share:  # from the cache the helper filled (or compiled here)
         g.warm_up()
     for g in groups:
-        if g.after:
+        if g.after and (helper is None or g not in later):
             g.warm_up()
+            cpu_decode_program.TABLE_READY.set()
+    if helper is not None and later:
+        cpu_decode_program.TABLE_READY.clear()
+        threading.Thread(target=_load_when_compiled, args=(helper, later), daemon=True,
+                         name="eagerlm-replay-table").start()
     return time.perf_counter() - t0
+
+
+def _load_when_compiled(helper: _Helper, later: Sequence[_Group]) -> None:
+    """Once the helper has compiled `later` (the replay's table) into the cache, load it
+    here and let the forward use it. If the helper failed, the forward stays op by op
+    for this process (compiling the table here would take the GIL from the forward for
+    seconds); the next load compiles it again."""
+    helper.wait_for([g.name for g in later])
+    helper.process.wait()
+    if not all(g.name in helper.done and g.cached() for g in later):
+        return
+    for g in later:
+        g.warm_up()
+    cpu_decode_program.TABLE_READY.set()
 
 
 def _helper_share(cold: Sequence[_Group]) -> list[_Group]:
@@ -123,27 +159,51 @@ def _helper_share(cold: Sequence[_Group]) -> list[_Group]:
     return share
 
 
-def _start_helper(share: Sequence[_Group]) -> subprocess.Popen | None:
-    """The helper, on the generated modules this process made (`_Group.cached` made
-    them)."""
-    try:
-        return subprocess.Popen([sys.executable, "-m", "eagerlm.kernels.cpu_compile",
-                                 *(g.name for g in share)],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-    except OSError:
-        return None
+class _Helper:
+    """The helper process, which names each group on a line of its stdout once that group
+    is in the cache."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+        self.done: set[str] = set()
+
+    @classmethod
+    def start(cls, groups: Sequence[_Group]) -> _Helper | None:
+        """The helper compiling `groups` in order, on the generated modules this process
+        made (`_Group.cached` made them); None if it cannot start."""
+        try:
+            return cls(subprocess.Popen(
+                [sys.executable, "-m", "eagerlm.kernels.cpu_compile", *(g.name for g in groups)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True))
+        except OSError:
+            return None
+
+    def wait_for(self, names: Sequence[str]) -> None:
+        """Until the helper has reported each of `names` done, or ended (then the ones it
+        did not report are compiled by whoever warms them up)."""
+        assert self.process.stdout is not None
+        while not self.done.issuperset(names):
+            line = self.process.stdout.readline()
+            if not line:
+                self.process.wait()
+                return
+            self.done.add(line.strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The helper: compile the named groups into numba's disk cache."""
+    """The helper: compile the named groups into numba's disk cache, in the order named,
+    naming each on stdout when it is there."""
     names = list(sys.argv[1:] if argv is None else argv)
     qtypes = [GGMLQuantizationType[n] for n in names if n in GGMLQuantizationType.__members__]
     if any(q not in BLOCK_TYPES for q in qtypes):
         return 2
-    for g in _groups(qtypes):
-        if g.name in names:
-            g.warm_up()
+    groups = {g.name: g for g in _groups(qtypes)}
+    for name in names:
+        groups[name].warm_up()
+        # the loading process may have exited: the cache is this helper's point
+        with contextlib.suppress(OSError):
+            os.write(1, f"{name}\n".encode())
     return 0
 
 

@@ -40,6 +40,7 @@ input quantized once by a QUANT step (through its quantizer's address too).
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -530,6 +531,12 @@ def record(transformer: Any, batch: ForwardBatch, decode: DecodeRows) -> DecodeP
 
 
 KERNELS = (_run,)  # for kernels/cpu_compile.py
+
+# Cleared while the table's kernel compiles in kernels/cpu_compile.py's helper process after
+# a load on a cold cache, set once it is loaded here: until then decode batches run op by
+# op (the same logits) instead of compiling it for seconds on the serving path.
+TABLE_READY = threading.Event()
+TABLE_READY.set()
 
 
 def warm_up() -> None:

@@ -19,7 +19,7 @@ from eagerlm.kernels import cpu_moe, speculative
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cpu_attention import DecodeRows
-from eagerlm.kernels.cpu_decode_program import DecodeProgram, record
+from eagerlm.kernels.cpu_decode_program import TABLE_READY, DecodeProgram, record
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, by_output_features, by_rows
 from eagerlm.kernels.quantized import QuantizedMatrix, quantized_linear
 from eagerlm.kernels.sampling import (
@@ -464,9 +464,11 @@ class NumpyOps:
         wanted) from the recording of the first such forward (kernels/
         cpu_decode_program.py: one compiled call instead of ~16 per layer); None for any
         other batch, a tensor-parallel group, ops whose class changes one of these ops'
-        arithmetic (a test's reference, which the recording would bypass), or a model the
-        recording cannot express."""
-        if self.collective is not None or not self._own_ops():
+        arithmetic (a test's reference, which the recording would bypass), a model the
+        recording cannot express, or while the table's kernel is still compiling in the
+        background (`TABLE_READY`, kernels/cpu_compile.py)."""
+        if (self.collective is not None or not self._own_ops()
+                or not TABLE_READY.is_set()):
             return None
         decode = DecodeRows.of(batch)
         n = len(batch.tokens)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
@@ -59,6 +60,7 @@ types = [Q[n] for n in sys.argv[1].split(",")]
 if sys.argv[2] == "no helper":
     cpu_compile._helper_share = lambda cold: []
 cpu_compile.compile_kernels(types)
+cpu_compile.cpu_decode_program.TABLE_READY.wait(600)  # the replay's table, if compiled after
 stats = {g.name: [[len(f.stats.cache_hits), len(f.stats.cache_misses)]
                   for f in g.dispatchers()] for g in cpu_compile._groups(types)}
 print(json.dumps(stats))
@@ -68,10 +70,13 @@ print(json.dumps(stats))
 @pytest.mark.slow
 def test_the_kernels_load_from_numbas_disk_cache_in_a_new_process(tmp_path):
     """The generated modules keep numba's cache working: in an empty cache the first
-    process compiles every kernel (misses), the second loads every one (hits only)."""
+    process compiles every kernel (misses; the decode replay's table, compiled by the
+    helper in the background, it loads: hits only), the second loads every one (hits
+    only)."""
     first = run(_COMPILE, tmp_path, "Q8_0,IQ4_XS", "no helper")
     second = run(_COMPILE, tmp_path, "Q8_0,IQ4_XS", "no helper")
     assert set(first) == {"row_ops", "attention", "replay", "Q8_0", "IQ4_XS"}
+    assert first.pop("replay") == [[1, 0]]
     assert all(misses >= 1 and hits == 0 for g in first.values() for hits, misses in g
                if hits + misses)  # the activations' quantizer compiles once, for Q8_0
     assert all(misses == 0 and hits == 1 for g in second.values() for hits, misses in g)
@@ -84,11 +89,11 @@ def test_a_cold_cache_is_filled_by_a_helper_process_and_this_one_together(tmp_pa
     stats = run(_COMPILE, tmp_path, "Q8_0,Q6_K,Q4_K", "helper")
     if cpu_compile.core_count() == 1:
         pytest.skip("one core: no helper")
-    # (the replay's table compiles here, after the helper: it calls the row ops and the
-    # attention rows)
+    # (the replay's table the helper compiles last, after its share: it calls the row ops
+    # and the attention rows)
     cold = [cpu_compile._Group(name, lambda: None, lambda: []) for name in stats
             if name != "replay"]
-    helper = {g.name for g in cpu_compile._helper_share(cold)}
+    helper = {g.name for g in cpu_compile._helper_share(cold)} | {"replay"}
     assert helper and helper != set(stats)
     for name, kernels in stats.items():
         own = kernels if name in ("row_ops", "attention") else kernels[:2]  # gemv, dequant
@@ -109,3 +114,65 @@ def test_the_helpers_share_balances_the_compile_times():
     theirs = cpu_compile._HELPER_START_SECONDS + sum(g.seconds for g in share)
     assert share and abs(mine - theirs) <= max(g.seconds for g in cold)
     assert cpu_compile._helper_share([group("Q8_0")]) == []
+
+
+_FORWARD_AFTER_LOAD = """
+import json, sys
+import numpy as np
+from eagerlm.kernels import cpu_decode_program
+from eagerlm.kernels.batch import ForwardBatch, SeqSlice
+from eagerlm.kernels.cpu_backend import cpu_transformer
+from eagerlm.loader.model_file import ModelFile
+from eagerlm.vmm.kv_layout import KVLayout, TokenMajorKV
+tf = cpu_transformer(ModelFile.open(sys.argv[1]))
+ready_at_load = cpu_decode_program.TABLE_READY.is_set()
+table_at_load = len(cpu_decode_program._run.signatures)
+cfg = tf.config
+layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+copies = [[], []]
+for n in (5, 9, 14):  # three sessions' prompts, into two identical sets of caches
+    for caches in copies:
+        kv = TokenMajorKV(np.zeros((32, *layout.token_shape), np.float32))
+        tf.forward(ForwardBatch.single(np.arange(10, 10 + n, dtype=np.int32), 0, kv))
+        caches.append(kv)
+def step(caches):
+    return tf.forward(ForwardBatch(np.array([3, 4, 5], np.int32),
+                                   [SeqSlice(i, 1, p, kv) for i, (kv, p) in
+                                    enumerate(zip(caches, (5, 9, 14)))], np.arange(3)))
+ready_at_first = cpu_decode_program.TABLE_READY.is_set()
+first = step(copies[0])
+replayed_first = tf.ops._programs.get((id(tf), 3)) is not None
+cpu_decode_program.TABLE_READY.wait(600)
+later = step(copies[1])
+print(json.dumps({"ready_at_load": ready_at_load, "table_at_load": table_at_load,
+                  "ready_at_first": ready_at_first, "replayed_first": replayed_first,
+                  "replayed_later": tf.ops._programs.get((id(tf), 3)) is not None,
+                  "table_stats": [len(cpu_decode_program._run.stats.cache_hits),
+                                  len(cpu_decode_program._run.stats.cache_misses)],
+                  "first": first.tolist(), "later": later.tolist()}))
+"""
+
+
+@pytest.mark.slow
+def test_a_cold_load_does_not_wait_for_the_replays_table_and_the_forward_switches_to_it(
+        tmp_path):
+    """With an empty cache the load returns before the decode replay's table is compiled
+    (the helper compiles it in the background): a decode step right after the load runs op
+    by op, and gives the logits the replay gives once the table is loaded from the cache
+    the helper wrote (this process compiles it not at all: cache hits only). With the
+    table cached, the load loads it as before and the first decode step is replayed."""
+    path = write_synthetic_model(tmp_path / "m.gguf", tiny_spec("llama", n_layers=2))
+    cold = run(_FORWARD_AFTER_LOAD, tmp_path / "cache", str(path))
+    assert not cold["ready_at_load"] and cold["table_at_load"] == 0
+    assert not cold["ready_at_first"] and not cold["replayed_first"]
+    assert cold["replayed_later"] and cold["table_stats"] == [1, 0]
+    first, later = np.array(cold["first"]), np.array(cold["later"])
+    # the replay test's tolerance (tests/test_cpu_decode_program.py)
+    np.testing.assert_allclose(later, first, rtol=1e-4, atol=1e-4 * np.abs(first).max())
+    np.testing.assert_array_equal(later.argmax(axis=1), first.argmax(axis=1))
+
+    warm = run(_FORWARD_AFTER_LOAD, tmp_path / "cache", str(path))
+    assert warm["ready_at_load"] and warm["table_at_load"] == 1
+    assert warm["replayed_first"] and warm["table_stats"] == [1, 0]
+    np.testing.assert_allclose(np.array(warm["first"]), first, rtol=1e-4,
+                               atol=1e-4 * np.abs(first).max())

@@ -18,12 +18,21 @@ from eagerlm.kernels import cpu_decode_program
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cpu_backend import cpu_transformer
 from eagerlm.kernels.cpu_threads import CoreWorkers
+from eagerlm.kernels.model import Transformer
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 from eagerlm.vmm.kv_layout import KVLayout, TokenMajorKV
 
 Q = GGMLQuantizationType
 PROMPTS = (5, 19, 30)  # past gemma3's 16-token test window
+
+
+def loaded(model: ModelFile) -> Transformer:
+    """The model's transformer once its replay's table is loaded (on a cold numba cache
+    it compiles in the background after the load: kernels/cpu_compile.py)."""
+    tf = cpu_transformer(model)
+    assert cpu_decode_program.TABLE_READY.wait(600)
+    return tf
 
 
 def prefilled(tf, n_copies: int = 2) -> tuple[list[list[TokenMajorKV]], list[int]]:
@@ -74,7 +83,7 @@ def test_a_replayed_decode_step_gives_the_logits_and_caches_of_the_ops(tmp_path,
     extra = {"final_logit_softcap": 30.0} if arch == "gemma3" else {}
     model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf",
                                                  tiny_spec(arch, n_layers=3, **extra)))
-    replayed_against_ops(cpu_transformer(model))
+    replayed_against_ops(loaded(model))
 
 
 @pytest.mark.slow
@@ -87,7 +96,7 @@ def test_a_replayed_decode_step_of_a_quantized_model_gives_the_logits_of_the_ops
     Rows of 256 values: the superblock types' unit."""
     spec = tiny_spec("qwen2", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64,
                      d_ff=512, weight_type=qtype)
-    replayed_against_ops(cpu_transformer(ModelFile.open(
+    replayed_against_ops(loaded(ModelFile.open(
         write_synthetic_model(tmp_path / "m.gguf", spec))))
 
 
@@ -95,7 +104,7 @@ def test_what_the_table_cannot_express_runs_op_by_op(tmp_path):
     """A prompt row in the batch and logits of some rows only take the ops; a mixture of
     experts and attention sinks are not recorded (tried once, not again)."""
     model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", tiny_spec("llama")))
-    tf = cpu_transformer(model)
+    tf = loaded(model)
     (caches,), positions = prefilled(tf, 1)
     tokens = np.array([11, 12, 13], np.int32)
     mixed = ForwardBatch(np.array([11, 12, 13, 14], np.int32),
@@ -108,7 +117,7 @@ def test_what_the_table_cannot_express_runs_op_by_op(tmp_path):
     assert tf.ops._programs == {}
 
     for arch in ("qwen3moe", "gpt-oss"):  # experts; gpt-oss's sinks and experts
-        other = cpu_transformer(ModelFile.open(write_synthetic_model(
+        other = loaded(ModelFile.open(write_synthetic_model(
             tmp_path / f"{arch}.gguf", tiny_spec(arch))))
         (caches,), positions = prefilled(other, 1)
         assert other.ops.replay(other, decode_batch(tokens, caches, positions)) is None
@@ -117,7 +126,7 @@ def test_what_the_table_cannot_express_runs_op_by_op(tmp_path):
 
 def test_attention_sinks_alone_are_not_recorded(tmp_path):
     model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", tiny_spec("llama")))
-    tf = cpu_transformer(model)
+    tf = loaded(model)
     layer = tf.weights.layers[0]
     tf.weights.layers[0] = dataclasses.replace(
         layer, sinks=np.zeros(tf.config.n_heads, np.float32))
@@ -131,7 +140,7 @@ def test_any_number_of_threads_runs_the_whole_table(tmp_path, monkeypatch, n_thr
     """The steps' chunks are claimed, not assigned: one thread does them all, and three
     threads on two cores neither deadlock nor compute a chunk twice."""
     model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", tiny_spec("qwen3")))
-    tf = cpu_transformer(model)
+    tf = loaded(model)
     (replayed, by_ops), positions = prefilled(tf)
     tokens = np.array([21, 22, 23], np.int32)
     monkeypatch.setattr(cpu_decode_program, "SERIAL_MAX_VALUES", 0)  # always the workers
@@ -147,7 +156,7 @@ def test_more_rows_than_a_row_kernel_takes_run_op_by_op(tmp_path, monkeypatch):
     from eagerlm.kernels import cpu_row_kernel
 
     model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", tiny_spec("llama")))
-    tf = cpu_transformer(model)
+    tf = loaded(model)
     (caches,), positions = prefilled(tf, 1)
     real = cpu_row_kernel.row_kernel
     monkeypatch.setattr(cpu_decode_program, "row_kernel",
@@ -162,7 +171,7 @@ def test_a_step_waits_for_the_steps_before_it_only_where_it_reads_their_output(t
     from one to the next without waiting; the rope of q waits for its product, the
     attention for the KV append, and the table's last step for everything."""
     model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", tiny_spec("llama")))
-    tf = cpu_transformer(model)
+    tf = loaded(model)
     (replayed,), positions = prefilled(tf, 1)
     tf.forward(decode_batch(np.array([11, 12, 13], np.int32), replayed, positions))
     steps = tf.ops._programs[(id(tf), 3)]._steps
@@ -181,7 +190,7 @@ def test_a_row_replayed_alone_is_the_same_bits_as_beside_a_prompt_op_by_op(tmp_p
     (8-bit activations would turn a last-bit difference into a rounding step)."""
     spec = tiny_spec("qwen3", d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512,
                      weight_type=Q.Q8_0)
-    tf = cpu_transformer(ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", spec)))
+    tf = loaded(ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", spec)))
     (alone, mixed), positions = prefilled(tf)
     got = tf.forward(decode_batch(np.array([42], np.int32), alone[:1], positions[:1]))
     assert tf.ops._programs[(id(tf), 1)] is not None

@@ -11,8 +11,8 @@ exponent bits: within 1.01 ulp of float64's e^x over [-87.3, 88.37] (tests), 0.0
 six times libm's speed.
 
 Every value goes through the vector: the last, short group of a row is copied into a
-padded buffer first (`exp_tail`), so a value's bits never depend on where it sits in a row
-or how many rows are computed together (the batch invariance of
+padded buffer first (`load_tail`, `store_tail`), so a value's bits never depend on where it
+sits in a row or how many rows are computed together (the batch invariance of
 docs/architecture.md).
 """
 
@@ -24,6 +24,8 @@ from numba import njit
 from numba.extending import intrinsic
 
 from eagerlm.kernels.cpu_simd import (
+    _F8,
+    _muladd,
     float32x8,
     lane_sum,
     load_f32x8,
@@ -33,8 +35,7 @@ from eagerlm.kernels.cpu_simd import (
 )
 from eagerlm.kernels.numba_settings import JIT_ORDERED
 
-_F32, _I32 = ir.FloatType(), ir.IntType(32)
-_F8, _I8x32 = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
+_I32x8 = ir.VectorType(ir.IntType(32), 8)
 
 # Cephes expf's constants (ln 2 split in two so n * ln2 is exact enough; the polynomial's
 # coefficients for e^r - 1 - r, over r^2)
@@ -50,22 +51,20 @@ def _f8(value: float) -> ir.Constant:
 
 
 def _exp_ir(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    fma = builder.module.declare_intrinsic("llvm.fmuladd.v8f32",
-                                           fnty=ir.FunctionType(_F8, [_F8, _F8, _F8]))
     floor = builder.module.declare_intrinsic("llvm.floor.v8f32", fnty=ir.FunctionType(_F8, [_F8]))
     under = builder.fcmp_ordered("<", x, _f8(_LOW))  # false for NaN: NaN stays NaN
     over = builder.fcmp_ordered(">", x, _f8(_HIGH))
     c = builder.select(over, _f8(_HIGH), builder.select(under, _f8(_LOW), x))
-    n = builder.call(floor, [builder.call(fma, [c, _f8(_LOG2E), _f8(0.5)])])
+    n = builder.call(floor, [_muladd(builder, c, _f8(_LOG2E), _f8(0.5))])
     r = builder.fsub(c, builder.fmul(n, _f8(_LN2_HI)))
     r = builder.fsub(r, builder.fmul(n, _f8(_LN2_LO)))
     p = _f8(_POLY[0])
     for coefficient in _POLY[1:]:
-        p = builder.call(fma, [p, r, _f8(coefficient)])
+        p = _muladd(builder, p, r, _f8(coefficient))
     r2 = builder.fmul(r, r)
-    e = builder.fadd(builder.call(fma, [p, r2, r]), _f8(1.0))
-    bits = builder.shl(builder.add(builder.fptosi(n, _I8x32), ir.Constant(_I8x32, [127] * 8)),
-                       ir.Constant(_I8x32, [23] * 8))
+    e = builder.fadd(_muladd(builder, p, r2, r), _f8(1.0))
+    bits = builder.shl(builder.add(builder.fptosi(n, _I32x8), ir.Constant(_I32x8, [127] * 8)),
+                       ir.Constant(_I32x8, [23] * 8))
     e = builder.fmul(e, builder.bitcast(bits, _F8))
     e = builder.select(under, _f8(0.0), e)
     inf = ir.Constant(_F8, [float("inf")] * 8)
@@ -81,13 +80,20 @@ def exp_f32x8(typingctx, x):
 
 
 @njit(inline="always", **JIT_ORDERED)
-def exp_tail(src, dst, start, stop):
-    """dst[start:stop] = e^src[start:stop] for a last group of fewer than 8 values,
-    through the same vector as the rest (a padded stack buffer)."""
+def load_tail(src, start, stop):
+    """src[start:stop], fewer than 8 values, as a `Float32x8` whose other lanes are 0: a
+    row's short last group goes through the same vector code as the rest of it."""
     pad = stack_empty(8, np.float32)
     for j in range(8):
         pad[j] = src[start + j] if start + j < stop else np.float32(0.0)
-    store_f32x8(pad, 0, exp_f32x8(load_f32x8(pad, 0)))
+    return load_f32x8(pad, 0)
+
+
+@njit(inline="always", **JIT_ORDERED)
+def store_tail(dst, start, stop, value):
+    """dst[start:stop] = the first stop - start lanes of `value` (`load_tail`'s inverse)."""
+    pad = stack_empty(8, np.float32)
+    store_f32x8(pad, 0, value)
     for j in range(start, stop):
         dst[j] = pad[j - start]
 
@@ -107,21 +113,14 @@ def gated_x8(g, u, gelu):
 
 @njit(inline="always", **JIT_ORDERED)
 def gated_row(g, u, gelu, out):
-    """out = act(g) * u over 1-D float32 rows, a short last group through a padded
-    buffer (the same vector as the rest)."""
+    """out = act(g) * u over 1-D float32 rows."""
     d = len(g)
     whole = d // 8 * 8
     for j in range(0, whole, 8):
         store_f32x8(out, j, gated_x8(load_f32x8(g, j), load_f32x8(u, j), gelu))
     if whole < d:
-        pg = stack_empty(8, np.float32)
-        pu = stack_empty(8, np.float32)
-        for j in range(8):
-            pg[j] = g[whole + j] if whole + j < d else np.float32(0.0)
-            pu[j] = u[whole + j] if whole + j < d else np.float32(0.0)
-        store_f32x8(pg, 0, gated_x8(load_f32x8(pg, 0), load_f32x8(pu, 0), gelu))
-        for j in range(whole, d):
-            out[j] = pg[j - whole]
+        store_tail(out, whole, d, gated_x8(load_tail(g, whole, d), load_tail(u, whole, d),
+                                           gelu))
 
 
 @njit(inline="always", **JIT_ORDERED)
@@ -134,17 +133,9 @@ def exp_shifted(row, n, shift):
         e = exp_f32x8(load_f32x8(row, j) - shift)
         store_f32x8(row, j, e)
         acc = acc + e
-    if whole < n:  # (no -inf padding: callers compiled with `fastmath` assume no inf)
-        pad = stack_empty(8, np.float32)
-        for j in range(8):
-            pad[j] = row[whole + j] - shift if whole + j < n else np.float32(0.0)
-        store_f32x8(pad, 0, exp_f32x8(load_f32x8(pad, 0)))
-        for j in range(whole, whole + 8):
-            if j < n:
-                row[j] = pad[j - whole]
-            else:
-                pad[j - whole] = np.float32(0.0)
-        acc = acc + load_f32x8(pad, 0)
+    if whole < n:  # the lanes past n sum as 0: read back through `load_tail`
+        store_tail(row, whole, n, exp_f32x8(load_tail(row, whole, n) - shift))
+        acc = acc + load_tail(row, whole, n)
     return lane_sum(acc)
 
 
@@ -155,4 +146,4 @@ def exp_row(src, dst):
     for j in range(0, whole, 8):
         store_f32x8(dst, j, exp_f32x8(load_f32x8(src, j)))
     if whole < len(src):
-        exp_tail(src, dst, whole, len(src))
+        store_tail(dst, whole, len(src), exp_f32x8(load_tail(src, whole, len(src))))

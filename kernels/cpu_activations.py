@@ -29,6 +29,7 @@ import functools
 import numpy as np
 from numba import carray, cfunc, njit
 
+from eagerlm.kernels.aligned_arrays import aligned_empty
 from eagerlm.kernels.cpu_row_kernel import QUANTIZE, f32_at, i8_at, i32_at
 from eagerlm.kernels.numba_settings import JIT_ORDERED
 
@@ -44,9 +45,9 @@ def quantize_activations(x: np.ndarray, sub: int = GROUP
     `PAD` (codes, scales and sums 0 past k: the kernels read whole chunks)."""
     n, k = x.shape
     padded = -(-k // PAD) * PAD
-    codes = np.empty((n, padded), np.int8)
-    scales = np.empty((n, padded // sub), np.float32)
-    sums = np.empty((n, padded // sub), np.float32)
+    codes = aligned_empty((n, padded), np.int8)
+    scales = aligned_empty((n, padded // sub), np.float32)
+    sums = aligned_empty((n, padded // sub), np.float32)
     quantize_into(x, codes, scales, sums)
     return codes, scales, sums
 
@@ -93,9 +94,9 @@ def quantize_superblocks(x: np.ndarray, sub: int) -> tuple[np.ndarray, np.ndarra
     """x float32 `[n, k]` (k a multiple of 256) as (codes int8 `[n, k]`, scales float32
     `[n, k / 256]`, the codes' integer sums int32 `[n, k / sub]`), `sub` 16 or 32."""
     n, k = x.shape
-    codes = np.empty((n, k), np.int8)
-    scales = np.empty((n, k // SUPERBLOCK), np.float32)
-    sums = np.empty((n, k // sub), np.int32)
+    codes = aligned_empty((n, k), np.int8)
+    scales = aligned_empty((n, k // SUPERBLOCK), np.float32)
+    sums = aligned_empty((n, k // sub), np.int32)
     quantize_superblocks_into(x, codes, scales, sums)
     return codes, scales, sums
 

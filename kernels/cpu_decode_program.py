@@ -52,6 +52,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from eagerlm.kernels import cpu_row_ops as row_ops
+from eagerlm.kernels.aligned_arrays import CACHE_LINE, aligned_empty
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_attention import DecodeRows, _attend_rows
 from eagerlm.kernels.cpu_row_kernel import RowKernel, f32_at, row_kernel
@@ -126,6 +127,7 @@ GO_ON = WIDTH - 2  # the field saying the next step may start before this one en
 # the KV caches, as an arena range: what APPEND writes and ATTN reads
 _CACHES = (-2, -1)
 ROW_CHUNKS_PER_THREAD = 8  # a product's rows in this many chunks per thread
+_LINE_FLOATS = CACHE_LINE // 4  # every arena buffer starts on a cache line
 
 
 @njit(**_JIT)
@@ -299,8 +301,9 @@ class DecodeProgram:
     _written: list[tuple[int, int]] = field(default_factory=list)
 
     def alloc(self, n: int, width: int) -> Buf:
+        """Rows `[n, width]`, starting on a cache line of the (aligned) arena."""
         buf = Buf(self.arena, n, width, width)
-        self.arena += n * width
+        self.arena += -(-n * width // _LINE_FLOATS) * _LINE_FLOATS
         self.pad = max(self.pad, width)
         return buf
 
@@ -339,7 +342,7 @@ class DecodeProgram:
         """The logits `[n, vocab]` of `batch` (n decode rows, the recorded shape). The
         arena is the call's own (every step writes its output before a later one reads
         it), so two forwards may run the same program at once."""
-        f32 = np.empty(self.arena + self.pad, np.float32)
+        f32 = aligned_empty(self.arena + self.pad, np.float32)
         assert self.embed is not None and self.x_in is not None and self.logits is not None
         table, scale = self.embed
         x = ops.embed(table, batch.tokens, scale)

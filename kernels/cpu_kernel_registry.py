@@ -54,7 +54,10 @@ class BlockType:
     it as float32; `superblocks`: whether those activations have one scale per 256 values
     (`quantize_superblocks`, the 256-value superblock types, whose decoders give integer
     sub-scales) rather than per group; `gemv_rows`: up to how many rows of x its `gemv`
-    beats float32 tiles times BLAS (kernels/quantized.py; measured, docs/performance.md)."""
+    beats float32 tiles times BLAS (kernels/quantized.py; measured, docs/performance.md);
+    `prompt_by_gemv`: whether more rows (a prompt) also take `gemv`, in runs of rows of x,
+    where that measured faster than the tiles (the K-quants and TQ2_0, whose integer
+    sub-scales keep the dot products in integers over a whole superblock)."""
 
     qtype: GGMLQuantizationType
     loops: str
@@ -62,10 +65,11 @@ class BlockType:
     activation_group: int
     superblocks: bool
     gemv_rows: int
+    prompt_by_gemv: bool = False
 
 
 def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: bool = False,
-            signed: bool = False) -> BlockType:
+            signed: bool = False, prompt_by_gemv: bool = False) -> BlockType:
     """A block type, decoded by `cpu_block_decoders.decode_<type>`: codes (0..127, or
     -128..127 if `signed`) q per value and a scale sc per `sub` values, plus a minimum mn
     per `sub` values if `has_min`: value = sc * (q - offset) + mn. The 256-value
@@ -78,7 +82,7 @@ def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: 
                f"BLOCK, BLOCK_BYTES, SUB, HAS_MIN, CODE_OFFSET, SIGNED_CODES = "
                f"{block}, {block_bytes}, {sub}, {has_min}, {offset}, {signed}\n"
                f"INT_SCALES = {superblocks}\n")
-    return BlockType(qtype, "cpu_quant_loops", binding, sub, superblocks, 24)
+    return BlockType(qtype, "cpu_quant_loops", binding, sub, superblocks, 24, prompt_by_gemv)
 
 
 def _floats(qtype: GGMLQuantizationType, name: str) -> BlockType:
@@ -99,9 +103,9 @@ BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (
     _blocks(Q.Q8_0, 32, signed=True),
     _blocks(Q.Q2_K, 16, has_min=True),
     _blocks(Q.Q3_K, 16, offset=4),
-    _blocks(Q.Q4_K, 32, has_min=True),
-    _blocks(Q.Q5_K, 32, has_min=True),
-    _blocks(Q.Q6_K, 16, offset=32),
+    _blocks(Q.Q4_K, 32, has_min=True, prompt_by_gemv=True),
+    _blocks(Q.Q5_K, 32, has_min=True, prompt_by_gemv=True),
+    _blocks(Q.Q6_K, 16, offset=32, prompt_by_gemv=True),
     _blocks(Q.IQ1_S, 32, offset=9),
     _blocks(Q.IQ1_M, 16, offset=9),
     _blocks(Q.IQ2_XXS, 32, offset=43),
@@ -112,7 +116,7 @@ BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (
     _blocks(Q.IQ4_NL, 32, signed=True),
     _blocks(Q.IQ4_XS, 32, signed=True),
     _blocks(Q.TQ1_0, 32, offset=1),
-    _blocks(Q.TQ2_0, 32, offset=1),
+    _blocks(Q.TQ2_0, 32, offset=1, prompt_by_gemv=True),
     _blocks(Q.MXFP4, 32, offset=12),
     _blocks(Q.NVFP4, 16, offset=12),
     _blocks(Q.Q1_0, 32, offset=1),

@@ -13,9 +13,11 @@ matrix: the file's bytes, `[rows, row_bytes]`, so it takes what the file takes. 
   x, nothing dequantized to memory; the output rows are cut in pieces that the cores take
   in turn (kernels/cpu_threads.py's `by_output_pieces`), or run on the calling thread
   under `GEMV_SERIAL_MAX_VALUES` multiply-adds.
-  Beyond that (prefill, big batches), `TILE_ELEMENTS` worth of weight rows at a time is
-  dequantized into a reused float32 buffer and multiplied by BLAS, one share of the
-  output rows per core: a tile per core is all the extra memory.
+  Beyond that (prefill, big batches), the types marked `prompt_by_gemv` (the K-quants,
+  TQ2_0) still take `gemv`, in runs of `GEMV_RUN_ROWS` rows of x; the others dequantize
+  `TILE_ELEMENTS` worth of weight rows at a time into a reused float32 buffer and multiply
+  it by BLAS, one share of the output rows per core: a tile per core is all the extra
+  memory. Which is faster was measured per type (docs/performance.md).
 - `QuantizedMatrix.take(ids)`: rows dequantized (the embedding lookup).
 """
 
@@ -30,6 +32,7 @@ from types import ModuleType
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from eagerlm.kernels.aligned_arrays import aligned
 from eagerlm.kernels.cpu_activations import (
     PAD,
     SUPERBLOCK,
@@ -48,6 +51,10 @@ TILE_ELEMENTS = 1 << 19
 # a second per core (8-bit dot products) 2M take ~70 us alone, ~35 us on two cores plus the
 # ~25-30 us a hand-off to the other core's worker costs (measured, docs/performance.md).
 GEMV_SERIAL_MAX_VALUES = 1 << 21
+# Rows of x per `gemv` call on the many-rows path of the types that take it
+# (`prompt_by_gemv`): 16 and 24 measured alike, 32 and 64 slower (docs/performance.md; the
+# runs' activations, a row of x at a time 1024 values apart, no longer stay in L1).
+GEMV_RUN_ROWS = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,16 +111,14 @@ class QuantizedMatrix:
 
 def quantized_linear(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
     """x @ w^T, float32 `[rows of x, out_features]`."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = aligned(np.asarray(x, dtype=np.float32))
     n = x.shape[0]
     out_features, in_features = w.shape
     y = np.empty((n, out_features), np.float32)
-    if n <= BLOCK_TYPES[w.qtype].gemv_rows:
-        gemv = w.kernels.gemv
+    if takes_gemv(w.qtype, n):
         acts = gemv_activations(w.qtype, x)
         by_output_pieces(n * out_features * in_features, out_features,
-                         lambda start, stop: gemv(w.blocks, *acts, y, start, stop),
-                         serial_max=GEMV_SERIAL_MAX_VALUES)
+                         partial(_gemv_runs, w, acts, y), serial_max=GEMV_SERIAL_MAX_VALUES)
         return y
     by_output_features(n * out_features * in_features, out_features,
                        partial(_tiles, x, w, y, core_workers().local))
@@ -128,6 +133,25 @@ def gemv_activations(qtype: GGMLQuantizationType, x: np.ndarray) -> tuple[np.nda
     if block_type.superblocks:
         return quantize_superblocks(x, group)
     return quantize_activations(x, group) if group else (x,)
+
+
+def takes_gemv(qtype: GGMLQuantizationType, n_rows: int) -> bool:
+    """Whether `quantized_linear` multiplies `n_rows` rows of x by the type's `gemv` (8-bit
+    activations for the block types) rather than by float32 tiles and BLAS."""
+    block_type = BLOCK_TYPES[qtype]
+    return n_rows <= block_type.gemv_rows or block_type.prompt_by_gemv
+
+
+def _gemv_runs(w: QuantizedMatrix, acts: tuple[np.ndarray, ...], y: np.ndarray, start: int,
+               stop: int) -> None:
+    """Output features start .. stop - 1 by `gemv`, over runs of at most `GEMV_RUN_ROWS`
+    rows of x when there are more than the type's `gemv_rows`: each run's activations stay
+    in the core's first-level cache while every weight row of the share passes."""
+    n = len(acts[0])
+    run = n if n <= BLOCK_TYPES[w.qtype].gemv_rows else GEMV_RUN_ROWS
+    gemv = w.kernels.gemv
+    for j in range(0, n, run):
+        gemv(w.blocks, *(a[j:j + run] for a in acts), y[j:j + run], start, stop)
 
 
 def _tiles(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: threading.local,

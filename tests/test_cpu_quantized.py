@@ -49,7 +49,13 @@ from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES
 from eagerlm.kernels.cpu_quant_loops import MAX_ROWS
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, CoreWorkers
 from eagerlm.kernels.numpy_ops import NumpyOps
-from eagerlm.kernels.quantized import QuantizedMatrix, gemv_activations, quantized_linear
+from eagerlm.kernels.quantized import (
+    GEMV_RUN_ROWS,
+    QuantizedMatrix,
+    gemv_activations,
+    quantized_linear,
+    takes_gemv,
+)
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import (
     RANDOM_BYTE_TYPES,
@@ -122,16 +128,16 @@ def dequantized_activations(x: np.ndarray, superblocks: bool = False
 
 
 def assert_within_derived_bounds(y: np.ndarray, x: np.ndarray, w: QuantizedMatrix) -> None:
-    """y against x @ w^T in float64. Up to the type's `gemv_rows` rows (its `gemv`): the
-    float32 rounding bound around x~ @ w^T (x~ the 8-bit activations, or x itself for the
-    float types), and the 8-bit activations' bound around x @ w^T. More rows (float32
+    """y against x @ w^T in float64. Where the type's `gemv` computes them (`takes_gemv`):
+    the float32 rounding bound around x~ @ w^T (x~ the 8-bit activations, or x itself for
+    the float types), and the 8-bit activations' bound around x @ w^T. Otherwise (float32
     tiles times BLAS, whose summation order is its own): k * 2^-24 * sum |x_i w_i|, the
     bound of any order."""
     ref = reference(w)
     k = w.shape[1]
     assert y.dtype == np.float32 and y.shape == (len(x), w.shape[0])
     exact = x.astype(np.float64) @ ref.T
-    if len(x) > BLOCK_TYPES[w.qtype].gemv_rows:
+    if not takes_gemv(w.qtype, len(x)):
         bound = k * EPS32 * (np.abs(x) @ np.abs(ref).T)
         assert np.all(np.abs(y - exact) <= bound), np.max(np.abs(y - exact) / bound)
         return
@@ -216,12 +222,15 @@ def test_each_types_kernels_equal_float64_dequantize_then_matmul(qtype, monkeypa
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_a_row_gives_the_same_bits_alone_and_in_a_batch(qtype):
     """Up to `gemv_rows` rows, each row of x is computed in the same order whatever else is
-    in the batch (numba_settings.JIT_ORDERED): a batched request gets what it would alone."""
+    in the batch (numba_settings.JIT_ORDERED): a batched request gets what it would alone.
+    So does every row of a prompt for the types whose many-rows path is `gemv` too (in
+    runs of `GEMV_RUN_ROWS`: here two and a part)."""
     rng = np.random.default_rng(int(qtype) + 2)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
-    x = rng.standard_normal((5, IN_FEATURES)).astype(np.float32)
+    n = 2 * GEMV_RUN_ROWS + 3 if BLOCK_TYPES[qtype].prompt_by_gemv else 5
+    x = rng.standard_normal((n, IN_FEATURES)).astype(np.float32)
     batched = quantized_linear(x, w)
-    alone = np.concatenate([quantized_linear(x[j:j + 1], w) for j in range(5)])
+    alone = np.concatenate([quantized_linear(x[j:j + 1], w) for j in range(n)])
     np.testing.assert_array_equal(batched.view(np.uint32), alone.view(np.uint32))
 
 
@@ -401,17 +410,19 @@ def eight_bit(x: np.ndarray, group: int = GROUP) -> np.ndarray:
 
 class EightBitActivations(NumpyOps):
     """The float32 reference path with the activations of each product the quantized path
-    computes on 8-bit activations (up to `gemv_rows` rows; every matrix of these models is
-    of a block type) rounded the same way first: per 256 values for a matrix of whole
-    256-value superblocks (`superblocks`, the ids of such matrices), else per 32."""
+    computes on 8-bit activations (where `takes_gemv`; every matrix of these models is of
+    a block type) rounded the same way first: per 256 values for a matrix of whole
+    256-value superblocks, else per 32. `qtypes`: the quantized path's type of each float
+    matrix (by id)."""
 
-    def __init__(self, superblocks: set[int]) -> None:
+    def __init__(self, qtypes: dict[int, GGMLQuantizationType]) -> None:
         super().__init__()
-        self.superblocks = superblocks
+        self.qtypes = qtypes
 
     def linear(self, x, w, bias=None):
-        if len(x) <= GEMV_ROWS:
-            x = eight_bit(x, SUPERBLOCK if id(w) in self.superblocks else GROUP)
+        qtype = self.qtypes.get(id(w))
+        if qtype is not None and takes_gemv(qtype, len(x)):
+            x = eight_bit(x, SUPERBLOCK if BLOCK_TYPES[qtype].superblocks else GROUP)
         return super().linear(x, w, bias)
 
 
@@ -420,10 +431,10 @@ def float_reference(float_, quant):
     `EightBitActivations` as the quantized path `quant` rounds them."""
     from eagerlm.kernels.model import Transformer
 
-    superblocks = {id(f) for f, q in zip(float_.weights.handles(), quant.weights.handles(),
-                                         strict=True)
-                   if isinstance(q, QuantizedMatrix) and BLOCK_TYPES[q.qtype].superblocks}
-    return Transformer(float_.config, float_.weights, EightBitActivations(superblocks))
+    qtypes = {id(f): q.qtype for f, q in zip(float_.weights.handles(), quant.weights.handles(),
+                                             strict=True)
+              if isinstance(q, QuantizedMatrix)}
+    return Transformer(float_.config, float_.weights, EightBitActivations(qtypes))
 
 
 def assert_within_eight_bit_noise(quant: list[np.ndarray], reference_: list[np.ndarray],
@@ -443,7 +454,8 @@ def assert_within_eight_bit_noise(quant: list[np.ndarray], reference_: list[np.n
 
 def test_every_product_of_a_quantized_forward_is_its_input_in_8_bits_times_the_weights(
         synthetic, monkeypatch):
-    """Each product of a prefill (20 rows: the kernels; 70: float32 tiles) and of decode
+    """Each product of a prefill (20 rows: the kernels; 70: float32 tiles, or the kernels
+    in runs for the types that take them, `prompt_by_gemv`) and of decode
     steps, recorded at the model's own shapes and activations, against float64
     dequantize-then-matmul within the kernels' derived bounds."""
     seen: list[tuple[np.ndarray, QuantizedMatrix, np.ndarray]] = []
@@ -466,8 +478,8 @@ def test_every_product_of_a_quantized_forward_is_its_input_in_8_bits_times_the_w
 
 def test_synthetic_models_logits_on_the_quantized_path_are_the_float_paths_to_8_bit_noise(
         synthetic):
-    """A prompt of 20 tokens (the kernels) and one of 70 (float32 tiles: no 8-bit noise in
-    the prefill), then decode steps."""
+    """A prompt of 20 tokens (the kernels) and one of 70 (float32 tiles, no 8-bit noise in
+    the prefill, but for the `prompt_by_gemv` types), then decode steps."""
     quant = cpu_transformer(synthetic, weights="quantized")
     assert all(isinstance(w, QuantizedMatrix) for w in
                (quant.weights.token_embd, quant.weights.layers[0].wq,

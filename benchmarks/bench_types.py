@@ -8,7 +8,8 @@ eagerlm and llama.cpp (llama-cpp-python, `--threads` threads) alternate (ABBA ov
 `--repeats` passes), each measuring:
 
 - batch-1 decode tokens/s: greedy single-token steps after a `--prompt-tokens` prompt;
-- prompt tokens/s: one prefill of `--prompt-tokens` (128) tokens from an empty cache;
+- prompt tokens/s: the median of `--prompt-runs` (5) prefills of `--prompt-tokens` (128)
+  tokens, each from an empty cache;
 - output tokens/s at `--requests` (8) concurrent requests: eagerlm's dispatcher (eager,
   max batch 8, 512 tokens per round) against llama.cpp's parallel decoding of 8 sequences
   in a unified KV cache (benchmarks/llama_cpp_batched.py), the same prompts (32-64 random
@@ -164,10 +165,15 @@ def eagerlm_pass(path: Path, args: argparse.Namespace, plan: Plan | None,
         tf.forward(ForwardBatch.single(ids[n_warm:n_warm + 1], n_warm, warm))
 
         limit = plan.decode_tokens if plan else args.decode_tokens
-        kv = ContiguousKV(layout, args.prompt_tokens + limit)
-        t = time.perf_counter()
-        logits = tf.forward(ForwardBatch.single(ids, 0, kv))
-        prompt_s = time.perf_counter() - t
+        prompt_times = []
+        for _ in range(args.prompt_runs):
+            kv = ContiguousKV(layout, args.prompt_tokens + limit)
+            t = time.perf_counter()
+            logits = tf.forward(ForwardBatch.single(ids, 0, kv))
+            prompt_times.append(time.perf_counter() - t)
+            if len(prompt_times) < args.prompt_runs:
+                kv.free()
+        prompt_s = float(np.median(prompt_times))
         token = int(np.argmax(logits[-1]))
         t = time.perf_counter()
         steps = 0
@@ -200,7 +206,8 @@ def llama_cpp_pass(path: Path, args: argparse.Namespace, plan: Plan) -> dict[str
     from benchmarks.llama_cpp_batched import run_llama_cpp_workload
     from benchmarks.llama_cpp_peer import measure_llama_cpp
 
-    res = measure_llama_cpp(str(path), args.prompt_tokens, plan.decode_tokens, args.threads)
+    res = measure_llama_cpp(str(path), args.prompt_tokens, plan.decode_tokens, args.threads,
+                            prompt_runs=args.prompt_runs)
     batch = run_llama_cpp_workload(str(path), plan.requests, n_parallel=args.requests,
                                    n_threads=args.threads, n_batch=ROUND_TOKENS)
     return {"load_s": res["load_s"], "prompt_tok_s": res["prompt_tok_s"],
@@ -338,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=1,
                     help="passes per file, the engines alternating (ABBA); medians reported")
     ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--prompt-runs", type=int, default=5,
+                    help="prefills of the prompt per pass, from an empty cache; the median")
     ap.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode steps, at most")
     ap.add_argument("--decode-seconds", type=float, default=20.0,
                     help="eagerlm's first decode stops here (both engines then run as many)")
@@ -376,8 +385,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if t not in RECIPES:
             ap.error(f"unknown type {t!r}; choose from {', '.join(RECIPES)}")
     args.type_list = list(names)
-    if args.repeats < 1 or args.decode_tokens < 1 or args.prompt_tokens < 8:
-        ap.error("--repeats and --decode-tokens must be positive, --prompt-tokens at least 8")
+    if args.repeats < 1 or args.decode_tokens < 1 or args.prompt_runs < 1 \
+            or args.prompt_tokens < 8:
+        ap.error("--repeats, --decode-tokens and --prompt-runs must be positive, "
+                 "--prompt-tokens at least 8")
     return args
 
 
@@ -431,7 +442,8 @@ def print_table(results: dict[str, Any], args: argparse.Namespace, limit: float)
         lines.append(table_row(row["shape"], row["type"], row))
     run = results["args"]  # the run's own settings (strings), also for --table-from
     print(f"{results['date']}, machine: {results['machine']}; llama.cpp {run['threads']} "
-          f"threads; {run['prompt_tokens']}-token prompt; {run['requests']} requests of 32-64 "
+          f"threads; {run['prompt_tokens']}-token prompt (median of "
+          f"{run.get('prompt_runs', 1)} prefills); {run['requests']} requests of 32-64 "
           f"prompt tokens; {run['repeats']} pass(es) per file, medians")
     print(f"targets: decode >= {TARGETS['decode']}x, prompt >= {TARGETS['prompt']}x, "
           f"{run['requests']} requests >= {TARGETS['batch']}x llama.cpp; held <= "

@@ -56,8 +56,10 @@ class BlockType:
     sub-scales) rather than per group; `gemv_rows`: up to how many rows of x its `gemv`
     beats float32 tiles times BLAS (kernels/quantized.py; measured, docs/performance.md);
     `prompt_by_gemv`: whether more rows (a prompt) also take `gemv`, in runs of rows of x,
-    where that measured faster than the tiles (the K-quants and TQ2_0, whose integer
-    sub-scales keep the dot products in integers over a whole superblock)."""
+    where that measured faster than the tiles on prompts (the K-quants and the ternary
+    types, whose integer sub-scales keep a superblock's dot products in integers; not
+    the IQ types, whose grids cost more to decode again for each run, nor the 32-value
+    blocks, a float multiply-add per 32 products: docs/performance.md)."""
 
     qtype: GGMLQuantizationType
     loops: str
@@ -101,8 +103,8 @@ BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (
     _blocks(Q.Q5_0, 32, offset=16),
     _blocks(Q.Q5_1, 32, has_min=True),
     _blocks(Q.Q8_0, 32, signed=True),
-    _blocks(Q.Q2_K, 16, has_min=True),
-    _blocks(Q.Q3_K, 16, offset=4),
+    _blocks(Q.Q2_K, 16, has_min=True, prompt_by_gemv=True),
+    _blocks(Q.Q3_K, 16, offset=4, prompt_by_gemv=True),
     _blocks(Q.Q4_K, 32, has_min=True, prompt_by_gemv=True),
     _blocks(Q.Q5_K, 32, has_min=True, prompt_by_gemv=True),
     _blocks(Q.Q6_K, 16, offset=32, prompt_by_gemv=True),
@@ -115,7 +117,7 @@ BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (
     _blocks(Q.IQ3_S, 32, offset=15),
     _blocks(Q.IQ4_NL, 32, signed=True),
     _blocks(Q.IQ4_XS, 32, signed=True),
-    _blocks(Q.TQ1_0, 32, offset=1),
+    _blocks(Q.TQ1_0, 32, offset=1, prompt_by_gemv=True),
     _blocks(Q.TQ2_0, 32, offset=1, prompt_by_gemv=True),
     _blocks(Q.MXFP4, 32, offset=12),
     _blocks(Q.NVFP4, 16, offset=12),

@@ -14,7 +14,7 @@ matrix: the file's bytes, `[rows, row_bytes]`, so it takes what the file takes. 
   in turn (kernels/cpu_threads.py's `by_output_pieces`), or run on the calling thread
   under `GEMV_SERIAL_MAX_VALUES` multiply-adds.
   Beyond that (prefill, big batches), the types marked `prompt_by_gemv` (the K-quants,
-  TQ2_0) still take `gemv`, in runs of `GEMV_RUN_ROWS` rows of x; the others dequantize
+  TQ1_0, TQ2_0) still take `gemv`, in runs of `GEMV_RUN_ROWS` rows of x; the others dequantize
   `TILE_ELEMENTS` worth of weight rows at a time into a reused float32 buffer and multiply
   it by BLAS, one share of the output rows per core: a tile per core is all the extra
   memory. Which is faster was measured per type (docs/performance.md).

@@ -164,21 +164,24 @@ def _scaled_unit(q, isc, codes, e0, u):
 def _super_dot(q, isc, imn, d, dmin, codes, scales, sums, b, acc, offsets):
     """Superblock b (decoded: codes q, integer sub-scales isc and mins imn, float scales d,
     dmin) times one row of x (codes, a scale per 256 values, integer sums per group):
-    the eight units' scaled dot products summed as integers, then one multiply-add by
-    d x the activations' scale into `acc`; the code offset and the mins as integer dot
-    products of the sub-scales (mins) with the groups' activation sums, into `offsets`."""
+    the eight units' scaled dot products summed as integers, less the code offset times
+    the integer dot product of the sub-scales with the groups' activation sums (the same
+    scale: at most ~8e8 in a lane, within int32), then one multiply-add by d x the
+    activations' scale into `acc`; the mins (under dmin) as the integer dot product of
+    the mins with the sums, into `offsets`."""
     total = zeros_i32x8()
     e0 = b * BLOCK
     for u in range(BLOCK // 32):
         total = total + _scaled_unit(q, isc, codes, e0, u)
+    g0 = b * NSUB
+    if _HAS_CODE_OFFSET:  # under the same scale d x xs: subtracted as integers
+        for v in range(NSUB // 8):
+            t = load_i8_i32x8(isc, 8 * v) * load_i32x8(sums, g0 + 8 * v)
+            total = total - t * CODE_OFFSET
     xs = scales[b]
     acc = scaled_add(acc, total, d * xs)
-    g0 = b * NSUB
-    for v in range(NSUB // 8):
-        if _HAS_CODE_OFFSET:
-            t = load_i8_i32x8(isc, 8 * v) * load_i32x8(sums, g0 + 8 * v)
-            offsets = scaled_add(offsets, t, -_CODE_OFFSET * d * xs)
-        if HAS_MIN:
+    if HAS_MIN:
+        for v in range(NSUB // 8):
             m = load_i8_i32x8(imn, 8 * v) * load_i32x8(sums, g0 + 8 * v)
             offsets = scaled_add(offsets, m, -dmin * xs)
     return acc, offsets

@@ -55,11 +55,12 @@ class BlockType:
     (`quantize_superblocks`, the 256-value superblock types, whose decoders give integer
     sub-scales) rather than per group; `gemv_rows`: up to how many rows of x its `gemv`
     beats float32 tiles times BLAS (kernels/quantized.py; measured, docs/performance.md);
-    `prompt_by_gemv`: whether more rows (a prompt) also take `gemv`, in runs of rows of x,
-    where that measured faster than the tiles on prompts (the K-quants and the ternary
-    types, whose integer sub-scales keep a superblock's dot products in integers; not
-    the IQ types, whose grids cost more to decode again for each run, nor the 32-value
-    blocks, a float multiply-add per 32 products: docs/performance.md)."""
+    `prompt_run_rows`: 0 where more rows (a prompt) take the float32 tiles, else they
+    take `gemv` too, in runs of that many rows of x: where that measured faster on
+    prompts (the superblock types, whose integer sub-scales keep a superblock's dot
+    products in integers; 32 rows for the IQ types, whose grids cost more to decode
+    again for each run; not IQ4_XS, level, nor the 32-value blocks, a float multiply-add
+    per 32 products: docs/performance.md)."""
 
     qtype: GGMLQuantizationType
     loops: str
@@ -67,11 +68,11 @@ class BlockType:
     activation_group: int
     superblocks: bool
     gemv_rows: int
-    prompt_by_gemv: bool = False
+    prompt_run_rows: int = 0
 
 
 def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: bool = False,
-            signed: bool = False, prompt_by_gemv: bool = False) -> BlockType:
+            signed: bool = False, prompt_run_rows: int = 0) -> BlockType:
     """A block type, decoded by `cpu_block_decoders.decode_<type>`: codes (0..127, or
     -128..127 if `signed`) q per value and a scale sc per `sub` values, plus a minimum mn
     per `sub` values if `has_min`: value = sc * (q - offset) + mn. The 256-value
@@ -84,7 +85,7 @@ def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: 
                f"BLOCK, BLOCK_BYTES, SUB, HAS_MIN, CODE_OFFSET, SIGNED_CODES = "
                f"{block}, {block_bytes}, {sub}, {has_min}, {offset}, {signed}\n"
                f"INT_SCALES = {superblocks}\n")
-    return BlockType(qtype, "cpu_quant_loops", binding, sub, superblocks, 24, prompt_by_gemv)
+    return BlockType(qtype, "cpu_quant_loops", binding, sub, superblocks, 24, prompt_run_rows)
 
 
 def _floats(qtype: GGMLQuantizationType, name: str) -> BlockType:
@@ -103,22 +104,22 @@ BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (
     _blocks(Q.Q5_0, 32, offset=16),
     _blocks(Q.Q5_1, 32, has_min=True),
     _blocks(Q.Q8_0, 32, signed=True),
-    _blocks(Q.Q2_K, 16, has_min=True, prompt_by_gemv=True),
-    _blocks(Q.Q3_K, 16, offset=4, prompt_by_gemv=True),
-    _blocks(Q.Q4_K, 32, has_min=True, prompt_by_gemv=True),
-    _blocks(Q.Q5_K, 32, has_min=True, prompt_by_gemv=True),
-    _blocks(Q.Q6_K, 16, offset=32, prompt_by_gemv=True),
-    _blocks(Q.IQ1_S, 32, offset=9),
-    _blocks(Q.IQ1_M, 16, offset=9),
-    _blocks(Q.IQ2_XXS, 32, offset=43),
-    _blocks(Q.IQ2_XS, 16, offset=43),
-    _blocks(Q.IQ2_S, 16, offset=43),
-    _blocks(Q.IQ3_XXS, 32, offset=62),
-    _blocks(Q.IQ3_S, 32, offset=15),
+    _blocks(Q.Q2_K, 16, has_min=True, prompt_run_rows=16),
+    _blocks(Q.Q3_K, 16, offset=4, prompt_run_rows=16),
+    _blocks(Q.Q4_K, 32, has_min=True, prompt_run_rows=16),
+    _blocks(Q.Q5_K, 32, has_min=True, prompt_run_rows=16),
+    _blocks(Q.Q6_K, 16, offset=32, prompt_run_rows=16),
+    _blocks(Q.IQ1_S, 32, offset=9, prompt_run_rows=32),
+    _blocks(Q.IQ1_M, 16, offset=9, prompt_run_rows=32),
+    _blocks(Q.IQ2_XXS, 32, offset=43, prompt_run_rows=32),
+    _blocks(Q.IQ2_XS, 16, offset=43, prompt_run_rows=32),
+    _blocks(Q.IQ2_S, 16, offset=43, prompt_run_rows=32),
+    _blocks(Q.IQ3_XXS, 32, offset=62, prompt_run_rows=32),
+    _blocks(Q.IQ3_S, 32, offset=15, prompt_run_rows=32),
     _blocks(Q.IQ4_NL, 32, signed=True),
     _blocks(Q.IQ4_XS, 32, signed=True),
-    _blocks(Q.TQ1_0, 32, offset=1, prompt_by_gemv=True),
-    _blocks(Q.TQ2_0, 32, offset=1, prompt_by_gemv=True),
+    _blocks(Q.TQ1_0, 32, offset=1, prompt_run_rows=16),
+    _blocks(Q.TQ2_0, 32, offset=1, prompt_run_rows=16),
     _blocks(Q.MXFP4, 32, offset=12),
     _blocks(Q.NVFP4, 16, offset=12),
     _blocks(Q.Q1_0, 32, offset=1),

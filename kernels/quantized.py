@@ -13,8 +13,8 @@ matrix: the file's bytes, `[rows, row_bytes]`, so it takes what the file takes. 
   x, nothing dequantized to memory; the output rows are cut in pieces that the cores take
   in turn (kernels/cpu_threads.py's `by_output_pieces`), or run on the calling thread
   under `GEMV_SERIAL_MAX_VALUES` multiply-adds.
-  Beyond that (prefill, big batches), the types marked `prompt_by_gemv` (the K-quants,
-  TQ1_0, TQ2_0) still take `gemv`, in runs of `GEMV_RUN_ROWS` rows of x; the others dequantize
+  Beyond that (prefill, big batches), the types with a `prompt_run_rows` (the superblock
+  types) still take `gemv`, in runs of that many rows of x; the others dequantize
   `TILE_ELEMENTS` worth of weight rows at a time into a reused float32 buffer and multiply
   it by BLAS, one share of the output rows per core: a tile per core is all the extra
   memory. Which is faster was measured per type (docs/performance.md).
@@ -51,10 +51,6 @@ TILE_ELEMENTS = 1 << 19
 # a second per core (8-bit dot products) 2M take ~70 us alone, ~35 us on two cores plus the
 # ~25-30 us a hand-off to the other core's worker costs (measured, docs/performance.md).
 GEMV_SERIAL_MAX_VALUES = 1 << 21
-# Rows of x per `gemv` call on the many-rows path of the types that take it
-# (`prompt_by_gemv`): 16 and 24 measured alike, 32 and 64 slower (docs/performance.md; the
-# runs' activations, a row of x at a time 1024 values apart, no longer stay in L1).
-GEMV_RUN_ROWS = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,16 +135,17 @@ def takes_gemv(qtype: GGMLQuantizationType, n_rows: int) -> bool:
     """Whether `quantized_linear` multiplies `n_rows` rows of x by the type's `gemv` (8-bit
     activations for the block types) rather than by float32 tiles and BLAS."""
     block_type = BLOCK_TYPES[qtype]
-    return n_rows <= block_type.gemv_rows or block_type.prompt_by_gemv
+    return n_rows <= block_type.gemv_rows or block_type.prompt_run_rows > 0
 
 
 def _gemv_runs(w: QuantizedMatrix, acts: tuple[np.ndarray, ...], y: np.ndarray, start: int,
                stop: int) -> None:
-    """Output features start .. stop - 1 by `gemv`, over runs of at most `GEMV_RUN_ROWS`
-    rows of x when there are more than the type's `gemv_rows`: each run's activations stay
-    in the core's first-level cache while every weight row of the share passes."""
+    """Output features start .. stop - 1 by `gemv`, over runs of the type's
+    `prompt_run_rows` rows of x when there are more than its `gemv_rows`: each run's
+    activations stay in the core's caches while every weight row of the share passes."""
     n = len(acts[0])
-    run = n if n <= BLOCK_TYPES[w.qtype].gemv_rows else GEMV_RUN_ROWS
+    block_type = BLOCK_TYPES[w.qtype]
+    run = n if n <= block_type.gemv_rows else block_type.prompt_run_rows
     gemv = w.kernels.gemv
     for j in range(0, n, run):
         gemv(w.blocks, *(a[j:j + run] for a in acts), y[j:j + run], start, stop)

@@ -50,7 +50,6 @@ from eagerlm.kernels.cpu_quant_loops import MAX_ROWS
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, CoreWorkers
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.kernels.quantized import (
-    GEMV_RUN_ROWS,
     QuantizedMatrix,
     gemv_activations,
     quantized_linear,
@@ -224,10 +223,10 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(qtype):
     """Up to `gemv_rows` rows, each row of x is computed in the same order whatever else is
     in the batch (numba_settings.JIT_ORDERED): a batched request gets what it would alone.
     So does every row of a prompt for the types whose many-rows path is `gemv` too (in
-    runs of `GEMV_RUN_ROWS`: here two and a part)."""
+    runs of `prompt_run_rows`: here two and a part)."""
     rng = np.random.default_rng(int(qtype) + 2)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
-    n = 2 * GEMV_RUN_ROWS + 3 if BLOCK_TYPES[qtype].prompt_by_gemv else 5
+    n = 2 * BLOCK_TYPES[qtype].prompt_run_rows + 3 or 5
     x = rng.standard_normal((n, IN_FEATURES)).astype(np.float32)
     batched = quantized_linear(x, w)
     alone = np.concatenate([quantized_linear(x[j:j + 1], w) for j in range(n)])
@@ -455,7 +454,7 @@ def assert_within_eight_bit_noise(quant: list[np.ndarray], reference_: list[np.n
 def test_every_product_of_a_quantized_forward_is_its_input_in_8_bits_times_the_weights(
         synthetic, monkeypatch):
     """Each product of a prefill (20 rows: the kernels; 70: float32 tiles, or the kernels
-    in runs for the types that take them, `prompt_by_gemv`) and of decode
+    in runs for the types that take them, `prompt_run_rows`) and of decode
     steps, recorded at the model's own shapes and activations, against float64
     dequantize-then-matmul within the kernels' derived bounds."""
     seen: list[tuple[np.ndarray, QuantizedMatrix, np.ndarray]] = []
@@ -479,7 +478,7 @@ def test_every_product_of_a_quantized_forward_is_its_input_in_8_bits_times_the_w
 def test_synthetic_models_logits_on_the_quantized_path_are_the_float_paths_to_8_bit_noise(
         synthetic):
     """A prompt of 20 tokens (the kernels) and one of 70 (float32 tiles, no 8-bit noise in
-    the prefill, but for the `prompt_by_gemv` types), then decode steps."""
+    the prefill, but for the `prompt_run_rows` types), then decode steps."""
     quant = cpu_transformer(synthetic, weights="quantized")
     assert all(isinstance(w, QuantizedMatrix) for w in
                (quant.weights.token_embd, quant.weights.layers[0].wq,

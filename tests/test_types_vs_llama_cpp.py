@@ -50,7 +50,7 @@ from tests.reference_forward import reference_logits
 FIXTURE = np.load(OUT_PATH)
 CASES = {c["type"]: c for c in json.loads(str(FIXTURE["cases"]))["types"]}
 TOKENS = FIXTURE["tokens"]
-# rows of one forward each: many rows (the tiles, or gemv in runs: `prompt_by_gemv`), a few
+# rows of one forward each: many rows (the tiles, or gemv in runs: `prompt_run_rows`), a few
 # (a decode batch), then one by one
 SPLITS = ((0, 66), (66, 76), *((i, i + 1) for i in range(76, len(TOKENS))))
 

@@ -9,7 +9,7 @@ eagerlm and llama.cpp (llama-cpp-python, `--threads` threads) alternate (ABBA ov
 
 - batch-1 decode tokens/s: greedy single-token steps after a `--prompt-tokens` prompt;
 - prompt tokens/s: the median of `--prompt-runs` (5) prefills of `--prompt-tokens` (128)
-  tokens, each from an empty cache;
+  tokens, each from an empty cache, after one not counted;
 - output tokens/s at `--requests` (8) concurrent requests: eagerlm's dispatcher (eager,
   max batch 8, 512 tokens per round) against llama.cpp's parallel decoding of 8 sequences
   in a unified KV cache (benchmarks/llama_cpp_batched.py), the same prompts (32-64 random
@@ -166,14 +166,14 @@ def eagerlm_pass(path: Path, args: argparse.Namespace, plan: Plan | None,
 
         limit = plan.decode_tokens if plan else args.decode_tokens
         prompt_times = []
-        for _ in range(args.prompt_runs):
+        for run in range(args.prompt_runs + 1):  # the first not counted: see llama_cpp_peer
             kv = ContiguousKV(layout, args.prompt_tokens + limit)
             t = time.perf_counter()
             logits = tf.forward(ForwardBatch.single(ids, 0, kv))
             prompt_times.append(time.perf_counter() - t)
-            if len(prompt_times) < args.prompt_runs:
+            if run < args.prompt_runs:
                 kv.free()
-        prompt_s = float(np.median(prompt_times))
+        prompt_s = float(np.median(prompt_times[1:]))
         token = int(np.argmax(logits[-1]))
         t = time.perf_counter()
         steps = 0
@@ -346,7 +346,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="passes per file, the engines alternating (ABBA); medians reported")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--prompt-runs", type=int, default=5,
-                    help="prefills of the prompt per pass, from an empty cache; the median")
+                    help="prefills of the prompt per pass, from an empty cache, after one not "
+                    "counted; the median")
     ap.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode steps, at most")
     ap.add_argument("--decode-seconds", type=float, default=20.0,
                     help="eagerlm's first decode stops here (both engines then run as many)")

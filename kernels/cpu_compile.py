@@ -46,9 +46,11 @@ from eagerlm.kernels.cpu_threads import core_count
 from eagerlm.kernels.quantized import warm_up
 
 # CPU seconds to compile each group with an empty cache (this project's 2-core machine,
-# docs/performance.md), and a helper process's start-up (Python, numpy, numba, eagerlm)
-_COLD_SECONDS = {"row_ops": 1.5, "attention": 2.2, "replay": 3.7}
-_TYPE_COLD_SECONDS = 1.3
+# quiet, 2026-11-27: docs/performance.md; a weight type not measured takes their middle),
+# and a helper process's start-up (Python, numpy, numba, eagerlm)
+_COLD_SECONDS = {"row_ops": 2.0, "attention": 3.3, "replay": 4.8,
+                 "Q5_0": 2.9, "Q8_0": 1.7, "Q4_K": 2.3, "Q6_K": 1.7}
+_TYPE_COLD_SECONDS = 2.0
 _HELPER_START_SECONDS = 1.0
 
 

@@ -10,7 +10,7 @@ function at a time in a process (a global lock). So when some of the kernels are
 the cache yet and the machine has more than one core, a helper process
 (`python -m eagerlm.kernels.cpu_compile GROUP ...`) compiles part of them into the same
 disk cache while this process compiles the rest, then this one loads the helper's from the
-cache. The split balances measured compile times (`_COLD_SECONDS`) and the helper's own
+cache. The split balances weighted compile times (`_COLD_SECONDS`) and the helper's own
 start-up. If the helper fails, this process compiles its share itself.
 
 The decode replay's table (kernels/cpu_decode_program.py) is only an optimization: the

@@ -56,9 +56,9 @@ def measure_llama_cpp(
     Returns ``{"prompt_tok_s", "decode_tok_s", "load_s"}``. ``flash_attn=True`` turns on
     llama.cpp's flash-attention kernel (the default of llama.cpp's own CLI tools on CPU).
     With ``prompt_runs`` (n >= 1) the prompt is evaluated n + 1 times from an empty cache
-    and the median of all but the first kept (0: once, that one kept): one prefill takes well under a
-    second, one moved by 15% between passes, and the first few after a load ran up to 10%
-    slower than the later ones (eagerlm's; measured the same way for both engines).
+    and the median of all but the first kept (0: once, that one kept): one prefill takes
+    well under a second, one moved by 15% between passes, and the first few after a load
+    ran up to 10% slower than the later ones (eagerlm's; measured alike for both engines).
     """
     import llama_cpp
     import numpy as np

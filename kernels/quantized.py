@@ -145,8 +145,11 @@ def _gemv_runs(w: QuantizedMatrix, acts: tuple[np.ndarray, ...], y: np.ndarray, 
     activations stay in the core's caches while every weight row of the share passes."""
     n = len(acts[0])
     block_type = BLOCK_TYPES[w.qtype]
-    run = n if n <= block_type.gemv_rows else block_type.prompt_run_rows
     gemv = w.kernels.gemv
+    if n <= block_type.gemv_rows:  # decode, decode batches (and no rows at all): one call
+        gemv(w.blocks, *acts, y, start, stop)
+        return
+    run = block_type.prompt_run_rows
     for j in range(0, n, run):
         gemv(w.blocks, *(a[j:j + run] for a in acts), y[j:j + run], start, stop)
 

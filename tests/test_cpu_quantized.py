@@ -226,11 +226,20 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(qtype):
     runs of `prompt_run_rows`: here two and a part)."""
     rng = np.random.default_rng(int(qtype) + 2)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
-    n = 2 * BLOCK_TYPES[qtype].prompt_run_rows + 3 or 5
+    run = BLOCK_TYPES[qtype].prompt_run_rows
+    n = 2 * run + 3 if run else 5
     x = rng.standard_normal((n, IN_FEATURES)).astype(np.float32)
     batched = quantized_linear(x, w)
     alone = np.concatenate([quantized_linear(x[j:j + 1], w) for j in range(n)])
     np.testing.assert_array_equal(batched.view(np.uint32), alone.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_no_rows_of_x_give_no_rows_of_y(qtype):
+    """An empty batch (a prompt-sized path's runs must not divide it into nothing)."""
+    w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, np.random.default_rng(int(qtype)))
+    y = quantized_linear(np.zeros((0, IN_FEATURES), np.float32), w)
+    assert y.shape == (0, OUT_FEATURES) and y.dtype == np.float32
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)

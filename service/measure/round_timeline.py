@@ -60,7 +60,11 @@ class DeviceClock:
         return cls(event, (before + after) / 2, (after - before) / 2)
 
     def host_time(self, event: Event) -> float:
-        """The host time (perf_counter seconds) at which `event` completed on the device."""
+        """The host time (perf_counter seconds) at which `event` completed on the device,
+        waited for if it has not yet: a consumed round's own events have, but a tensor-
+        parallel peer records its round's end after its own last op, which may still be
+        finishing when device 0's round is consumed (seen under load on CI's 2 cores)."""
+        event.synchronize()
         return self.anchor_host_s + self.anchor.elapsed_ms(event) / 1e3
 
 
@@ -125,10 +129,6 @@ def spans_from_traces(traces: Iterable[RoundTrace], clock: DeviceClock,
         lanes = []
         for rounds, peer_clock in peers:
             r = rounds.get(t.round_id)
-            if r is not None:
-                # the lead's round is consumed, but a peer records its end after its own
-                # last op, which may still be finishing (seen under load on CI's 2 cores)
-                r.device_end.synchronize()
             lanes.append(None if r is None else (peer_clock.host_time(r.device_start),
                                                  peer_clock.host_time(r.device_end)))
         spans.append(RoundSpan(

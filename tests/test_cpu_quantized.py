@@ -292,11 +292,34 @@ def test_float16_and_bfloat16_weights_are_numpys_values(qtype):
     w = QuantizedMatrix.of(qtype, want.shape, raw.view(np.uint8))
     assert w.nbytes == 2 * want.size
     np.testing.assert_array_equal(w.dequantize(), want)
+    # A pair's longest chain of float32 roundings: a product, 45 // 8 lane sums, the three
+    # of the lane sum, the 45 % 8 of the tail (cpu_float_loops.gemv).
+    bound = (1 + 45 // 8 + 3 + 45 % 8) * EPS32
     for n_rows in (1, 4, BLOCK_TYPES[qtype].gemv_rows + 1):
         x = rng.standard_normal((n_rows, 45)).astype(np.float32)
         want_y = x.astype(np.float64) @ want.astype(np.float64).T
-        bound = (45 / 16 + 8) * EPS32 * (np.abs(x) @ np.abs(want).T)
-        assert np.all(np.abs(quantized_linear(x, w) - want_y) <= bound)
+        assert np.all(np.abs(quantized_linear(x, w) - want_y)
+                      <= bound * (np.abs(x) @ np.abs(want).T))
+
+
+@pytest.mark.parametrize("qtype", FLOAT_TYPES, ids=lambda q: q.name)
+def test_every_tile_of_the_float_gemv_gives_a_row_its_bits_alone(qtype):
+    """`gemv` of the 16-bit floats takes rows of x four, two or one at a time, and rows
+    of w six at a time with the last repeated (cpu_float_loops): every count of rows of
+    x up to past two fours, on rows of w starting and ending mid-pass, gives each row of
+    x the bits it gets alone."""
+    rng = np.random.default_rng(5)
+    w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES + 13, rng)
+    for n in range(1, 11):
+        x = rng.standard_normal((n, IN_FEATURES + 13)).astype(np.float32)
+        batched = np.full((n, OUT_FEATURES), np.nan, np.float32)
+        w.kernels.gemv(w.blocks, x, batched, 3, 32)
+        for j in range(n):
+            alone = np.full((1, OUT_FEATURES), np.nan, np.float32)
+            w.kernels.gemv(w.blocks, x[j:j + 1], alone, 3, 32)
+            np.testing.assert_array_equal(batched[j].view(np.uint32), alone[0].view(np.uint32))
+        assert np.isnan(batched[:, :3]).all() and np.isnan(batched[:, 32:]).all()
+        assert not np.isnan(batched[:, 3:32]).any()
 
 
 def test_every_supported_type_but_float32_has_cpu_kernels():

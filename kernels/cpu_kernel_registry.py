@@ -59,8 +59,9 @@ class BlockType:
     take `gemv` too, in runs of that many rows of x: where that measured faster on
     prompts (the superblock types, whose integer sub-scales keep a superblock's dot
     products in integers; 32 rows for the IQ types, whose grids cost more to decode
-    again for each run; not IQ4_XS, level, nor the 32-value blocks, a float multiply-add
-    per 32 products: docs/performance.md)."""
+    again for each run; F16, whose register tiles beat its tiles' BLAS; not IQ4_XS,
+    level, nor the 32-value blocks, a float multiply-add per 32 products, nor BF16, whose
+    shifts cost more than F16C's conversions: docs/performance.md)."""
 
     qtype: GGMLQuantizationType
     loops: str
@@ -88,16 +89,16 @@ def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: 
     return BlockType(qtype, "cpu_quant_loops", binding, sub, superblocks, 24, prompt_run_rows)
 
 
-def _floats(qtype: GGMLQuantizationType, name: str) -> BlockType:
+def _floats(qtype: GGMLQuantizationType, name: str, *, prompt_run_rows: int = 0) -> BlockType:
     """A 16-bit float type, loaded by `cpu_simd.load_<name>` / `load_<name>x8`."""
     binding = (f"from eagerlm.kernels.cpu_simd import load_{name} as load_value\n"
                f"from eagerlm.kernels.cpu_simd import load_{name}x8 as load_values\n\n"
                f"VALUE_BYTES = 2\n")
-    return BlockType(qtype, "cpu_float_loops", binding, 0, False, 8)
+    return BlockType(qtype, "cpu_float_loops", binding, 0, False, 8, prompt_run_rows)
 
 
 BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (
-    _floats(Q.F16, "f16"),
+    _floats(Q.F16, "f16", prompt_run_rows=16),
     _floats(Q.BF16, "bf16"),
     _blocks(Q.Q4_0, 32, offset=8),
     _blocks(Q.Q4_1, 32, has_min=True),

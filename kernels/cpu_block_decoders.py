@@ -65,6 +65,7 @@ from eagerlm.kernels.cpu_simd import (
     negate_where,
     splat_bytes,
     store_bytes,
+    store_u64,
 )
 from eagerlm.kernels.iq_tables import grid_words, iq4_codebook, sign_patterns
 from eagerlm.kernels.numba_settings import JIT_ORDERED
@@ -350,14 +351,38 @@ def decode_tq2_0(row, o, q, isc, imn):
 # -- IQ4_XS ----------------------------------------------------------------------------------
 
 @njit(**_INLINE)
+def _every_other_byte(x):
+    """Bytes 0-3 of x at bytes 0, 2, 4 and 6."""
+    x = (x & 0xFFFF) | ((x & 0xFFFF0000) << 16)
+    return (x & 0x000000FF000000FF) | ((x & 0x0000FF000000FF00) << 8)
+
+
+@njit(**_INLINE)
+def _iq4_xs_scales(row, o):
+    """IQ4_XS's eight 6-bit scales less 32, as the int8 bytes of one int64 (byte s: scale
+    s): low nibbles from bytes 4-7 (scale 2i the low nibble of byte 4 + i, 2i + 1 its high
+    one), high bit pairs from the uint16 at 2 (bits 2s, 2s + 1), put together in the
+    bytes' lanes of one integer."""
+    low = load_u32(row, o + 4)
+    nibbles = _every_other_byte(low & 0x0F0F0F0F) | (_every_other_byte((low >> 4) & 0x0F0F0F0F)
+                                                     << 8)
+    h = np.int64(load_u16(row, o + 2))
+    h = (h & 0xFF) | ((h & 0xFF00) << 24)
+    h = (h & 0x0000000F0000000F) | ((h & 0x000000F0000000F0) << 12)
+    h = (h & 0x0003000300030003) | ((h & 0x000C000C000C000C) << 6)
+    flipped = (nibbles | (h << 4)) ^ 0x2020202020202020  # v - 32 for v >= 32
+    negative = flipped & 0x2020202020202020  # v < 32: bits 5-7 set, as int8
+    return flipped | (negative << 1) | (negative << 2)
+
+
+@njit(**_INLINE)
 def decode_iq4_xs(row, o, q, isc, imn):
     """136 bytes: float16 d, 8 6-bit scales (low nibbles in bytes 4-7, high bit pairs in
-    the uint16 at 2), 128 bytes of codebook nibbles (16 bytes per 32 values)."""
-    high = load_u16(row, o + 2)
+    the uint16 at 2), 128 bytes of codebook nibbles (16 bytes per 32 values). The scales
+    go into isc in one store (`store_u64`)."""
+    store_u64(isc, 0, _iq4_xs_scales(row, o))
     table = load_bytes(_IQ4_VALUES, 0)
     for s in range(8):
-        low = (np.int32(row[o + 4 + s // 2]) >> (4 * (s % 2))) & 15
-        isc[s] = (low | (((high >> (2 * s)) & 3) << 4)) - 32
         store_bytes(q, 32 * s, lut16(table, load_nibbles(row, o + 8 + 16 * s)))
     return load_f16(row, o), np.float32(0.0)
 

@@ -656,6 +656,20 @@ load_bf16.__doc__ = "The bfloat16 at a byte offset of a byte array, as float32."
 
 
 @intrinsic
+def store_u64(typingctx, array, byte_offset, value):
+    """`value`'s low 64 bits, little-endian, at a byte offset of a byte array: eight bytes
+    in one store (eight one-byte stores read back as a wider load stall the load until
+    they are all written)."""
+    def codegen(context, builder, signature, args):
+        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+                           signature.args[1], _I64)
+        builder.store(context.cast(builder, args[2], signature.args[2], types.int64), ptr,
+                      align=1)
+        return context.get_dummy_value()
+    return types.void(array, byte_offset, value), codegen
+
+
+@intrinsic
 def half_to_float(typingctx, bits):
     """The float16 whose bits are the low 16 of `bits`, as float32."""
     def codegen(context, builder, signature, args):

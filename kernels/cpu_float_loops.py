@@ -50,6 +50,15 @@ def _store(y, j, r, n, end, acc):
 
 
 @njit(inline="always", **JIT_ORDERED)
+def _store_column(y, j, r, n, end, a0, a1, a2, a3):
+    """Weight row r's sums with rows j .. j + 3 of x (`_store` each)."""
+    _store(y, j, r, n, end, a0)
+    _store(y, j + 1, r, n, end, a1)
+    _store(y, j + 2, r, n, end, a2)
+    _store(y, j + 3, r, n, end, a3)
+
+
+@njit(inline="always", **JIT_ORDERED)
 def _tile_3x4(w0, w1, w2, x0, x1, x2, x3, y, r0, r1, r2, j, n, end, whole):
     """Three rows of w times four of x: twelve sums in registers, each converted weight
     vector used four times and each x vector three (the F16C conversion and the loads
@@ -66,18 +75,9 @@ def _tile_3x4(w0, w1, w2, x0, x1, x2, x3, y, r0, r1, r2, j, n, end, whole):
         a02, a12, a22 = muladd(v0, u, a02), muladd(v1, u, a12), muladd(v2, u, a22)
         u = load_f32x8(x3, i)
         a03, a13, a23 = muladd(v0, u, a03), muladd(v1, u, a13), muladd(v2, u, a23)
-    _store(y, j, r0, n, end, a00)
-    _store(y, j + 1, r0, n, end, a01)
-    _store(y, j + 2, r0, n, end, a02)
-    _store(y, j + 3, r0, n, end, a03)
-    _store(y, j, r1, n, end, a10)
-    _store(y, j + 1, r1, n, end, a11)
-    _store(y, j + 2, r1, n, end, a12)
-    _store(y, j + 3, r1, n, end, a13)
-    _store(y, j, r2, n, end, a20)
-    _store(y, j + 1, r2, n, end, a21)
-    _store(y, j + 2, r2, n, end, a22)
-    _store(y, j + 3, r2, n, end, a23)
+    _store_column(y, j, r0, n, end, a00, a01, a02, a03)
+    _store_column(y, j, r1, n, end, a10, a11, a12, a13)
+    _store_column(y, j, r2, n, end, a20, a21, a22, a23)
 
 
 @njit(inline="always", **JIT_ORDERED)
@@ -100,18 +100,10 @@ def _tile_6x2(w0, w1, w2, w3, w4, w5, x0, x1, y, r0, r1, r2, r3, r4, r5, j, n, e
         a4, b4 = muladd(v, u, a4), muladd(v, t, b4)
         v = load_values(w5, o)
         a5, b5 = muladd(v, u, a5), muladd(v, t, b5)
-    _store(y, j, r0, n, end, a0)
-    _store(y, j + 1, r0, n, end, b0)
-    _store(y, j, r1, n, end, a1)
-    _store(y, j + 1, r1, n, end, b1)
-    _store(y, j, r2, n, end, a2)
-    _store(y, j + 1, r2, n, end, b2)
-    _store(y, j, r3, n, end, a3)
-    _store(y, j + 1, r3, n, end, b3)
-    _store(y, j, r4, n, end, a4)
-    _store(y, j + 1, r4, n, end, b4)
-    _store(y, j, r5, n, end, a5)
-    _store(y, j + 1, r5, n, end, b5)
+    for r, a, b in ((r0, a0, b0), (r1, a1, b1), (r2, a2, b2), (r3, a3, b3), (r4, a4, b4),
+                    (r5, a5, b5)):
+        _store(y, j, r, n, end, a)
+        _store(y, j + 1, r, n, end, b)
 
 
 @njit(inline="always", **JIT_ORDERED)
@@ -128,12 +120,8 @@ def _tile_6x1(w0, w1, w2, w3, w4, w5, x0, y, r0, r1, r2, r3, r4, r5, j, n, end, 
         a3 = muladd(load_values(w3, o), u, a3)
         a4 = muladd(load_values(w4, o), u, a4)
         a5 = muladd(load_values(w5, o), u, a5)
-    _store(y, j, r0, n, end, a0)
-    _store(y, j, r1, n, end, a1)
-    _store(y, j, r2, n, end, a2)
-    _store(y, j, r3, n, end, a3)
-    _store(y, j, r4, n, end, a4)
-    _store(y, j, r5, n, end, a5)
+    for r, a in ((r0, a0), (r1, a1), (r2, a2), (r3, a3), (r4, a4), (r5, a5)):
+        _store(y, j, r, n, end, a)
 
 
 @njit(**JIT_ORDERED)

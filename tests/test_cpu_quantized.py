@@ -305,9 +305,10 @@ def test_float16_and_bfloat16_weights_are_numpys_values(qtype):
 @pytest.mark.parametrize("qtype", FLOAT_TYPES, ids=lambda q: q.name)
 def test_every_tile_of_the_float_gemv_gives_a_row_its_bits_alone(qtype):
     """`gemv` of the 16-bit floats takes rows of x four, two or one at a time, and rows
-    of w six at a time with the last repeated (cpu_float_loops): every count of rows of
-    x up to past two fours, on rows of w starting and ending mid-pass, gives each row of
-    x the bits it gets alone."""
+    of w one from each of six spans of the range, a short last span repeating the
+    range's last row (cpu_float_loops): every count of rows of x up to past two fours,
+    on a range of 29 rows of w starting and ending mid-matrix, gives each row of x the
+    bits it gets alone, and every row of the range exactly its own product."""
     rng = np.random.default_rng(5)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES + 13, rng)
     for n in range(1, 11):

@@ -77,6 +77,13 @@ OUT_FEATURES = 37  # shares of unequal size, partial tiles
 EPS32 = 2.0 ** -24
 
 
+def float_gemv_bound(k: int) -> float:
+    """The 16-bit floats' `gemv` error bound per unit of |x| @ |w|, for rows of k values:
+    a pair's longest chain of float32 roundings, a product, k // 8 lane sums, the three
+    of the lane sum, the k % 8 of the tail (cpu_float_loops.gemv)."""
+    return (1 + k // 8 + 3 + k % 8) * EPS32
+
+
 def random_matrix(qtype: GGMLQuantizationType, rows: int, cols: int,
                   rng: np.random.Generator) -> QuantizedMatrix:
     block, _ = GGML_QUANT_SIZES[qtype]
@@ -292,9 +299,7 @@ def test_float16_and_bfloat16_weights_are_numpys_values(qtype):
     w = QuantizedMatrix.of(qtype, want.shape, raw.view(np.uint8))
     assert w.nbytes == 2 * want.size
     np.testing.assert_array_equal(w.dequantize(), want)
-    # A pair's longest chain of float32 roundings: a product, 45 // 8 lane sums, the three
-    # of the lane sum, the 45 % 8 of the tail (cpu_float_loops.gemv).
-    bound = (1 + 45 // 8 + 3 + 45 % 8) * EPS32
+    bound = float_gemv_bound(45)
     for n_rows in (1, 4, BLOCK_TYPES[qtype].gemv_rows + 1):
         x = rng.standard_normal((n_rows, 45)).astype(np.float32)
         want_y = x.astype(np.float64) @ want.astype(np.float64).T
@@ -313,7 +318,7 @@ def test_every_tile_of_the_float_gemv_gives_a_row_its_bits_alone(qtype):
     k = IN_FEATURES + 13
     w = random_matrix(qtype, OUT_FEATURES, k, rng)
     values = w.dequantize().astype(np.float64)  # exact (the test above)
-    bound = (1 + k // 8 + 3 + k % 8) * EPS32  # a pair's rounding chain, as above
+    bound = float_gemv_bound(k)
     for n in range(1, 11):
         x = rng.standard_normal((n, k)).astype(np.float32)
         batched = np.full((n, OUT_FEATURES), np.nan, np.float32)

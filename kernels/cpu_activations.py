@@ -48,12 +48,21 @@ def quantize_activations(x: np.ndarray, sub: int = GROUP
     sums float32 `[n, k' / sub]`), `sub` 16 or 32, k' = k rounded up to a multiple of
     `PAD` (codes, scales and sums 0 past k: the kernels read whole chunks)."""
     n, k = x.shape
-    padded = -(-k // PAD) * PAD
-    codes = aligned_empty((n, padded), np.int8)
-    scales = aligned_empty((n, padded // sub), np.float32)
-    sums = aligned_empty((n, padded // sub), np.float32)
+    codes, scales, sums = activation_arrays(n, k, sub, superblocks=False)
     by_rows(n, lambda a, b: quantize_into(x[a:b], codes[a:b], scales[a:b], sums[a:b]))
     return codes, scales, sums
+
+
+def activation_arrays(n: int, k: int, sub: int, *, superblocks: bool
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Empty (uninitialised) codes, scales and sums for n rows of k values, in the layout
+    `quantize_superblocks` (if `superblocks`) or `quantize_activations` fills."""
+    if superblocks:
+        return (aligned_empty((n, k), np.int8), aligned_empty((n, k // SUPERBLOCK), np.float32),
+                aligned_empty((n, k // sub), np.int32))
+    padded = -(-k // PAD) * PAD
+    return (aligned_empty((n, padded), np.int8), aligned_empty((n, padded // sub), np.float32),
+            aligned_empty((n, padded // sub), np.float32))
 
 
 @njit(**JIT_ORDERED)
@@ -98,9 +107,7 @@ def quantize_superblocks(x: np.ndarray, sub: int) -> tuple[np.ndarray, np.ndarra
     """x float32 `[n, k]` (k a multiple of 256) as (codes int8 `[n, k]`, scales float32
     `[n, k / 256]`, the codes' integer sums int32 `[n, k / sub]`), `sub` 16 or 32."""
     n, k = x.shape
-    codes = aligned_empty((n, k), np.int8)
-    scales = aligned_empty((n, k // SUPERBLOCK), np.float32)
-    sums = aligned_empty((n, k // sub), np.int32)
+    codes, scales, sums = activation_arrays(n, k, sub, superblocks=True)
     by_rows(n, lambda a, b: quantize_superblocks_into(x[a:b], codes[a:b], scales[a:b],
                                                       sums[a:b]))
     return codes, scales, sums
@@ -165,6 +172,12 @@ def _superblocks32(x, codes, scales, sums, n, k):  # pragma: no cover
 
 _QUANTIZERS = {(False, 16): _groups16, (False, 32): _groups32,
                (True, 16): _superblocks16, (True, 32): _superblocks32}
+
+
+def quantizer_function(superblocks: bool, sub: int):
+    """The Python function `quantizer_address` compiles (kernels/cpu_compile.py asks numba's
+    disk cache whether it holds it)."""
+    return _QUANTIZERS[superblocks, sub]
 
 
 @functools.cache

@@ -118,6 +118,16 @@ def _rows_seeing(t: int, first: int, m: int, window: int) -> tuple[int, int]:
     return max(0, t - first), (min(m, t - first + window) if window > 0 else m)
 
 
+@njit(inline="always", **_JIT)
+def _largest(a: np.ndarray, n: int):
+    """The largest of a[0 .. n - 1] (n >= 1), by a loop: numba's `ndarray.max` compiles
+    its own implementation first, 0.8 s of a cold load for the two here."""
+    top = a[0]
+    for i in range(1, n):
+        top = max(top, a[i])
+    return top
+
+
 @njit(**_JIT)
 def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.ndarray,
                  positions: np.ndarray, layer_offset: int, token_stride: int, n_kv: int,
@@ -154,7 +164,7 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
     starts[n_blocks] = n
     # one set of buffers for every item of this call (an allocation per item was a fifth
     # of a prompt's attention): a block's queries, scores, sums and outputs
-    most_keys = positions.max() + 1 if n else 0
+    most_keys = _largest(positions, n) + 1 if n else 0
     if window > 0:
         most_keys = min(most_keys, window + QUERY_BLOCK - 1)
     qs = np.empty(QUERY_BLOCK * group * hd, np.float32)  # row r, head j at (r * group + j) * hd
@@ -186,7 +196,7 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
             seen = pos + 1 - _first_key(pos, window)
             for j in range(group):
                 weights = scores[r * group + j]
-                top = weights[:seen].max()
+                top = _largest(weights, seen)
                 if use_sinks:
                     top = max(top, sinks[h * group + j])
                 total = exp_shifted(weights, seen, top)

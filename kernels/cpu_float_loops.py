@@ -12,7 +12,8 @@ activations stay float32, so these products round only as float32 sums do.
   every row of x (up to `MAX_ROWS`), in register tiles of up to 3 x 4 (see `gemv`).
 - `dequant(w, r0, out)`: rows of w as float32 (tiles for BLAS, the embedding lookup).
 - `row_kernel_address()`: `gemv` as a C function of kernels/cpu_row_kernel.py's
-  `ROW_KERNEL` signature (what the decode replay calls), compiled on first use.
+  `ROW_KERNEL` signature (what the decode replay calls), compiled on first use from
+  `row_kernel`.
 """
 
 from __future__ import annotations
@@ -187,11 +188,11 @@ from numba import carray, cfunc  # noqa: E402
 from eagerlm.kernels.cpu_row_kernel import ROW_KERNEL, f32_at, u8_at  # noqa: E402
 
 
-def _row_kernel(w, x, scales, sums, y, n, k, rows, row_bytes, r0, r1):  # pragma: no cover
+def row_kernel(w, x, scales, sums, y, n, k, rows, row_bytes, r0, r1):  # pragma: no cover
     gemv(carray(u8_at(w), (rows, row_bytes)), carray(f32_at(x), (n, k)),
          carray(f32_at(y), (n, rows)), r0, r1)
 
 
 @functools.cache
 def row_kernel_address() -> int:
-    return cfunc(ROW_KERNEL, **JIT_ORDERED)(_row_kernel).address
+    return cfunc(ROW_KERNEL, **JIT_ORDERED)(row_kernel).address

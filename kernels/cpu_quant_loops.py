@@ -32,7 +32,8 @@ The kernels (one thread each; kernels/quantized.py splits output rows over the c
 - `dequant(w, r0, out)`: rows r0 .. r0 + len(out) - 1 of w as float32 (the tiles BLAS
   multiplies for many rows of x, the embedding lookup).
 - `row_kernel_address()`: `gemv` as a C function of kernels/cpu_row_kernel.py's
-  `ROW_KERNEL` signature (what the decode replay calls), compiled on first use.
+  `ROW_KERNEL` signature (what the decode replay calls), compiled on first use from
+  `row_kernel`.
 """
 
 from __future__ import annotations
@@ -311,7 +312,7 @@ _SCALE_GROUP = 256 if INT_SCALES else SUB  # activation values per scale
 _sums_at = i32_at if INT_SCALES else f32_at  # the superblock types' sums are integers
 
 
-def _row_kernel(w, x, scales, sums, y, n, k, rows, row_bytes, r0, r1):  # pragma: no cover
+def row_kernel(w, x, scales, sums, y, n, k, rows, row_bytes, r0, r1):  # pragma: no cover
     padded = -(-k // CHUNK_VALUES) * CHUNK_VALUES
     gemv(carray(u8_at(w), (rows, row_bytes)), carray(i8_at(x), (n, padded)),
          carray(f32_at(scales), (n, padded // _SCALE_GROUP)),
@@ -320,4 +321,4 @@ def _row_kernel(w, x, scales, sums, y, n, k, rows, row_bytes, r0, r1):  # pragma
 
 @functools.cache
 def row_kernel_address() -> int:
-    return cfunc(ROW_KERNEL, **JIT_ORDERED)(_row_kernel).address
+    return cfunc(ROW_KERNEL, **JIT_ORDERED)(row_kernel).address

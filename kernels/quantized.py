@@ -36,9 +36,13 @@ from eagerlm.kernels.aligned_arrays import aligned
 from eagerlm.kernels.cpu_activations import (
     PAD,
     SUPERBLOCK,
+    activation_arrays,
     quantize_activations,
+    quantize_into,
     quantize_superblocks,
+    quantize_superblocks_into,
     quantizer_address,
+    quantizer_function,
 )
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
 from eagerlm.kernels.cpu_row_kernel import RowKernel, register
@@ -190,14 +194,75 @@ def row_kernel(w: object) -> RowKernel | None:
 register(row_kernel)
 
 
+# -- compiling the kernels before the first forward (kernels/cpu_compile.py's groups) ------------
+# Three parts, so that each compiles once when the load splits them over two processes:
+# each type's own kernels, the activations' quantizers (shared by types), and the decode
+# replay's C entries (compiled after the load, with the replay's table).
+
 def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> None:
-    """Build and compile (or load from numba's disk cache) the kernels of `qtypes` and
-    nothing else, on tiny inputs (kernels/cpu_compile.py). The first forward would
-    otherwise pay it."""
+    """Build and compile (or load from numba's disk cache) the `gemv` and `dequant` of
+    `qtypes` and nothing else, on tiny inputs. `gemv` takes zeros in its activations'
+    layout: the quantizer that makes them is `warm_up_activations`'."""
     for qtype in sorted(set(qtypes), key=int):
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        cols = max(block, 32)
-        w = QuantizedMatrix(qtype, (1, cols), np.zeros((1, cols // block * type_size), np.uint8))
-        quantized_linear(np.zeros((1, cols), np.float32), w)  # `gemv`
+        w = _tiny(qtype)
+        block_type = BLOCK_TYPES[qtype]
+        k = w.shape[1]
+        if block_type.activation_group:
+            acts = activation_arrays(1, k, block_type.activation_group,
+                                     superblocks=block_type.superblocks)
+            for a in acts:
+                a[...] = 0
+        else:
+            acts = (np.zeros((1, k), np.float32),)
+        w.kernels.gemv(w.blocks, *acts, np.empty((1, 1), np.float32), 0, 1)
         w.dequantize()  # `dequant`, the tiles
-        row_kernel(w)  # the decode replay's `gemv` and quantizer
+
+
+def warm_up_activations(qtypes: Iterable[GGMLQuantizationType]) -> None:
+    """The activations' quantizers (kernels/cpu_activations.py) the `gemv` of `qtypes`
+    take their input from: one per layout, whatever the group."""
+    for qtype in _one_per_quantizer(qtypes):
+        gemv_activations(qtype, np.zeros(_tiny(qtype).shape, np.float32))
+
+
+def warm_up_row_kernels(qtypes: Iterable[GGMLQuantizationType]) -> None:
+    """The decode replay's C entries of `qtypes`: each one's `gemv` and quantizer as C
+    functions (`row_kernel`)."""
+    for qtype in sorted(set(qtypes), key=int):
+        row_kernel(_tiny(qtype))
+
+
+def activation_kernels(qtypes: Iterable[GGMLQuantizationType]) -> list:
+    """The quantizers' numba dispatchers `warm_up_activations` compiles."""
+    return [quantize_superblocks_into if BLOCK_TYPES[q].superblocks else quantize_into
+            for q in _one_per_quantizer(qtypes)]
+
+
+def row_kernel_functions(qtypes: Iterable[GGMLQuantizationType]) -> list:
+    """The Python functions `warm_up_row_kernels` compiles as C functions (numba caches
+    them on disk as it does its dispatchers)."""
+    functions = []
+    for qtype in sorted(set(qtypes), key=int):
+        block_type = BLOCK_TYPES[qtype]
+        functions.append(kernels(qtype).row_kernel)
+        if block_type.activation_group:
+            functions.append(quantizer_function(block_type.superblocks,
+                                                block_type.activation_group))
+    return functions
+
+
+def _one_per_quantizer(qtypes: Iterable[GGMLQuantizationType]) -> list[GGMLQuantizationType]:
+    """One of `qtypes` for each quantizer their `gemv` take (none for F16 / BF16)."""
+    by_layout = {}
+    for qtype in sorted(set(qtypes), key=int):
+        block_type = BLOCK_TYPES[qtype]
+        if block_type.activation_group:
+            by_layout.setdefault(block_type.superblocks, qtype)
+    return list(by_layout.values())
+
+
+def _tiny(qtype: GGMLQuantizationType) -> QuantizedMatrix:
+    """A one-row matrix of zeros of `qtype`, of whole activation layouts."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    cols = max(block, 32)
+    return QuantizedMatrix(qtype, (1, cols), np.zeros((1, cols // block * type_size), np.uint8))

@@ -58,10 +58,12 @@ class BlockType:
     `prompt_run_rows`: 0 where more rows (a prompt) take the float32 tiles, else they
     take `gemv` too, in runs of that many rows of x: where that measured faster on
     prompts (the superblock types, whose integer sub-scales keep a superblock's dot
-    products in integers; 32 rows for the IQ types, whose grids cost more to decode
-    again for each run; F16, whose register tiles beat its tiles' BLAS; not IQ4_XS,
-    level, nor the 32-value blocks, a float multiply-add per 32 products, nor BF16, whose
-    shifts cost more than F16C's conversions: docs/performance.md)."""
+    products in integers; 32 rows for the IQ grid types, whose grids cost more to decode
+    again for each run; 64 for IQ4_XS, whose signed codes cost its dot products one more
+    instruction than the others', so that it gains on the tiles only in long runs; F16,
+    whose register tiles beat its tiles' BLAS; not the 32-value blocks, a float
+    multiply-add per 32 products, nor BF16, whose shifts cost more than F16C's
+    conversions: docs/performance.md)."""
 
     qtype: GGMLQuantizationType
     loops: str
@@ -118,7 +120,7 @@ BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (
     _blocks(Q.IQ3_XXS, 32, offset=62, prompt_run_rows=32),
     _blocks(Q.IQ3_S, 32, offset=15, prompt_run_rows=32),
     _blocks(Q.IQ4_NL, 32, signed=True),
-    _blocks(Q.IQ4_XS, 32, signed=True),
+    _blocks(Q.IQ4_XS, 32, signed=True, prompt_run_rows=64),
     _blocks(Q.TQ1_0, 32, offset=1, prompt_run_rows=16),
     _blocks(Q.TQ2_0, 32, offset=1, prompt_run_rows=16),
     _blocks(Q.MXFP4, 32, offset=12),

@@ -45,7 +45,7 @@ from eagerlm.kernels.cpu_activations import (
     quantize_superblocks,
 )
 from eagerlm.kernels.cpu_backend import cpu_transformer, held_bytes
-from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES
+from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
 from eagerlm.kernels.cpu_quant_loops import MAX_ROWS
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, CoreWorkers
 from eagerlm.kernels.numpy_ops import NumpyOps
@@ -239,6 +239,22 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(qtype):
     batched = quantized_linear(x, w)
     alone = np.concatenate([quantized_linear(x[j:j + 1], w) for j in range(n)])
     np.testing.assert_array_equal(batched.view(np.uint32), alone.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_the_warm_up_compiles_the_gemv_every_product_calls(qtype):
+    """`quantized.warm_up` compiles `gemv` on zeros in its activations' layout, not
+    through the quantizer (kernels/cpu_compile.py: each kernel in one group): one row, a
+    batch and a prompt's runs then call that compiled `gemv`, and compile no other."""
+    quantized.warm_up([qtype])
+    gemv = kernels(qtype).gemv
+    compiled = list(gemv.signatures)
+    assert len(compiled) == 1
+    w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, np.random.default_rng(int(qtype)))
+    run = BLOCK_TYPES[qtype].prompt_run_rows
+    for n in (1, 3, 2 * run + 3 if run else 2):
+        quantized_linear(np.ones((n, IN_FEATURES), np.float32), w)
+    assert gemv.signatures == compiled
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)

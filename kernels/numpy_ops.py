@@ -460,10 +460,11 @@ class NumpyOps:
     # -- the forward in one call ------------------------------------------------------
 
     def replay(self, transformer: Transformer, batch: ForwardBatch) -> np.ndarray | None:
-        """A batch of n decode rows (every session one new row, every row's logits
-        wanted) from the recording of the first such forward (kernels/
-        cpu_decode_program.py: one compiled call instead of ~16 per layer); None for any
-        other batch, a tensor-parallel group, ops whose class changes one of these ops'
+        """A batch of n rows whose logits are all wanted (every session one new row, or
+        a speculative round's verification rows: a session's rows, each at its own
+        position, attend as rows alone do) from the recording of the first such forward
+        (kernels/cpu_decode_program.py: one compiled call instead of ~16 per layer); None
+        for any other batch, a tensor-parallel group, ops whose class changes one of these ops'
         arithmetic (a test's reference, which the recording would bypass), a model the
         recording cannot express, or while the table's kernel is still compiling in the
         background (`TABLE_READY`, kernels/cpu_compile.py)."""
@@ -472,8 +473,7 @@ class NumpyOps:
             return None
         decode = DecodeRows.of(batch)
         n = len(batch.tokens)
-        if (decode is None or len(decode.rows) != n or len(batch.seqs) != n
-                or len(batch.logit_rows) != n
+        if (decode is None or len(decode.rows) != n or len(batch.logit_rows) != n
                 or not np.array_equal(decode.rows, np.arange(n))
                 or not np.array_equal(batch.logit_rows, np.arange(n))):
             return None

@@ -100,16 +100,39 @@ def test_a_replayed_decode_step_of_a_quantized_model_gives_the_logits_of_the_ops
         write_synthetic_model(tmp_path / "m.gguf", spec))))
 
 
+def test_a_sessions_several_rows_replay_with_the_logits_of_the_ops(tmp_path):
+    """A speculative round's verification rows (a session's consecutive rows, every row's
+    logits wanted) beside other sessions' decode rows: replayed, each row attending at its
+    own position, with the ops' logits and caches."""
+    tf = loaded(ModelFile.open(write_synthetic_model(tmp_path / "m.gguf",
+                                                     tiny_spec("llama", n_layers=2))))
+    (replayed, by_ops), positions = prefilled(tf)
+
+    def batch(caches):
+        return ForwardBatch(np.array([11, 12, 13, 14, 15], np.int32),
+                            [SeqSlice(0, 1, positions[0], caches[0]),
+                             SeqSlice(1, 3, positions[1], caches[1]),
+                             SeqSlice(4, 1, positions[2], caches[2])], np.arange(5))
+    got = tf.forward(batch(replayed))
+    want = tf.run(batch(by_ops), tf.ops)
+    assert tf.ops._programs[(id(tf), 5)] is not None  # it was replayed
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_array_equal(got.argmax(axis=1), want.argmax(axis=1))
+    for a, b in zip(replayed, by_ops, strict=True):
+        np.testing.assert_allclose(a.data, b.data, rtol=1e-4, atol=1e-5)
+
+
 def test_what_the_table_cannot_express_runs_op_by_op(tmp_path):
-    """A prompt row in the batch and logits of some rows only take the ops; a mixture of
-    experts and attention sinks are not recorded (tried once, not again)."""
+    """A prompt (the logits of its last row only) and logits of some rows only take the
+    ops; a mixture of experts and attention sinks are not recorded (tried once, not
+    again)."""
     model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", tiny_spec("llama")))
     tf = loaded(model)
     (caches,), positions = prefilled(tf, 1)
     tokens = np.array([11, 12, 13], np.int32)
     mixed = ForwardBatch(np.array([11, 12, 13, 14], np.int32),
                          [SeqSlice(0, 1, 5, caches[0]), SeqSlice(1, 2, 19, caches[1]),
-                          SeqSlice(3, 1, 30, caches[2])], np.arange(4))
+                          SeqSlice(3, 1, 30, caches[2])], np.array([0, 2, 3]))
     assert tf.ops.replay(tf, mixed) is None
     some = decode_batch(tokens, caches, positions)
     some.logit_rows = np.array([0, 2])
@@ -186,7 +209,7 @@ def test_a_step_waits_for_the_steps_before_it_only_where_it_reads_their_output(t
 def test_a_row_replayed_alone_is_the_same_bits_as_beside_a_prompt_op_by_op(tmp_path):
     """Batch invariance (docs/architecture.md): a session's decode row replayed in a
     batch of its own and the same row beside another session's prompt rows (a batch the
-    replay declines, run op by op) give the same logits, bit for bit, on a quantized model
+    replay declines, the prompt's last logits only: run op by op) give the same logits, bit for bit, on a quantized model
     (8-bit activations would turn a last-bit difference into a rounding step)."""
     spec = tiny_spec("qwen3", d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512,
                      weight_type=Q.Q8_0)
@@ -199,6 +222,6 @@ def test_a_row_replayed_alone_is_the_same_bits_as_beside_a_prompt_op_by_op(tmp_p
                                                   cfg.head_dim).token_shape), np.float32))
     batch = ForwardBatch(np.array([42, 7, 8, 9, 10, 11], np.int32),
                          [SeqSlice(0, 1, positions[0], mixed[0]), SeqSlice(1, 5, 0, other)],
-                         np.arange(6))
+                         np.array([0, 5]))  # the prompt's last row's logits
     assert tf.ops.replay(tf, batch) is None
     np.testing.assert_array_equal(got[0], tf.forward(batch)[0])

@@ -209,8 +209,9 @@ def test_a_step_waits_for_the_steps_before_it_only_where_it_reads_their_output(t
 def test_a_row_replayed_alone_is_the_same_bits_as_beside_a_prompt_op_by_op(tmp_path):
     """Batch invariance (docs/architecture.md): a session's decode row replayed in a
     batch of its own and the same row beside another session's prompt rows (a batch the
-    replay declines, the prompt's last logits only: run op by op) give the same logits, bit for bit, on a quantized model
-    (8-bit activations would turn a last-bit difference into a rounding step)."""
+    replay declines, the prompt's last logits only: run op by op) give the same logits,
+    bit for bit, on a quantized model (8-bit activations would turn a last-bit difference
+    into a rounding step)."""
     spec = tiny_spec("qwen3", d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512,
                      weight_type=Q.Q8_0)
     tf = loaded(ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", spec)))

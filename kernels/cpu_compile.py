@@ -249,11 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     when it is there."""
     types, *names = list(sys.argv[1:] if argv is None else argv)
     members = GGMLQuantizationType.__members__
-    qtypes = [members[n] for n in types.split(",") if n in members]
-    if len(qtypes) != len([n for n in types.split(",") if n]) \
-            or any(q not in BLOCK_TYPES for q in qtypes):
+    listed = [n for n in types.split(",") if n]
+    if any(n not in members or members[n] not in BLOCK_TYPES for n in listed):
         return 2
-    groups = {g.name: g for g in _groups(qtypes)}
+    groups = {g.name: g for g in _groups(members[n] for n in listed)}
     if any(name not in groups for name in names):
         return 2
     for name in names:

@@ -588,6 +588,25 @@ def lane_sum(typingctx, value):
 
 
 @intrinsic
+def lane_sums8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
+    """The lane sums of eight Float32x8s as one Float32x8 (lane i: the sum of a_i's
+    lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), whatever the other seven hold):
+    eight dot products finished in three rounds of pairwise adds (`vhaddps` on x86)
+    instead of eight `lane_sum`s."""
+    def codegen(context, builder, signature, args):
+        def pairwise(x, y, lanes):
+            even = builder.shuffle_vector(x, y, _constant_lanes(_vec(_I32, 8), lanes[0]))
+            odd = builder.shuffle_vector(x, y, _constant_lanes(_vec(_I32, 8), lanes[1]))
+            return builder.fadd(even, odd)
+        hadd = ([0, 2, 8, 10, 4, 6, 12, 14], [1, 3, 9, 11, 5, 7, 13, 15])
+        halves = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+        pairs = [pairwise(args[i], args[i + 1], hadd) for i in range(0, 8, 2)]
+        quads = [pairwise(pairs[0], pairs[1], hadd), pairwise(pairs[2], pairs[3], hadd)]
+        return pairwise(quads[0], quads[1], halves)
+    return float32x8(a0, a1, a2, a3, a4, a5, a6, a7), codegen
+
+
+@intrinsic
 def load_f32x8(typingctx, array, offset):
     """8 float32 of a float32 array from item `offset` on."""
     def codegen(context, builder, signature, args):
@@ -676,3 +695,19 @@ def half_to_float(typingctx, bits):
         raw = builder.trunc(context.cast(builder, args[0], signature.args[0], types.int64), _I16)
         return builder.fpext(builder.bitcast(raw, _HALF), _F32)
     return types.float32(bits), codegen
+
+
+@intrinsic
+def prefetch(typingctx, array, offset):
+    """Ask for the cache line holding item `offset` of an array ahead of its use (x86's
+    `prefetcht0`): for reads at strides the hardware prefetcher does not follow, such as
+    one layer's K and V rows of a token-major cache."""
+    def codegen(context, builder, signature, args):
+        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+                           signature.args[1], _I8)
+        fn = builder.module.declare_intrinsic(
+            "llvm.prefetch", [ptr.type],
+            ir.FunctionType(ir.VoidType(), [ptr.type, _I32, _I32, _I32]))
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.void(array, offset), codegen

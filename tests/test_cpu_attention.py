@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
-from eagerlm.kernels.cpu_attention import QUERY_BLOCK, DecodeRows
+from eagerlm.kernels.cpu_attention import QUERY_BLOCK, TILE_FLOATS, DecodeRows
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.vmm.kv_layout import TokenMajorKV
@@ -51,14 +51,14 @@ def batch_of(kvs, n_pasts, n_news) -> ForwardBatch:
 def float64_attention(kv, layer: int, q_rows: np.ndarray, first: int, scale: float,
                       window: int) -> np.ndarray:
     """Rows of q at positions first, first + 1, ... over the cache, in float64."""
-    out = np.empty((len(q_rows), N_HEADS, HEAD_DIM))
-    group = N_HEADS // N_KV
+    out = np.empty(q_rows.shape)
+    group = q_rows.shape[1] // kv.k(layer).shape[1]
     for r, q in enumerate(q_rows.astype(np.float64)):
         pos = first + r
         lo = max(0, pos - window + 1) if window else 0
         keys = kv.k(layer)[lo:pos + 1].astype(np.float64)
         values = kv.v(layer)[lo:pos + 1].astype(np.float64)
-        for head in range(N_HEADS):
+        for head in range(q_rows.shape[1]):
             s = keys[:, head // group] @ q[head] * scale
             p = np.exp(s - s.max())
             out[r, head] = p @ values[:, head // group] / p.sum()
@@ -134,6 +134,29 @@ def test_a_prompts_rows_attend_alike_at_once_in_chunks_and_beside_other_sessions
     for cuts, other in (([0, 1, 5, 12, n], False), ([0, 7, 23, n], True), ([0, n], True),
                         (list(range(n + 1)), False)):
         np.testing.assert_array_equal(prefill(cuts, other), whole)
+
+
+@pytest.mark.parametrize("window", [0, 70])
+def test_rows_over_several_tiles_of_keys_attend_like_float64_and_alike_in_any_block(window):
+    """Past a tile of keys (`TILE_FLOATS` / head_dim: 64 keys at head_dim 64), with blocks
+    and windows that cross tiles: every row within float32 rounding of float64, and a
+    prompt's rows the same bits as each row alone (a decode row at its position)."""
+    head_dim, n_heads, n_kv, first, n = 64, 8, 2, 150, 50
+    tile_keys = TILE_FLOATS // head_dim
+    assert first < 3 * tile_keys < first + n
+    rng = np.random.default_rng(6)
+    kv = TokenMajorKV(rng.standard_normal((first + n, 4, 2, n_kv, head_dim)).astype(
+        np.float32))
+    q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32)
+    ops = NumpyOps()
+    prompt = ops.attention(batch_of([kv], [first], [n]), 2, q, scale=0.125,
+                           window=window).reshape(q.shape)
+    np.testing.assert_allclose(prompt, float64_attention(kv, 2, q, first, 0.125, window),
+                               rtol=2e-5, atol=2e-6)
+    for r in (0, n // 2, n - 1):
+        alone = ops.attention(batch_of([kv], [first + r], [1]), 2, q[r:r + 1], scale=0.125,
+                              window=window).reshape(1, n_heads, head_dim)
+        np.testing.assert_array_equal(alone[0], prompt[r])
 
 
 def test_a_cache_the_kernels_cannot_address_takes_the_numpy_path():

@@ -67,7 +67,7 @@ from eagerlm.kernels.cpu_simd import (
     store_bytes,
     store_u64,
 )
-from eagerlm.kernels.iq_tables import grid_words, iq4_codebook, sign_patterns
+from eagerlm.kernels.iq_tables import grid_words, iq4_codebook, sign_masks
 from eagerlm.kernels.numba_settings import JIT_ORDERED
 
 _INLINE = {**JIT_ORDERED, "inline": "always"}
@@ -83,7 +83,7 @@ def _table32(values) -> np.ndarray:
 _IQ4_VALUES = _table32(iq4_codebook())
 # e2m1 values doubled (gguf-py's), shifted up by 12: codes 0..24 (code offset 12)
 _FP4_CODES = _table32(np.array(quants.MXFP4.kvalues, np.int8) + 12)
-_SIGNS = sign_patterns()
+_SIGN_MASKS = sign_masks()
 _IQ2_XXS_GRID = grid_words(quants.IQ2_XXS, 8)
 _IQ2_XS_GRID = grid_words(quants.IQ2_XS, 8)
 _IQ2_S_GRID = grid_words(quants.IQ2_S, 8)
@@ -390,13 +390,6 @@ def decode_iq4_xs(row, o, q, isc, imn):
 # -- IQ2 / IQ3: grid entries with signs -----------------------------------------------------
 
 @njit(**_INLINE)
-def _signs4(a, b, c, d):
-    """The 7-bit sign indices a..d of four 8-value groups as one lane flag word."""
-    return (np.int64(_SIGNS[a]) | (np.int64(_SIGNS[b]) << 8) | (np.int64(_SIGNS[c]) << 16)
-            | (np.int64(_SIGNS[d]) << 24))
-
-
-@njit(**_INLINE)
 def decode_iq2_xxs(row, o, q, isc, imn):
     """66 bytes: float16 d, then per 32 values two uint32: four grid indices (bytes), and
     four 7-bit sign indices plus a 4-bit scale s: d * (0.5 + s) / 4, here d / 8 times
@@ -406,8 +399,9 @@ def decode_iq2_xxs(row, o, q, isc, imn):
         aux = load_u32(row, at + 4)
         isc[s] = 2 * (aux >> 28) + 1
         grid = gather_u64x4(_IQ2_XXS_GRID, row[at], row[at + 1], row[at + 2], row[at + 3])
-        signs = _signs4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
-        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs, 0xFF)) + _IQ2_OFFSET)
+        signs = gather_u64x4(_SIGN_MASKS, aux & 127, (aux >> 7) & 127, (aux >> 14) & 127,
+                             (aux >> 21) & 127)
+        store_bytes(q, 32 * s, negate_where(grid, signs) + _IQ2_OFFSET)
     return load_f16(row, o) * np.float32(0.125), np.float32(0.0)
 
 
@@ -431,8 +425,8 @@ def decode_iq2_xs(row, o, q, isc, imn):
         e0, e1 = load_u16(row, at), load_u16(row, at + 2)
         e2, e3 = load_u16(row, at + 4), load_u16(row, at + 6)
         grid = gather_u64x4(_IQ2_XS_GRID, e0 & 511, e1 & 511, e2 & 511, e3 & 511)
-        signs = _signs4(e0 >> 9, e1 >> 9, e2 >> 9, e3 >> 9)
-        store_bytes(q, 32 * c, negate_where(grid, bit_lanes(signs, 0xFF)) + _IQ2_OFFSET)
+        signs = gather_u64x4(_SIGN_MASKS, e0 >> 9, e1 >> 9, e2 >> 9, e3 >> 9)
+        store_bytes(q, 32 * c, negate_where(grid, signs) + _IQ2_OFFSET)
     return d, np.float32(0.0)
 
 
@@ -466,8 +460,9 @@ def decode_iq3_xxs(row, o, q, isc, imn):
         at = o + 2 + 8 * s
         grid = gather_u32x8(_IQ3_XXS_GRID, row[at], row[at + 1], row[at + 2], row[at + 3],
                             row[at + 4], row[at + 5], row[at + 6], row[at + 7])
-        signs = _signs4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
-        store_bytes(q, 32 * s, negate_where(grid, bit_lanes(signs, 0xFF)) + _IQ3_XXS_OFFSET)
+        signs = gather_u64x4(_SIGN_MASKS, aux & 127, (aux >> 7) & 127, (aux >> 14) & 127,
+                             (aux >> 21) & 127)
+        store_bytes(q, 32 * s, negate_where(grid, signs) + _IQ3_XXS_OFFSET)
     return load_f16(row, o) * np.float32(0.25), np.float32(0.0)
 
 

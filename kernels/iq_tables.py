@@ -73,6 +73,15 @@ def sign_patterns() -> np.ndarray:
     return np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8).copy()
 
 
+def sign_masks() -> np.ndarray:
+    """The sign patterns as uint64 words of 8 byte lanes, 0xFF where a value is negated:
+    one table load per 8 values where a pattern byte took a load and the spreading of its
+    bits over the lanes."""
+    bits = (sign_patterns()[:, None] >> np.arange(8, dtype=np.uint8)) & 1
+    return np.bitwise_or.reduce((bits.astype(np.uint64) * 0xFF)
+                                << (8 * np.arange(8, dtype=np.uint64)), axis=1)
+
+
 def iq4_codebook() -> np.ndarray:
     """The IQ4_NL / IQ4_XS codebook, int8."""
     return np.array(quants.IQ4_NL.kvalues, dtype=np.int8)

@@ -504,10 +504,20 @@ def assert_within_eight_bit_noise(quant: list[np.ndarray], reference_: list[np.n
     one decode step's mean distance ranges 0.07-1.2 for either). So each is one draw of the
     same activation noise: over every row of a prefill and its decode steps, the mean
     distance to the float logits within 1.5x the reference's (measured 0.95-1.05x), and the
-    float path's top token kept as often, to one row in 20."""
+    float path's top token kept as often, to one row in 20, where it leads by more than
+    that noise (the reference's mean distance). A top token that leads by less is a draw
+    too: on the demo model, after a change to the attention's float32 sums alone, the
+    quantized path left it on 5 rows of 67 and the reference on 1, every one of them with
+    the float path's top two within 0.08 of each other, the noise being 0.22."""
     q, r, f = (np.concatenate(rows) for rows in (quant, reference_, float_))
-    assert np.abs(q - f).mean() <= 1.5 * np.abs(r - f).mean() + 1e-6 * np.abs(f).max()
-    assert (q.argmax(-1) == f.argmax(-1)).mean() >= (r.argmax(-1) == f.argmax(-1)).mean() - 0.05
+    noise = np.abs(r - f).mean()
+    assert np.abs(q - f).mean() <= 1.5 * noise + 1e-6 * np.abs(f).max()
+    top_two = np.sort(f, axis=-1)[:, -2:]
+    clear = top_two[:, 1] - top_two[:, 0] > noise
+    assert clear.mean() >= 0.5  # most rows say something
+    kept_q = (q.argmax(-1) == f.argmax(-1))[clear].mean()
+    kept_r = (r.argmax(-1) == f.argmax(-1))[clear].mean()
+    assert kept_q >= kept_r - 0.05, (kept_q, kept_r)
 
 
 def test_every_product_of_a_quantized_forward_is_its_input_in_8_bits_times_the_weights(

@@ -192,6 +192,14 @@ def _first_key(pos: int, window: int) -> int:
 
 
 @njit(inline="always", **_JIT)
+def _tile_keys_seen(pos: int, window: int, t0: int, t1: int) -> tuple[int, int, int]:
+    """A row at `pos`: its first key, and the keys a .. e - 1 of tile t0 .. t1 - 1 it sees
+    (none where a >= e)."""
+    row_lo = _first_key(pos, window)
+    return row_lo, max(t0, row_lo), min(t1, pos + 1)
+
+
+@njit(inline="always", **_JIT)
 def _largest(a: np.ndarray, n: int):
     """The largest of a[0 .. n - 1] (n >= 1), by a loop: numba's `ndarray.max` compiles
     its own implementation first, 0.8 s of a cold load for the two here."""
@@ -268,9 +276,7 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
             t1 = min(t0 + tile_keys, last + 1)
             _gather(tile, cache, k_at, token_stride, t0, t1, hd)
             for r in range(m):
-                pos = first + r
-                row_lo = _first_key(pos, window)
-                a, e = max(t0, row_lo), min(t1, pos + 1)
+                row_lo, a, e = _tile_keys_seen(first + r, window, t0, t1)
                 for j in range(group):
                     k = r * group + j
                     at = k * width - row_lo  # key t's score at scores[at + t]
@@ -299,9 +305,7 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
             t1 = min(t0 + tile_keys, last + 1)
             _gather(tile, cache, v_at, token_stride, t0, t1, hd)
             for r in range(m):
-                pos = first + r
-                row_lo = _first_key(pos, window)
-                a, e = max(t0, row_lo), min(t1, pos + 1)
+                row_lo, a, e = _tile_keys_seen(first + r, window, t0, t1)
                 for j in range(group):
                     k = r * group + j
                     _add_values(acc, k * hd, scores, k * width - row_lo, tile, -t0 * hd, hd,

@@ -94,21 +94,22 @@ def _prefetch_row(cache: np.ndarray, at: int, hd: int) -> None:
 
 @njit(inline="always", **_JIT)
 def _gather(tile: np.ndarray, cache: np.ndarray, at: int, stride: int, a: int, b: int,
-            hd: int) -> None:
-    """tile[(t - a) * hd:(t - a + 1) * hd] = the cache row of key t (hd floats from
-    t * stride + at), t = a .. b - 1, asking for the rows PREFETCH_KEYS keys on as it
-    goes. The rows of consecutive keys in a token-major cache lie a token apart, 64 KiB
-    for a 16-layer model: they all fall in the same sets of the L1 and L2 caches, which
-    then hold 8 of them, so the dots and sums read a tile copied here instead."""
+            hd: int, span: int) -> None:
+    """tile[(t - a) * span:(t - a) * span + hd] = the cache row of key t (hd floats from
+    t * stride + at; `span` is hd rounded up to a multiple of 32, and the tile's floats in
+    between stay the zeros it was made with), t = a .. b - 1, asking for the rows
+    PREFETCH_KEYS keys on as it goes. The rows of consecutive keys in a token-major
+    cache lie a token apart, 64 KiB for a 16-layer model: they all fall in the same sets
+    of the L1 and L2 caches, which then hold 8 of them, so the dots and sums read a tile
+    copied here instead."""
     for t in range(a, b):
         _prefetch_row(cache, (t + PREFETCH_KEYS) * stride + at, hd)
-        o = (t - a) * hd
-        if hd % 8:
-            for d in range(hd):
-                tile[o + d] = cache[t * stride + at + d]
-        else:
-            for d in range(0, hd, 8):
-                store_f32x8(tile, o + d, load_f32x8(cache, t * stride + at + d))
+        o = (t - a) * span
+        whole = hd // 8 * 8
+        for d in range(0, whole, 8):
+            store_f32x8(tile, o + d, load_f32x8(cache, t * stride + at + d))
+        for d in range(whole, hd):
+            tile[o + d] = cache[t * stride + at + d]
 
 
 @njit(inline="always", **_JIT)
@@ -139,29 +140,13 @@ def _scores8(qs: np.ndarray, q_at: int, cache: np.ndarray, at: int, stride: int,
 
 
 @njit(inline="always", **_JIT)
-def _score(qs: np.ndarray, q_at: int, cache: np.ndarray, at: int, hd: int) -> np.float32:
-    """One query's dot with one key, value by value (head sizes not a multiple of 8)."""
-    s = np.float32(0.0)
-    for d in range(hd):
-        s += qs[q_at + d] * cache[at + d]
-    return s
-
-
-@njit(inline="always", **_JIT)
 def _add_values(acc: np.ndarray, acc_at: int, weights: np.ndarray, w_at: int,
                 cache: np.ndarray, v_at: int, stride: int, a: int, b: int, hd: int) -> None:
     """acc[acc_at:acc_at + hd] += weights[w_at + t] * V_t for keys t = a .. b - 1 in that
-    order (V_t at cache offset t * stride + v_at): 32 floats of the sum at a time in four
-    registers over all the keys, so that acc is read and written once per call, not once
-    per key."""
-    if hd % 8:
-        for t in range(a, b):
-            p = weights[w_at + t]
-            for d in range(hd):
-                acc[acc_at + d] += p * cache[t * stride + v_at + d]
-        return
-    d0 = 0
-    while d0 + 32 <= hd:
+    order (V_t at cache offset t * stride + v_at; hd a multiple of 32): 32 floats of the
+    sum at a time in four registers over all the keys, so that acc is read and written
+    once per call, not once per key."""
+    for d0 in range(0, hd, 32):
         x0, x1 = load_f32x8(acc, acc_at + d0), load_f32x8(acc, acc_at + d0 + 8)
         x2, x3 = load_f32x8(acc, acc_at + d0 + 16), load_f32x8(acc, acc_at + d0 + 24)
         for t in range(a, b):
@@ -175,14 +160,6 @@ def _add_values(acc: np.ndarray, acc_at: int, weights: np.ndarray, w_at: int,
         store_f32x8(acc, acc_at + d0 + 8, x1)
         store_f32x8(acc, acc_at + d0 + 16, x2)
         store_f32x8(acc, acc_at + d0 + 24, x3)
-        d0 += 32
-    while d0 < hd:
-        x0 = load_f32x8(acc, acc_at + d0)
-        for t in range(a, b):
-            x0 = muladd(load_f32x8(cache, t * stride + v_at + d0),
-                        zeros_f32x8() + weights[w_at + t], x0)
-        store_f32x8(acc, acc_at + d0, x0)
-        d0 += 8
 
 
 @njit(inline="always", **_JIT)
@@ -252,12 +229,16 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
     if window > 0:
         most_keys = min(most_keys, window + QUERY_BLOCK - 1)
     width = most_keys + 8  # a pair's scores, and room for `_scores8`'s last lanes
-    tile_keys = max(8, TILE_FLOATS // hd // 8 * 8)
-    qs = np.empty(QUERY_BLOCK * group * hd, np.float32)
+    # rows of hd rounded up to a multiple of 32, zeros after hd: every loop in whole vectors
+    # (the zeros add nothing to a dot or a sum), one code path to compile where head sizes
+    # not a multiple of 8 or 32 took two more (a cold load's attention 4.4 -> 3.6 s)
+    span = (hd + 31) // 32 * 32
+    tile_keys = max(8, TILE_FLOATS // span // 8 * 8)
+    qs = np.zeros(QUERY_BLOCK * group * span, np.float32)
     scores = np.empty(QUERY_BLOCK * group * width, np.float32)  # pair k's from its first key
     totals = np.empty(QUERY_BLOCK * group, np.float32)
-    acc = np.empty(QUERY_BLOCK * group * hd, np.float32)
-    tile = np.empty(tile_keys * hd, np.float32)  # a tile's K (then V) rows, contiguous
+    acc = np.empty(QUERY_BLOCK * group * span, np.float32)
+    tile = np.zeros(tile_keys * span, np.float32)  # a tile's K (then V) rows, contiguous
     for item in range(share, n_blocks * n_kv, shares):
         b, h = item // n_kv, item % n_kv
         i0, m = starts[b], starts[b + 1] - starts[b]
@@ -269,24 +250,20 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
         for r in range(m):
             for j in range(group):
                 for d in range(hd):
-                    qs[(r * group + j) * hd + d] = (q[rows[i0 + r], h * group + j, d]
-                                                    * np.float32(scale))
+                    qs[(r * group + j) * span + d] = (q[rows[i0 + r], h * group + j, d]
+                                                      * np.float32(scale))
         # the scores, a tile of keys at a time for every row and head that sees them
         for t0 in range(lo, last + 1, tile_keys):
             t1 = min(t0 + tile_keys, last + 1)
-            _gather(tile, cache, k_at, token_stride, t0, t1, hd)
+            _gather(tile, cache, k_at, token_stride, t0, t1, hd, span)
             for r in range(m):
                 row_lo, a, e = _tile_keys_seen(first + r, window, t0, t1)
                 for j in range(group):
                     k = r * group + j
                     at = k * width - row_lo  # key t's score at scores[at + t]
                     for c in range(a, e, 8):
-                        if hd % 8:
-                            for t in range(c, min(c + 8, e)):
-                                scores[at + t] = _score(qs, k * hd, tile, (t - t0) * hd, hd)
-                        else:
-                            store_f32x8(scores, at + c, _scores8(
-                                qs, k * hd, tile, (c - t0) * hd, hd, min(8, e - c), hd))
+                        store_f32x8(scores, at + c, _scores8(
+                            qs, k * span, tile, (c - t0) * span, span, min(8, e - c), span))
         for r in range(m):
             pos = first + r
             seen = pos + 1 - _first_key(pos, window)
@@ -300,21 +277,21 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
                 if use_sinks:
                     total += np.exp(sinks[h * group + j] - top)
                 totals[k] = total
-        acc[:m * group * hd] = 0.0
+        acc[:m * group * span] = 0.0
         for t0 in range(lo, last + 1, tile_keys):
             t1 = min(t0 + tile_keys, last + 1)
-            _gather(tile, cache, v_at, token_stride, t0, t1, hd)
+            _gather(tile, cache, v_at, token_stride, t0, t1, hd, span)
             for r in range(m):
                 row_lo, a, e = _tile_keys_seen(first + r, window, t0, t1)
                 for j in range(group):
                     k = r * group + j
-                    _add_values(acc, k * hd, scores, k * width - row_lo, tile, -t0 * hd, hd,
-                                a, e, hd)
+                    _add_values(acc, k * span, scores, k * width - row_lo, tile, -t0 * span,
+                                span, a, e, span)
         for r in range(m):
             for j in range(group):
                 k = r * group + j
                 for d in range(hd):
-                    out[rows[i0 + r], h * group + j, d] = acc[k * hd + d] / totals[k]
+                    out[rows[i0 + r], h * group + j, d] = acc[k * span + d] / totals[k]
 
 
 @dataclass(frozen=True)

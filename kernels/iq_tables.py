@@ -62,7 +62,13 @@ def grid_words(cls: type, width: int) -> np.ndarray:
     """gguf-py's grid of an IQ type, each entry's values as one little-endian integer of
     `width` bytes (uint64 or uint32; int8 values as their two's-complement bytes): the
     layout both the CUDA header and the cpu decoders (kernels/cpu_block_decoders.py) read."""
-    as_bytes = (grid_values(cls) & 0xFF).astype(np.uint64)
+    return _words(grid_values(cls), width)
+
+
+def _words(byte_rows: np.ndarray, width: int) -> np.ndarray:
+    """Each row of `width` bytes (int8 as its two's complement) as one little-endian
+    integer: uint64 for 8 bytes a row, uint32 for 4."""
+    as_bytes = (np.asarray(byte_rows, np.int64) & 0xFF).astype(np.uint64)
     shifts = (8 * np.arange(width, dtype=np.uint64))[None, :]
     words = np.bitwise_or.reduce(as_bytes << shifts, axis=1)
     return words.astype(np.uint64 if width == 8 else np.uint32)
@@ -78,8 +84,7 @@ def sign_masks() -> np.ndarray:
     one table load per 8 values where a pattern byte took a load and the spreading of its
     bits over the lanes."""
     bits = (sign_patterns()[:, None] >> np.arange(8, dtype=np.uint8)) & 1
-    return np.bitwise_or.reduce((bits.astype(np.uint64) * 0xFF)
-                                << (8 * np.arange(8, dtype=np.uint64)), axis=1)
+    return _words(bits * 0xFF, 8)
 
 
 def iq4_codebook() -> np.ndarray:

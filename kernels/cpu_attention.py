@@ -15,7 +15,7 @@ row); only caches the kernels cannot address take the numpy path (kernels/numpy_
 Keys are read a tile at a time, copied out of the cache first: in the token-major cache
 one layer's rows of consecutive keys are a power of two apart and share the L1 and L2
 sets (2026-11-28: a 1B model's 128-token prompt attention 44 -> 24 ms, one row at a
-2048-token context 28 -> 13 ms for the 16 layers).
+2048-token context 17.6 -> 12.6 ms for the 16 layers).
 
 Sessions' caches are separate regions (vmm/kv_region.py), so the kernels address them
 through a table of base addresses built once per batch (`DecodeRows`) and reused by every
@@ -97,15 +97,15 @@ def _gather(tile: np.ndarray, cache: np.ndarray, at: int, stride: int, a: int, b
             hd: int, span: int) -> None:
     """tile[(t - a) * span:(t - a) * span + hd] = the cache row of key t (hd floats from
     t * stride + at; `span` is hd rounded up to a multiple of 32, and the tile's floats in
-    between stay the zeros it was made with), t = a .. b - 1, asking for the rows
+    between stay the zeros `_attend_rows` wrote), t = a .. b - 1, asking for the rows
     PREFETCH_KEYS keys on as it goes. The rows of consecutive keys in a token-major
     cache lie a token apart, 64 KiB for a 16-layer model: they all fall in the same sets
     of the L1 and L2 caches, which then hold 8 of them, so the dots and sums read a tile
     copied here instead."""
+    whole = hd // 8 * 8
     for t in range(a, b):
         _prefetch_row(cache, (t + PREFETCH_KEYS) * stride + at, hd)
         o = (t - a) * span
-        whole = hd // 8 * 8
         for d in range(0, whole, 8):
             store_f32x8(tile, o + d, load_f32x8(cache, t * stride + at + d))
         for d in range(whole, hd):
@@ -234,11 +234,16 @@ def _attend_rows(q: np.ndarray, out: np.ndarray, rows: np.ndarray, bases: np.nda
     # not a multiple of 8 or 32 took two more (a cold load's attention 4.4 -> 3.6 s)
     span = (hd + 31) // 32 * 32
     tile_keys = max(8, TILE_FLOATS // span // 8 * 8)
-    qs = np.zeros(QUERY_BLOCK * group * span, np.float32)
+    qs = np.empty(QUERY_BLOCK * group * span, np.float32)
     scores = np.empty(QUERY_BLOCK * group * width, np.float32)  # pair k's from its first key
     totals = np.empty(QUERY_BLOCK * group, np.float32)
     acc = np.empty(QUERY_BLOCK * group * span, np.float32)
-    tile = np.zeros(tile_keys * span, np.float32)  # a tile's K (then V) rows, contiguous
+    tile = np.empty(tile_keys * span, np.float32)  # a tile's K (then V) rows, contiguous
+    # the padding past hd, zeros never written after this; none to zero for the usual head
+    # sizes (the decode replay makes these buffers once per row and KV head)
+    if span > hd:
+        qs[:] = 0.0
+        tile[:] = 0.0
     for item in range(share, n_blocks * n_kv, shares):
         b, h = item // n_kv, item % n_kv
         i0, m = starts[b], starts[b + 1] - starts[b]

@@ -54,8 +54,7 @@ from eagerlm.kernels.cpu_threads import core_count
 # (Python, numpy, numba, eagerlm): weights for the split, measured on the quiet machine
 # (docs/performance.md: row ops 1.7, attention 3.7 with numba's own start-up since its
 # tiles (2.5 before), the activations' two quantizers 0.8, the demo model's types
-# 1.4-1.7). The replay's group
-# compiles after the load and needs no weight.
+# 1.4-1.7). The replay's group compiles after the load and needs no weight.
 _COLD_SECONDS = {"row_ops": 1.7, "attention": 3.7, "activations": 0.8}
 _TYPE_COLD_SECONDS = 1.5
 _HELPER_START_SECONDS = 1.0

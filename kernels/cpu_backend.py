@@ -17,7 +17,7 @@ from eagerlm.kernels.cpu_threads import hold_blas_to_one_thread
 from eagerlm.kernels.host_collective import HostCollective
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.numpy_ops import NumpyOps
-from eagerlm.kernels.quantized import QuantizedMatrix
+from eagerlm.kernels.quantized import QuantizedMatrix, dequantized_types
 from eagerlm.kernels.weight_memory import available_memory, check_fits
 from eagerlm.loader.gguf_file import TensorInfo
 from eagerlm.loader.model_file import ModelFile
@@ -29,10 +29,6 @@ WEIGHTS_MODES: tuple[WeightsMode, ...] = ("quantized", "float")
 
 CpuWeight = np.ndarray | QuantizedMatrix | ExpertMatrices
 
-# bytes a second the load copies the weights at (the demo model's, from the page cache, on
-# this project's 2-core machine: 0.52 GB/s), for the kernels' compile to split its work
-# with the seconds the copy takes (kernels/cpu_compile.py's `start_compile`)
-WEIGHTS_COPY_RATE = 0.5e9
 
 
 def keeps_blocks(info: TensorInfo, weights: WeightsMode) -> bool:
@@ -122,13 +118,14 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
             on_bytes(done, total)
         return handle
 
-    # the kernels of the types held as blocks: a helper process starts compiling its share
-    # while this one copies the weights (a type without kernels: `QuantizedMatrix.of`
-    # refuses the file)
-    copied = sum(info.n_bytes for info in f.tensors.values() if not maps_in_place(info, weights))
-    compiling = start_compile({info.qtype for info in f.tensors.values()
-                               if keeps_blocks(info, weights) and info.qtype in BLOCK_TYPES},
-                              head_start=copied / WEIGHTS_COPY_RATE)
+    # the kernels of the types held as blocks: a helper process starts compiling while
+    # this one copies the weights (a type without kernels: `QuantizedMatrix.of` refuses
+    # the file)
+    held_types = {info.qtype for info in f.tensors.values()
+                  if keeps_blocks(info, weights) and info.qtype in BLOCK_TYPES}
+    embedding = f.tensors.get("token_embd.weight")
+    compiling = start_compile(held_types, dequantized_types(
+        held_types, None if embedding is None else embedding.qtype))
     if on_bytes is not None:
         on_bytes(0, total)
     held = build_weights(f, model.config,

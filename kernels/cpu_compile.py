@@ -9,13 +9,18 @@ compiled kernel on disk, so this costs a second or less after the first load; th
 costs several seconds of CPU, and numba compiles one function at a time in a process (a
 global lock). So when some of the kernels are not in
 the cache yet and the machine has more than one core, a helper process
-(`python -m eagerlm.kernels.cpu_compile TYPES GROUP ...`) compiles part of them into the
-same disk cache while this process compiles the rest, then this one loads the helper's
-from the cache. The split balances weighted compile times (`_COLD_SECONDS`) and the
-helper's own start-up. If the helper fails, this process compiles its share itself. Each
-kernel belongs to one group, so that none compiles in both processes: a type's `gemv`
-compiles on zeros in its activations' layout, not through the quantizer that several
-types share, which is a group of its own.
+(`python -m eagerlm.kernels.cpu_compile TYPES`, the groups' names on its stdin) compiles
+part of them into the same disk cache while this process compiles the rest, then this one
+loads the helper's from the cache. The two take the cold groups from one list, the larger
+first, each its next one when it is free: the helper starts while this process copies the
+weights, and neither waits for the other for longer than the last group takes, however
+the machine's load or the groups' sizes differ from an estimate (a fixed split by
+weighted compile times left one process a second idle on the demo model). If the helper
+fails, this process compiles what it was given. Each kernel belongs to one group, so that
+none compiles in both processes: a type's `gemv` compiles on zeros in its activations'
+layout, not through the quantizer that several types share, which is a group of its own,
+and its `dequant` is another, compiled only for the types a forward dequantizes
+(`quantized.dequantized_types`).
 
 The decode replay's table (kernels/cpu_decode_program.py) is only an optimization: the
 forward runs op by op without it, with the same results. So when it is not in the cache
@@ -50,14 +55,15 @@ from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
 from eagerlm.kernels.cpu_threads import core_count
 
-# CPU seconds to compile each group with an empty cache, and a helper process's start-up
-# (Python, numpy, numba, eagerlm): weights for the split, measured on the quiet machine
-# (docs/performance.md: row ops 1.7, attention 3.7 with numba's own start-up since its
-# tiles (2.5 before), the activations' two quantizers 0.8, the demo model's types
-# 1.4-1.7). The replay's group compiles after the load and needs no weight.
+# CPU seconds to compile each group with an empty cache, measured on the quiet machine
+# (docs/performance.md: row ops 1.7, attention 3.7 with numba's own start-up, the
+# activations' two quantizers 0.8, the demo model's types' `gemv` 1.2-1.6 and `dequant`
+# 0.26-0.4): only the order the cold groups are taken in, the larger first, so that the
+# last to finish is a short one. The replay's group compiles after the load.
 _COLD_SECONDS = {"row_ops": 1.7, "attention": 3.7, "activations": 0.8}
-_TYPE_COLD_SECONDS = 1.5
-_HELPER_START_SECONDS = 1.0
+_TYPE_COLD_SECONDS = 1.4  # a type's `gemv`
+_DEQUANT_COLD_SECONDS = 0.35  # a type's `dequant`
+_DEQUANT = ".dequant"  # the suffix of a type's `dequant` group
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,8 @@ class _Group:
 
     @property
     def seconds(self) -> float:
+        if self.name.endswith(_DEQUANT):
+            return _DEQUANT_COLD_SECONDS
         return _COLD_SECONDS.get(self.name, _TYPE_COLD_SECONDS)
 
     def cached(self) -> bool:
@@ -91,11 +99,14 @@ class _Group:
         return True
 
 
-def _groups(qtypes: Iterable[GGMLQuantizationType]) -> list[_Group]:
+def _groups(qtypes: Iterable[GGMLQuantizationType],
+            dequantized: Iterable[GGMLQuantizationType] | None = None) -> list[_Group]:
     """The groups a model of matrices of `qtypes` needs: each compiled once, in one
     process or the other (the activations' quantizers, which several types share, are a
-    group of their own)."""
+    group of their own; each type's `dequant` too, for the types in `dequantized`, all
+    by default: `quantized.dequantized_types`)."""
     qtypes = sorted(set(qtypes), key=int)
+    dequantized = set(qtypes if dequantized is None else dequantized)
     groups = [
         _Group("row_ops", row_ops.warm_up, lambda: list(row_ops.KERNELS)),
         _Group("attention", cpu_attention.warm_up, lambda: list(cpu_attention.KERNELS)),
@@ -106,9 +117,11 @@ def _groups(qtypes: Iterable[GGMLQuantizationType]) -> list[_Group]:
     if quantized.activation_kernels(qtypes):
         groups.append(_Group("activations", lambda: quantized.warm_up_activations(qtypes),
                              lambda: quantized.activation_kernels(qtypes)))
-    return groups + [_Group(q.name, lambda q=q: quantized.warm_up([q]),
-                            lambda q=q: [kernels(q).gemv, kernels(q).dequant])
-                     for q in qtypes]
+    groups += [_Group(q.name, lambda q=q: quantized.warm_up_gemv([q]),
+                      lambda q=q: [kernels(q).gemv]) for q in qtypes]
+    return groups + [_Group(q.name + _DEQUANT, lambda q=q: quantized.warm_up_dequant([q]),
+                            lambda q=q: [kernels(q).dequant])
+                     for q in qtypes if q in dequantized]
 
 
 def _warm_up_replay(qtypes: Sequence[GGMLQuantizationType]) -> None:
@@ -117,67 +130,95 @@ def _warm_up_replay(qtypes: Sequence[GGMLQuantizationType]) -> None:
     cpu_decode_program.warm_up()
 
 
-def compile_kernels(qtypes: Iterable[GGMLQuantizationType]) -> float:
+def compile_kernels(qtypes: Iterable[GGMLQuantizationType],
+                    dequantized: Iterable[GGMLQuantizationType] | None = None) -> float:
     """Compile (or load from numba's disk cache) the kernels a model with matrices of
-    `qtypes` runs, and nothing else; returns the seconds the load waited for. The first
-    forward would otherwise pay it. A decode replay's table not in the cache yet compiles
-    in the helper process after this returns (the module's docstring)."""
-    return start_compile(qtypes).finish()
+    `qtypes` runs, and nothing else (`dequant` only for the types in `dequantized`, all
+    by default); returns the seconds the load waited for. The first forward would
+    otherwise pay it. A decode replay's table not in the cache yet compiles in the helper
+    process after this returns (the module's docstring)."""
+    return start_compile(qtypes, dequantized).finish()
 
 
 def start_compile(qtypes: Iterable[GGMLQuantizationType],
-                  head_start: float = 0.0) -> KernelCompile:
-    """`compile_kernels` begun: a helper process, if there is cold work to share, starts
-    on its share now, while this process does about `head_start` seconds of other work
-    (the cpu backend loads the weights) before `KernelCompile.finish` compiles the rest;
-    the split gives the helper that much more."""
+                  dequantized: Iterable[GGMLQuantizationType] | None = None) -> KernelCompile:
+    """`compile_kernels` begun: if two groups or more are cold and there is another core,
+    a helper process starts taking them now, while this process does other work (the
+    cpu backend copies the weights) before `KernelCompile.finish` takes the rest."""
     qtypes = sorted(set(qtypes), key=int)
-    groups = _groups(qtypes)
-    cold = [g for g in groups if not g.cached() and not g.after]
+    groups = _groups(qtypes, dequantized)
+    claims = _Claims([g for g in groups if not g.after and not g.cached()])
     later = [g for g in groups if g.after and not g.cached()]
-    share = _helper_share(cold, head_start) if core_count() > 1 else []
-    # a helper with no share starts once this process is done: compiling the replay's
-    # group beside this one's, it would compile their kernels too
-    helper = _Helper.start(qtypes, [*share, *later]) if share else None
-    return KernelCompile(qtypes, groups, later, share, helper)
+    helper = None
+    if len(claims.names) > 1 and core_count() > 1:
+        # (with one cold group a helper starts once this process is done: compiling the
+        # replay's group beside this one's, it would compile their kernels too)
+        helper = _Helper.start(qtypes)
+        if helper is not None:
+            helper.serve(claims)
+    return KernelCompile(qtypes, groups, later, claims, helper)
+
+
+class _Claims:
+    """The cold groups, the larger first (`_COLD_SECONDS`), each taken once by whichever
+    process is free first: this one or the helper (two threads here)."""
+
+    def __init__(self, groups: Iterable[_Group]) -> None:
+        self._left = sorted(groups, key=lambda g: -g.seconds)
+        self._lock = threading.Lock()
+        self.names = {g.name for g in self._left}
+
+    def claim(self) -> _Group | None:
+        with self._lock:
+            return self._left.pop(0) if self._left else None
 
 
 @dataclass
 class KernelCompile:
-    """A first-use compile under way (`start_compile`): the groups of `qtypes`, those the
-    helper compiles (`helper_share`, then the `later` ones) and the helper itself."""
+    """A first-use compile under way (`start_compile`): the groups of `qtypes`, the cold
+    ones that this process and the helper take in turn (`cold`), the `later` ones (the
+    replay's) that the helper compiles after the load, and the helper itself."""
 
     qtypes: list[GGMLQuantizationType]
     groups: list[_Group]
     later: list[_Group]
-    helper_share: list[_Group]
+    cold: _Claims
     helper: _Helper | None
 
     def finish(self) -> float:
-        """Compile this process's share, then load the helper's from the cache; returns
-        the seconds it took."""
+        """Load the cached groups, compile cold ones until none is left, then load the
+        helper's from the cache; returns the seconds it took."""
         t0 = time.perf_counter()
-        groups, later, share = self.groups, self.later, self.helper_share
-        for g in groups:
-            if g not in share and not g.after:
+        for g in self.groups:  # from the cache: this process needs them all
+            if not g.after and g.name not in self.cold.names:
                 g.warm_up()
-        helper = self.helper
-        if helper is None and later:
-            helper = _Helper.start(self.qtypes, later)
-        if helper is not None:
-            helper.wait_for([g.name for g in share])
-            if not later:
-                helper.process.wait()
-        for g in share:  # from the cache the helper filled (or compiled here)
+        while (g := self.cold.claim()) is not None:
             g.warm_up()
-        for g in groups:
-            if g.after and (helper is None or g not in later):
+        helper = self.helper
+        if helper is not None:
+            for g in helper.served():  # from the cache the helper filled (or compiled here)
                 g.warm_up()
-                cpu_decode_program.TABLE_READY.set()
-        if helper is not None and later:
-            cpu_decode_program.TABLE_READY.clear()
-            threading.Thread(target=_load_when_compiled, args=(helper, later), daemon=True,
-                             name="eagerlm-replay-table").start()
+        if not self.later:  # the replay's table from the cache
+            for g in self.groups:
+                if g.after:
+                    g.warm_up()
+            cpu_decode_program.TABLE_READY.set()
+            if helper is not None:
+                helper.close()
+                helper.process.wait()
+            return time.perf_counter() - t0
+        if helper is None:
+            helper = _Helper.start(self.qtypes)
+        if helper is None:  # none can start: compiled here
+            for g in self.later:
+                g.warm_up()
+            cpu_decode_program.TABLE_READY.set()
+            return time.perf_counter() - t0
+        cpu_decode_program.TABLE_READY.clear()
+        if helper.send([g.name for g in self.later]):  # (a helper that failed: op by op)
+            helper.close()
+            threading.Thread(target=_load_when_compiled, args=(helper, self.later),
+                             daemon=True, name="eagerlm-replay-table").start()
         return time.perf_counter() - t0
 
 
@@ -195,67 +236,91 @@ def _load_when_compiled(helper: _Helper, later: Sequence[_Group]) -> None:
     cpu_decode_program.TABLE_READY.set()
 
 
-def _helper_share(cold: Sequence[_Group], head_start: float = 0.0) -> list[_Group]:
-    """The groups a helper process should compile: the larger first, each to whichever
-    side would finish it sooner, this process starting `head_start` seconds late."""
-    mine, helper, share = head_start, _HELPER_START_SECONDS, []
-    for g in sorted(cold, key=lambda g: -g.seconds):
-        if helper + g.seconds < mine + g.seconds:
-            helper += g.seconds
-            share.append(g)
-        else:
-            mine += g.seconds
-    return share
-
-
 class _Helper:
-    """The helper process, which names each group on a line of its stdout once that group
-    is in the cache."""
+    """The helper process: it compiles the groups named on the lines of its stdin, in
+    order, and names each on a line of its stdout once that group is in the cache."""
 
     def __init__(self, process: subprocess.Popen) -> None:
         self.process = process
         self.done: set[str] = set()
+        self.taken: list[_Group] = []  # the cold groups it was given
+        self._serving: threading.Thread | None = None
 
     @classmethod
-    def start(cls, qtypes: Sequence[GGMLQuantizationType],
-              groups: Sequence[_Group]) -> _Helper | None:
-        """The helper compiling `groups` (of a model of `qtypes`) in order, on the
-        generated modules this process made (`_Group.cached` made them); None if it cannot
-        start."""
+    def start(cls, qtypes: Sequence[GGMLQuantizationType]) -> _Helper | None:
+        """The helper for a model of `qtypes`, on the generated modules this process
+        made (`_Group.cached` made them); None if it cannot start."""
         try:
             return cls(subprocess.Popen(
                 [sys.executable, "-m", "eagerlm.kernels.cpu_compile",
-                 ",".join(q.name for q in qtypes), *(g.name for g in groups)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                 ",".join(q.name for q in qtypes)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 text=True))
         except OSError:
             return None
 
-    def wait_for(self, names: Sequence[str]) -> None:
-        """Until the helper has reported each of `names` done, or ended (then the ones it
-        did not report are compiled by whoever warms them up)."""
+    def serve(self, cold: _Claims) -> None:
+        """Give it cold groups one at a time, the next once it has compiled the last,
+        until none is left or it fails (a thread here)."""
+        def serve() -> None:
+            while (g := cold.claim()) is not None:
+                self.taken.append(g)
+                if not (self.send([g.name]) and self.wait_for([g.name])):
+                    return
+        self._serving = threading.Thread(target=serve, daemon=True,
+                                         name="eagerlm-compile-helper")
+        self._serving.start()
+
+    def served(self) -> list[_Group]:
+        """The cold groups it was given, once it is done with them (or has failed: then
+        the ones it did not report are compiled by whoever warms them up)."""
+        if self._serving is not None:
+            self._serving.join()
+        return self.taken
+
+    def send(self, names: Sequence[str]) -> bool:
+        """Whether `names` reached its stdin."""
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write("".join(f"{n}\n" for n in names))
+            self.process.stdin.flush()
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """No more groups: it exits once it has compiled those it was sent."""
+        assert self.process.stdin is not None
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+
+    def wait_for(self, names: Sequence[str]) -> bool:
+        """Until the helper has reported each of `names` done (True), or ended (False)."""
         assert self.process.stdout is not None
         while not self.done.issuperset(names):
             line = self.process.stdout.readline()
             if not line:
                 self.process.wait()
-                return
+                return False
             self.done.add(line.strip())
+        return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The helper (`TYPES GROUP ...`, TYPES the model's types joined by commas): compile
-    the named groups into numba's disk cache, in the order named, naming each on stdout
-    when it is there."""
-    types, *names = list(sys.argv[1:] if argv is None else argv)
+    """The helper (`TYPES`, the model's types joined by commas): compile the groups named
+    on the lines of stdin into numba's disk cache, in order, naming each on stdout when it
+    is there, until stdin ends."""
+    args = list(sys.argv[1:] if argv is None else argv)
     members = GGMLQuantizationType.__members__
-    listed = [n for n in types.split(",") if n]
-    if any(n not in members or members[n] not in BLOCK_TYPES for n in listed):
+    listed = [n for n in args[0].split(",") if n] if len(args) == 1 else None
+    if listed is None or any(n not in members or members[n] not in BLOCK_TYPES
+                             for n in listed):
         return 2
     groups = {g.name: g for g in _groups(members[n] for n in listed)}
-    if any(name not in groups for name in names):
-        return 2
-    for name in names:
+    for line in sys.stdin:
+        name = line.strip()
+        if name not in groups:
+            return 2
         groups[name].warm_up()
         # the loading process may have exited: the cache is this helper's point
         with contextlib.suppress(OSError):

@@ -199,10 +199,32 @@ register(row_kernel)
 # each type's own kernels, the activations' quantizers (shared by types), and the decode
 # replay's C entries (compiled after the load, with the replay's table).
 
+def dequantized_types(qtypes: Iterable[GGMLQuantizationType],
+                      embedding: GGMLQuantizationType | None) -> set[GGMLQuantizationType]:
+    """The types of `qtypes` whose `dequant` a forward runs: those whose prompts take
+    float32 tiles (no `prompt_run_rows`) and the embedding table's (`take`). The others
+    only ever take `gemv`: a load compiles no `dequant` for them (a test or a comparison
+    that dequantizes one compiles it then)."""
+    tiled = {q for q in qtypes if not BLOCK_TYPES[q].prompt_run_rows}
+    return tiled | ({embedding} & set(qtypes))
+
+
 def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> None:
     """Build and compile (or load from numba's disk cache) the `gemv` and `dequant` of
-    `qtypes` and nothing else, on tiny inputs. `gemv` takes zeros in its activations'
-    layout: the quantizer that makes them is `warm_up_activations`'."""
+    `qtypes` and nothing else, on tiny inputs (`warm_up_gemv`, `warm_up_dequant`)."""
+    warm_up_gemv(qtypes)
+    warm_up_dequant(qtypes)
+
+
+def warm_up_dequant(qtypes: Iterable[GGMLQuantizationType]) -> None:
+    """The `dequant` of `qtypes` (the tiles, the embedding lookup)."""
+    for qtype in sorted(set(qtypes), key=int):
+        _tiny(qtype).dequantize()
+
+
+def warm_up_gemv(qtypes: Iterable[GGMLQuantizationType]) -> None:
+    """The `gemv` of `qtypes`, on zeros in its activations' layout: the quantizer that
+    makes them is `warm_up_activations`'."""
     for qtype in sorted(set(qtypes), key=int):
         w = _tiny(qtype)
         block_type = BLOCK_TYPES[qtype]
@@ -215,7 +237,6 @@ def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> None:
         else:
             acts = (np.zeros((1, k), np.float32),)
         w.kernels.gemv(w.blocks, *acts, np.empty((1, 1), np.float32), 0, 1)
-        w.dequantize()  # `dequant`, the tiles
 
 
 def warm_up_activations(qtypes: Iterable[GGMLQuantizationType]) -> None:

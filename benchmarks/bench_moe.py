@@ -33,8 +33,10 @@ disk, which the roofline does not count.
 
 Run: `python benchmarks/bench_moe.py --shape qwen3-30b-a3b [--layers 4] [--path FILE]
 [--prompt-tokens 64] [--gen-tokens 32] [--batch 8] [--threads 2] [--repeats 1]
-[--no-peer] [--json out.json]`. Needs about the file's size of free memory for the page
-cache to keep it (the full shapes: run on a quiet machine).
+[--no-peer] [--peer-no-repack] [--json out.json]`. Needs about the file's size of free
+memory for the page cache to keep it (the full shapes: run on a quiet machine; llama.cpp
+with `--peer-no-repack`, as its CPU backend otherwise holds a second, repacked copy of most
+of the weights).
 """
 
 from __future__ import annotations
@@ -82,13 +84,14 @@ from benchmarks.llama_cpp_batched import run_llama_cpp_workload
 from benchmarks.llama_cpp_peer import measure_llama_cpp
 path, p, g, batch, threads = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
                               int(sys.argv[4]), int(sys.argv[5]))
-out = measure_llama_cpp(path, p, g, threads)
+repack = sys.argv[6] == "repack"
+out = measure_llama_cpp(path, p, g, threads, repack=repack)
 rng = np.random.default_rng(0)
 from eagerlm.loader.model_file import ModelFile
 vocab = ModelFile.open(path).tokenizer.vocab_size
 pairs = [(rng.integers(10, vocab, p).tolist(), g) for _ in range(batch)]
 out["batch_tok_s"] = run_llama_cpp_workload(path, pairs, n_parallel=batch,
-                                            n_threads=threads)["output_tok_s"]
+                                            n_threads=threads, repack=repack)["output_tok_s"]
 print(json.dumps(out))
 """
 
@@ -132,7 +135,7 @@ def model_file(shape: str, layers: int | None, path: str | None) -> str:
 
 def run_engine(code: str, path: str, args: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, "-c", code, path, str(args.prompt_tokens), str(args.gen_tokens),
-           str(args.batch), str(args.threads)]
+           str(args.batch), str(args.threads), "no-repack" if args.peer_no_repack else "repack"]
     out, rss = run_child(cmd, _child_env())
     result = json.loads(out.strip().splitlines()[-1])
     result["peak_rss"] = rss
@@ -152,6 +155,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each engine, alternating; median and range reported")
     ap.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
+    ap.add_argument("--peer-no-repack", action="store_true",
+                    help="llama.cpp as its --no-repack: no second, interleaved copy of the "
+                         "weights (which a file near the machine's memory has no room for)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -193,7 +199,10 @@ def main() -> None:
 
     for name in engines:
         decode = statistics.median(r["decode_tok_s"] for r in runs[name])
-        label = f"llama.cpp {args.threads} threads" if name == "llama.cpp" else name
+        label = name
+        if name == "llama.cpp":
+            label = f"llama.cpp {args.threads} threads" + (", --no-repack"
+                                                            if args.peer_no_repack else "")
         print(f"| {label} | {cell(name, 'load_s')} | {cell(name, 'peak_rss', 1e-9, '.2f')} | "
               f"{cell(name, 'prompt_tok_s')} | {cell(name, 'decode_tok_s', spec='.2f')} | "
               f"{decode / roof:.0%} | {cell(name, 'batch_tok_s', spec='.2f')} |")

@@ -37,8 +37,9 @@ class _Slot:
 
 def run_llama_cpp_workload(model_path: str, requests: Sequence[tuple[Sequence[int], int]],
                            n_parallel: int = 1, n_threads: int = 2,
-                           n_batch: int = 512) -> dict[str, float]:
-    """Serve `requests` ((prompt ids, max_tokens) pairs) and time it.
+                           n_batch: int = 512, repack: bool = True) -> dict[str, float]:
+    """Serve `requests` ((prompt ids, max_tokens) pairs) and time it (`repack=False`: as
+    llama.cpp's --no-repack, benchmarks/llama_cpp_peer.model_params).
 
     Returns output tokens, wall seconds, output tokens/s and the mean time to first token
     (all requests are there at time 0, as in an offline benchmark)."""
@@ -55,6 +56,7 @@ def run_llama_cpp_workload(model_path: str, requests: Sequence[tuple[Sequence[in
         llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p(0))
     mparams = llama_cpp.llama_model_default_params()
     mparams.n_gpu_layers = 0
+    mparams.use_extra_bufts = repack  # False: llama.cpp's --no-repack
     model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {model_path}")

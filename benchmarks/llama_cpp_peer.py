@@ -23,9 +23,11 @@ Run: ``python benchmarks/llama_cpp_peer.py [MODEL.gguf]`` (default: the demo mod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,30 @@ def _prompt_tokens(llm: Any, n: int) -> list[int]:
     return tokens[:n]
 
 
+@contextlib.contextmanager
+def model_params(repack: bool) -> Iterator[None]:
+    """`llama_cpp.Llama` built with llama.cpp's CPU weight repacking off unless `repack`
+    (llama.cpp's `--no-repack`, the model parameter `use_extra_bufts`): its CPU backend
+    otherwise keeps a second, interleaved copy of the Q4_0 / Q4_K / IQ4_NL / Q2_K weights
+    it can repack, which on a file near the machine's memory does not fit beside the
+    mapped file. `Llama` takes no such argument, so its default parameters are wrapped
+    while it loads."""
+    import llama_cpp.llama as llama_module
+
+    defaults = llama_module.llama_cpp.llama_model_default_params
+
+    def params() -> Any:
+        p = defaults()
+        p.use_extra_bufts = repack
+        return p
+
+    llama_module.llama_cpp.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = defaults
+
+
 def measure_llama_cpp(
     model_path: str,
     prompt_tokens: int = 128,
@@ -50,6 +76,7 @@ def measure_llama_cpp(
     *,
     flash_attn: bool = False,
     prompt_runs: int = 0,
+    repack: bool = True,
 ) -> dict[str, float]:
     """Time llama.cpp's model load, prompt evaluation and greedy decode on ``model_path``.
 
@@ -59,6 +86,7 @@ def measure_llama_cpp(
     and the median of all but the first kept (0: once, that one kept): one prefill takes
     well under a second, one moved by 15% between passes, and the first few after a load
     ran up to 10% slower than the later ones (eagerlm's; measured alike for both engines).
+    ``repack=False`` loads it as llama.cpp's ``--no-repack`` does (`model_params`).
     """
     import llama_cpp
     import numpy as np
@@ -67,16 +95,17 @@ def measure_llama_cpp(
         raise ValueError("prompt_tokens and gen_tokens must be positive")
 
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(
-        model_path=model_path,
-        n_ctx=prompt_tokens + gen_tokens + 16,
-        n_batch=512,
-        n_threads=n_threads,
-        n_threads_batch=n_threads,
-        n_gpu_layers=0,
-        flash_attn=flash_attn,
-        verbose=False,
-    )
+    with model_params(repack):
+        llm = llama_cpp.Llama(
+            model_path=model_path,
+            n_ctx=prompt_tokens + gen_tokens + 16,
+            n_batch=512,
+            n_threads=n_threads,
+            n_threads_batch=n_threads,
+            n_gpu_layers=0,
+            flash_attn=flash_attn,
+            verbose=False,
+        )
     load_s = time.perf_counter() - t0
 
     n_vocab = llm.n_vocab()

@@ -10,8 +10,11 @@ its 18 GB, and a token reads only the few the router picks); one expert's matrix
 
 `moe_ffn` is `NumpyOps.moe_ffn`: the router's logits, the top k experts of each row and
 their weights as llama.cpp's `build_moe_ffn` computes them (`route`), then the rows grouped
-by expert, one product per expert and matrix for all the rows that chose it (a decode row
-alone: its k experts one after another), each row's outputs summed with its weights.
+by expert (a decode row alone: its k experts, in the order of their scores), each row's
+outputs summed with its weights. Quantized experts take two jobs over the cores
+(`_grouped_experts`): every group's gate and up products, then every down product, each
+job's output rows cut in pieces that the cores take in turn; float32 experts (`--weights
+float`) go expert by expert through BLAS (`_expert`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from eagerlm.kernels import cpu_row_ops as row_ops
+from eagerlm.kernels.aligned_arrays import aligned
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES
-from eagerlm.kernels.cpu_threads import by_rows
-from eagerlm.kernels.quantized import QuantizedMatrix
+from eagerlm.kernels.cpu_threads import by_output_pieces, by_rows
+from eagerlm.kernels.quantized import GEMV_SERIAL_MAX_VALUES, QuantizedMatrix, gemv_activations
 from eagerlm.loader.config import ExpertGating, MoEConfig
 from eagerlm.loader.weights import MoEWeights
 
@@ -153,6 +157,103 @@ def by_gemv(linear: Linear, x: np.ndarray, m: QuantizedMatrix | np.ndarray,
     return np.concatenate([linear(x[i:i + limit], m, bias) for i in range(0, len(x), limit)])
 
 
+def _expert(linear: Linear, gated: Gated, xe: np.ndarray, w: MoEWeights,
+            e: int) -> np.ndarray:
+    """Expert e's FFN of rows xe, by the ops' own linear."""
+    gate = by_gemv(linear, xe, expert(w.gate, e), _bias(w.gate_bias, e))
+    up = by_gemv(linear, xe, expert(w.up, e), _bias(w.up_bias, e))
+    return by_gemv(linear, gated(gate, up), expert(w.down, e), _bias(w.down_bias, e))
+
+
+def _bias(bias: np.ndarray | None, e: int) -> np.ndarray | None:
+    return None if bias is None else bias[e]
+
+
+def _grouped_experts(gated: Gated, x: np.ndarray, w: MoEWeights,
+                     groups: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+    """Each group's (expert e, the rows of x that chose it) FFN output, for quantized
+    experts: x quantized once for all of them, every group's gate and up products in one
+    job over the cores (`_products`), their activations in one call, the down products in
+    a second job. A decode row's eight experts were 24 calls one after another, each on
+    one core (a 768 x 2048 product is under `GEMV_SERIAL_MAX_VALUES`), plus a
+    quantization each. Each row's bits are those of `_expert`'s path: the kernels and the
+    quantizer work row by row, in runs of at most `gemv_rows` rows either way."""
+    limit = min(BLOCK_TYPES[m.qtype].gemv_rows for m in (w.gate, w.up, w.down))
+    runs = [(e, rows[i:i + limit]) for e, rows in groups for i in range(0, len(rows), limit)]
+    x_gate = gemv_activations(w.gate.qtype, x)
+    x_up = x_gate if _same_layout(w.gate.qtype, w.up.qtype) else \
+        gemv_activations(w.up.qtype, x)
+    d_ff = w.gate.shape[1]
+    total = sum(len(rows) for _, rows in runs)
+    gate, up = np.empty((total, d_ff), np.float32), np.empty((total, d_ff), np.float32)
+    jobs, at = [], 0
+    for e, rows in runs:
+        span = slice(at, at + len(rows))
+        jobs.append((w.gate.expert(e), _rows_of(x_gate, rows), gate[span]))
+        jobs.append((w.up.expert(e), _rows_of(x_up, rows), up[span]))
+        at += len(rows)
+    _products(jobs)
+    _add_biases(gate, w.gate_bias, runs)
+    _add_biases(up, w.up_bias, runs)
+    hidden = np.ascontiguousarray(gated(gate, up), np.float32)
+    h = gemv_activations(w.down.qtype, hidden)
+    down = np.empty((total, w.down.shape[1]), np.float32)
+    jobs, at = [], 0
+    for e, rows in runs:
+        span = slice(at, at + len(rows))
+        jobs.append((w.down.expert(e), tuple(a[span] for a in h), down[span]))
+        at += len(rows)
+    _products(jobs)
+    _add_biases(down, w.down_bias, runs)
+    results, at = [], 0
+    for _, rows in groups:
+        results.append(down[at:at + len(rows)])
+        at += len(rows)
+    return results
+
+
+def _same_layout(a: GGMLQuantizationType, b: GGMLQuantizationType) -> bool:
+    """Whether types a and b's `gemv` take their activations alike."""
+    ta, tb = BLOCK_TYPES[a], BLOCK_TYPES[b]
+    return (ta.activation_group, ta.superblocks) == (tb.activation_group, tb.superblocks)
+
+
+def _rows_of(acts: tuple[np.ndarray, ...], rows: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The activations of `rows` (a view for one row, else an aligned copy)."""
+    if len(rows) == 1:
+        r = int(rows[0])
+        return tuple(a[r:r + 1] for a in acts)
+    return tuple(aligned(a[rows]) for a in acts)
+
+
+def _add_biases(y: np.ndarray, bias: np.ndarray | None,
+                runs: list[tuple[int, np.ndarray]]) -> None:
+    """Each run's rows of y plus its expert's bias (as `linear` adds one)."""
+    if bias is None:
+        return
+    at = 0
+    for e, rows in runs:
+        y[at:at + len(rows)] += bias[e]
+        at += len(rows)
+
+
+def _products(jobs: list[tuple[QuantizedMatrix, tuple[np.ndarray, ...], np.ndarray]]) -> None:
+    """y = x @ m^T for every job (m, x's activations, y) by m's type's `gemv`: the jobs'
+    output rows, one after another, cut in pieces that the cores take in turn
+    (`by_output_pieces`), so that a decode row's small products fill both cores."""
+    ends = np.cumsum([m.shape[0] for m, _, _ in jobs])
+    macs = sum(len(acts[0]) * m.shape[0] * m.shape[1] for m, acts, _ in jobs)
+
+    def part(start: int, stop: int) -> None:
+        j = int(np.searchsorted(ends, start, side="right"))
+        while j < len(jobs) and ends[j] - jobs[j][0].shape[0] < stop:
+            m, acts, y = jobs[j]
+            lo = int(ends[j]) - m.shape[0]
+            m.kernels.gemv(m.blocks, *acts, y, max(start, lo) - lo, min(stop, int(ends[j])) - lo)
+            j += 1
+    by_output_pieces(macs, int(ends[-1]), part, serial_max=GEMV_SERIAL_MAX_VALUES)
+
+
 def moe_ffn(linear: Linear, gated: Gated, x: np.ndarray, w: MoEWeights,
             moe: MoEConfig) -> np.ndarray:
     """The mixture-of-experts FFN of rows x `[rows, d_model]`: `linear(x, matrix, bias)` and
@@ -160,28 +261,29 @@ def moe_ffn(linear: Linear, gated: Gated, x: np.ndarray, w: MoEWeights,
     n, d = x.shape
     ids, weights = route(router_logits(linear, x, w), moe)
     out = np.zeros((n, d), np.float32)
-
-    def experts_of(rows: np.ndarray | slice, e: int) -> np.ndarray:
-        xe = x[rows]
-        gate = by_gemv(linear, xe, expert(w.gate, e),
-                       None if w.gate_bias is None else w.gate_bias[e])
-        up = by_gemv(linear, xe, expert(w.up, e), None if w.up_bias is None else w.up_bias[e])
-        return by_gemv(linear, gated(gate, up), expert(w.down, e),
-                       None if w.down_bias is None else w.down_bias[e])
-
-    if n == 1:  # decode: the row's k experts in turn
-        for slot in range(moe.n_used):
-            out += weights[0, slot] * experts_of(slice(0, 1), int(ids[0, slot]))
+    pairs_of: list[np.ndarray] = []
+    if n == 1:  # decode: the row's k experts, summed in turn
+        groups = [(int(e), np.zeros(1, np.int64)) for e in ids[0]]
     else:  # one product per expert, over every row that chose it
         flat = ids.reshape(-1)
         order = np.argsort(flat, kind="stable")
         chosen, starts = np.unique(flat[order], return_index=True)
         ends = [*starts[1:], len(order)]
+        pairs_of = [order[a:b] for a, b in zip(starts, ends, strict=True)]
+        # (row, slot) pairs of each expert, row = pair // n_used
+        groups = [(int(e), pairs // moe.n_used)
+                  for e, pairs in zip(chosen, pairs_of, strict=True)]
+    if all(isinstance(m, ExpertMatrices) for m in (w.gate, w.up, w.down)):
+        results = _grouped_experts(gated, x, w, groups)
+    else:  # float32 experts (--weights float): BLAS, expert by expert
+        results = [_expert(linear, gated, x[rows], w, e) for e, rows in groups]
+    if n == 1:
+        for slot, y in enumerate(results):
+            out += weights[0, slot] * y
+    else:
         flat_weights = weights.reshape(-1)
-        for e, a, b in zip(chosen, starts, ends, strict=True):
-            pairs = order[a:b]  # (row, slot) pairs of this expert, row = pair // n_used
-            rows = pairs // moe.n_used
-            out[rows] += flat_weights[pairs][:, None] * experts_of(rows, int(e))
+        for (_, rows), pairs, y in zip(groups, pairs_of, results, strict=True):
+            out[rows] += flat_weights[pairs][:, None] * y
     if moe.d_ff_shared:
         shared = linear(gated(linear(x, w.shared_gate), linear(x, w.shared_up)), w.shared_down)
         if w.shared_router is not None:

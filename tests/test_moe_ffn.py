@@ -12,12 +12,14 @@ checked against the same reference in tests/test_cuda_moe.py.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 
+from eagerlm.kernels import cpu_moe
 from eagerlm.kernels.cpu_moe import ExpertMatrices, route
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.loader.config import Activation, ExpertGating, MoEConfig
@@ -161,6 +163,28 @@ def test_quantized_experts_equal_the_reference_on_their_dequantized_values(qtype
     want = reference_moe(x, exact, moe, Activation.SWIGLU,
                          eight_bit_group=256 if GGML_QUANT_SIZES[qtype][0] == 256 else 32)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 30])
+def test_quantized_experts_grouped_over_the_cores_give_each_expert_paths_bits(rows) -> None:
+    """The quantized experts' products go in two jobs over the cores (every chosen
+    expert's gate and up, then every down: `cpu_moe._grouped_experts`). Each row gets
+    the bits the expert-by-expert path gives it (`cpu_moe._expert`, through the ops'
+    `linear`), with biases, a down matrix of another type (Q4_K_M files hold some as
+    Q6_K) and products big enough to be split over the cores."""
+    moe = MoEConfig(16, 8, 768, biases=True)
+    d = 1024
+    held, _ = _layer(11, moe, d, Q.Q4_K)
+    held.down, _ = _experts(np.random.default_rng(12), (16, d, 768), Q.Q6_K)
+    x = np.random.default_rng(rows).standard_normal((rows, d)).astype(np.float32)
+    ops = NumpyOps()
+    gated = partial(ops.gated_ffn_act, act=Activation.SWIGLU)
+    ids, _ = route(x @ held.router.T + held.router_bias, moe)
+    groups = [(int(e), np.flatnonzero((ids == e).any(axis=1))) for e in np.unique(ids)]
+    got = cpu_moe._grouped_experts(gated, x, held, groups)
+    for (e, rows_e), y in zip(groups, got, strict=True):
+        want = cpu_moe._expert(ops.linear, gated, x[rows_e], held, e)
+        np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
 
 
 class _Counting(ExpertMatrices):

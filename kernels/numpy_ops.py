@@ -48,10 +48,12 @@ if TYPE_CHECKING:
     from eagerlm.vmm.kv_region import KVRegion
 
 _GELU_C = np.float32(np.sqrt(2.0 / np.pi))
-# NumpyOps.round_cost: a round of 2 .. 4 rows costs BASE + COST one-row rounds, each further
-# four rows COST more
-ROW_PASS_BASE = 1.0
-ROW_PASS_COST = 0.85
+# NumpyOps.round_cost: (rows, the round's time over a one-row round's), measured on the demo
+# model's engine rounds (forward, sampling, acceptance; 2, 3 and 6 rows by the forward alone:
+# the plan had never chosen them), docs/performance.md 2026-11-28; linear in between, and
+# past the last point at the last segment's slope
+ROUND_COST = ((1, 1.0), (2, 1.55), (3, 2.26), (4, 2.5), (6, 3.25), (8, 4.34), (12, 6.0),
+              (16, 7.75), (24, 13.0), (40, 20.1))
 
 
 def _gated(gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
@@ -241,13 +243,19 @@ class NumpyOps:
                 top_ids[first_row + i, j] = tid
 
     def round_cost(self, rows: int) -> float:
-        """A round of `rows` rows relative to one of one row (dispatch/speculation.py): on
-        this backend a decode round is mostly the products over the weights, and from two
-        rows of x on they take `gemv_rows`, four rows of x per pass over each decoded
-        weight row; so the cost grows in steps of four rows. The constants are the demo
-        model's decode forward at 1 to 12 rows (docs/performance.md, speculative
-        decoding)."""
-        return 1.0 if rows <= 1 else ROW_PASS_BASE + ROW_PASS_COST * -(-rows // 4)
+        """A round of `rows` rows relative to one of one row (dispatch/speculation.py),
+        from `ROUND_COST`. On this backend each row of x costs its multiply-adds: about
+        0.45 of a one-row round per row, a little less from one to four (the kernels take
+        four rows of x per pass over each decoded weight row). An earlier model, steps of
+        0.85 per four rows fitted to forwards of up to 12 rows, priced 8 rows at 2.7
+        one-row rounds against the 4.3 measured, and 8 requests lost 10-20% to drafts that
+        did not pay."""
+        if rows <= 1:
+            return 1.0
+        xs, ys = zip(*ROUND_COST, strict=True)
+        if rows <= xs[-1]:
+            return float(np.interp(rows, xs, ys))
+        return ys[-1] + (rows - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
 
     def spec_prepare(self, meta: DeviceBuffer, buffers: speculative.SpecBuffers,
                      seqs: Sequence[speculative.SpecSeq]) -> list[int]:

@@ -131,9 +131,14 @@ def test_draft_rows_go_by_expected_gain_while_they_pay_for_themselves():
         [0.5] + [0.0] * 7, [8] * 8, 8, 8, lin, 100)[0]
     # the better session gets the rows first, within the budget
     assert allocate_drafts([0.9, 0.5], [4, 4], 2, 2, linear_cost(0.0), 3) == [3, 0]
-    # a cost in steps of four rows: three drafts cost what one does, so they come together
-    steps = NumpyOps().round_cost
-    assert allocate_drafts([0.7], [8], 1, 1, steps, 100) == [3]
+    # the cpu backend's measured costs (each row about 0.45 of a one-row round): at batch 1
+    # a session accepting 95% of its drafts gets several, one accepting 70% none (no count
+    # of them beats one row by the margin); 8 sessions' rows already cost 4.3 one-row
+    # rounds, so none of them gets one even at 95%
+    measured = NumpyOps().round_cost
+    assert allocate_drafts([0.95], [16], 1, 1, measured, 100)[0] >= 4
+    assert allocate_drafts([0.7], [16], 1, 1, measured, 100) == [0]
+    assert allocate_drafts([0.95] * 8, [16] * 8, 8, 8, measured, 100) == [0] * 8
     # the record moves toward what is observed, shadows included
     s = SpecSession("ngram", 4)
     for _ in range(20):

@@ -6,6 +6,7 @@ profile` run for real on the cpu backend with a tiny synthetic model."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 from collections import Counter
@@ -81,6 +82,32 @@ def test_steady_bubble_counts_only_gaps_between_decode_only_rounds():
     assert b.fraction == 1.0 / 6.0
     # a batch floor: rounds 5-6 decode 4 sessions, so min_batch=5 leaves nothing steady
     assert steady_bubble(spans, min_batch=5) == Bubble(0.0, 0.0, 0)
+
+
+def test_a_split_models_other_devices_get_their_own_bubble_and_round_time():
+    """Device 0's rounds (1 s each, back to back) include its waits in the collectives;
+    device 1's own intervals have gaps 0.5 and 0.25 in the steady run, which its bubble
+    counts, and its round time is its own mean. A round whose device-1 record is missing
+    counts for neither; a prefill round is outside the steady run for both."""
+    lanes = [(0.0, 0.5), (1.0, 1.5), (2.25, 2.75), None, (4.0, 4.5)]
+    spans = [dataclasses.replace(span(i, (float(i), float(i + 1))), peers=(lane,))
+             for i, lane in enumerate(lanes)]
+    spans.insert(0, dataclasses.replace(span(-1, (-2.0, -1.0), decode=0, prefill=8),
+                                        peers=((-2.0, -1.5),)))
+    stats = timeline_stats(spans)
+    assert stats.bubble == 0.0 and stats.device_ms == 1000.0
+    # device 1 over the steady run: window 0-4.5, busy 2.0, so idle 2.5
+    assert stats.peer_bubble == (2.5 / 4.5,)
+    assert stats.peer_device_ms == (500.0,)
+    assert timeline_stats(spans[1:4]).peer_bubble == ((0.5 + 0.75) / 2.75,)
+    assert timeline_stats([span(0, (0.0, 1.0)), span(1, (1.0, 2.0))]).peer_bubble == ()
+    # the summary shows device 1's row beside device 0's figures
+    record = RequestRecord(0, 0.0, 4, token_times=[0.1 * k for k in range(1, 11)])
+    run = ModeProfile("eager", spans, RunResult([record], 0.0, 1.0), summarize([record]),
+                      stats, 0.5, 0.0, peer_busy=(0.4,))
+    text = profiler.format_summary([profiler.ModeRuns("eager", [run])])
+    row = next(line for line in text.splitlines() if line.startswith("device 1:"))
+    assert row.split()[-5:] == ["55.6%", "/", "40.0%", "/", "500.00"]
 
 
 def test_lookahead_reached_is_one_in_sync_and_up_to_k_when_eager():

@@ -449,3 +449,9 @@ def test_the_profiler_shows_a_lane_per_device(model):
 
     assert rows_for(spans) == ("control: plan", "control: launch", "device", "device 1",
                                "service: tokens")
+    # the summary's figures for device 1, from its own lane: a bubble and a round time
+    from eagerlm.service.measure.round_timeline import timeline_stats
+
+    stats = timeline_stats(spans)
+    (bubble,), (ms,) = stats.peer_bubble, stats.peer_device_ms
+    assert 0.0 <= bubble < 1.0 and ms > 0.0

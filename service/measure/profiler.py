@@ -36,7 +36,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,7 @@ from eagerlm.service.measure.round_timeline import (
     DeviceClock,
     RoundSpan,
     TimelineStats,
+    peer_intervals,
     spans_from_traces,
     timeline_stats,
     union_length,
@@ -183,6 +184,7 @@ class ModeProfile:
     timeline: TimelineStats
     device_busy: float  # busy union over the whole run's wall time
     clock_uncertainty_s: float
+    peer_busy: tuple[float, ...] = ()  # devices 1 .. N - 1's, a model split over devices
 
 
 def profile_mode(loaded: MeasuredModel, settings: ProfileSettings, mode: str,
@@ -197,11 +199,16 @@ def profile_mode(loaded: MeasuredModel, settings: ProfileSettings, mode: str,
         with RoundCollector(engine, clock) as collector:
             run = run_requests(engine, requests)
     spans = collector.spans
-    busy = union_length((s.device_start, s.device_end) for s in spans)
     wall = run.end - run.start
-    return ModeProfile(mode, spans, run, summarize(run.records),
-                       timeline_stats(spans, settings.min_batch),
-                       busy / wall if wall > 0 else 0.0, clock.uncertainty_s)
+
+    def busy(intervals: Iterable[tuple[float, float]]) -> float:
+        return union_length(intervals) / wall if wall > 0 else 0.0
+    stats = timeline_stats(spans, settings.min_batch)
+    return ModeProfile(mode, spans, run, summarize(run.records), stats,
+                       busy((s.device_start, s.device_end) for s in spans),
+                       clock.uncertainty_s,
+                       tuple(busy(peer_intervals(spans, r))
+                             for r in range(len(stats.peer_bubble))))
 
 
 def run_order(modes: Sequence[str], repeats: int) -> list[str]:
@@ -285,6 +292,15 @@ def measure_overhead(loaded: MeasuredModel, settings: ProfileSettings,
 
 # -- reporting ---------------------------------------------------------------------------
 
+def _peer(p: ModeProfile, r: int) -> str:
+    """Device r + 1's bubble, busy fraction and mean round time (or "-": not this run's)."""
+    t = p.timeline
+    if r >= len(t.peer_bubble):
+        return "-"
+    busy = f"{p.peer_busy[r]:.1%}" if r < len(p.peer_busy) else "-"
+    return f"{t.peer_bubble[r]:.1%} / {busy} / {t.peer_device_ms[r]:.2f}"
+
+
 def format_summary(results: Sequence[ModeRuns], overhead: Overhead | None = None,
                    header: str = "") -> str:
     """The plain-text table: one column per mode, its median run; then every run's
@@ -305,6 +321,8 @@ def format_summary(results: Sequence[ModeRuns], overhead: Overhead | None = None
     row("  launch ms", lambda p: f"{p.timeline.launch_ms:.3f}")
     row("device ms/round", lambda p: f"{p.timeline.device_ms:.2f}")
     row("device end -> tokens ms", lambda p: f"{p.timeline.ready_ms:.3f}")
+    for r in range(max(len(p.timeline.peer_bubble) for p in profiles)):
+        row(f"device {r + 1}: bubble / busy / ms per round", lambda p, r=r: _peer(p, r))
     row("rounds in flight mean/max",
         lambda p: f"{p.timeline.lookahead_mean:.2f}/{p.timeline.lookahead_max}")
     row("TTFT ms p50/p90/p99", lambda p: _pcts(p.latency.ttft))
@@ -328,6 +346,10 @@ def format_summary(results: Sequence[ModeRuns], overhead: Overhead | None = None
     lines.append("".ljust(width) + "".join(p.mode.rjust(col) for p in profiles))
     lines += [label.ljust(width) + "".join(v.rjust(col) for v in vals) for label, vals in rows]
     lines.append("(steady decode: consecutive decode-only rounds; times in the steady rounds)")
+    if any(p.timeline.peer_bubble for p in profiles):
+        lines.append("(a model split over devices: the bubble, busy and device rows are device "
+                     "0's, whose rounds include its waits for the others; each other device's "
+                     "own on its row)")
     n = max(len(r.runs) for r in results)
     if n > 1:
         lines.append(f"(each column: the mode's run with the median output tok/s, of {n})")

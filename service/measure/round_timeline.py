@@ -250,6 +250,12 @@ class TimelineStats:
     draft_rows: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # a model split over devices: devices 1 .. N - 1's own idle fraction in the same
+    # steady-decode runs and their mean round time (RoundSpan.peers). Device 0's are
+    # `bubble` and `device_ms`, which count the time it waits in a collective for the
+    # others as busy: a slow device shows as its own busy time and the others' waits.
+    peer_bubble: tuple[float, ...] = ()
+    peer_device_ms: tuple[float, ...] = ()
 
     @property
     def acceptance(self) -> float:
@@ -257,9 +263,15 @@ class TimelineStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
+def peer_intervals(spans: Iterable[RoundSpan], r: int) -> list[tuple[float, float]]:
+    """Device r's (1 .. N - 1) busy intervals in `spans`, where its record was found."""
+    return [lane for s in spans if r < len(s.peers) and (lane := s.peers[r]) is not None]
+
+
 def timeline_stats(spans: Sequence[RoundSpan], min_batch: int = 1) -> TimelineStats:
     bubble = steady_bubble(spans, min_batch)
-    steady_ids = {s.round_id for run in steady_decode_runs(spans, min_batch) for s in run}
+    runs = steady_decode_runs(spans, min_batch)
+    steady_ids = {s.round_id for run in runs for s in run}
     chosen = [s for s in spans if s.round_id in steady_ids] or list(spans)
     flight = dict(zip((s.round_id for s in sorted(spans, key=lambda x: x.round_id)),
                       in_flight_at_launch(spans)))
@@ -268,6 +280,12 @@ def timeline_stats(spans: Sequence[RoundSpan], min_batch: int = 1) -> TimelineSt
 
     def mean_ms(values: list[float]) -> float:
         return 1e3 * sum(values) / len(values) if values else 0.0
+
+    peers = range(max((len(s.peers) for s in spans), default=0))
+    peer_bubble = tuple(sum((Bubble.between(peer_intervals(run, r)) for run in runs),
+                            Bubble(0.0, 0.0, 0)).fraction for r in peers)
+    peer_device_ms = tuple(mean_ms([b - a for a, b in peer_intervals(chosen, r)])
+                           for r in peers)
 
     return TimelineStats(
         n_rounds=len(spans), n_steady=bubble.n_rounds, bubble=bubble.fraction,
@@ -283,4 +301,5 @@ def timeline_stats(spans: Sequence[RoundSpan], min_batch: int = 1) -> TimelineSt
         mask_wait_max_ms=1e3 * max((s.mask_wait for s in masked), default=0.0),
         draft_rows=sum(s.n_draft_rows for s in spans),
         draft_tokens=sum(s.n_draft_tokens for s in spans),
-        accepted_tokens=sum(s.n_accepted_tokens for s in spans))
+        accepted_tokens=sum(s.n_accepted_tokens for s in spans),
+        peer_bubble=peer_bubble, peer_device_ms=peer_device_ms)

@@ -259,8 +259,10 @@ def moe_ffn(linear: Linear, gated: Gated, x: np.ndarray, w: MoEWeights,
     """The mixture-of-experts FFN of rows x `[rows, d_model]`: `linear(x, matrix, bias)` and
     `gated(gate, up)` are the ops' own (NumpyOps.linear, its gated activation)."""
     n, d = x.shape
-    ids, weights = route(router_logits(linear, x, w), moe)
     out = np.zeros((n, d), np.float32)
+    if n == 0:
+        return out
+    ids, weights = route(router_logits(linear, x, w), moe)
     pairs_of: list[np.ndarray] = []
     if n == 1:  # decode: the row's k experts, summed in turn
         groups = [(int(e), np.zeros(1, np.int64)) for e in ids[0]]

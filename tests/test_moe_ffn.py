@@ -187,6 +187,13 @@ def test_quantized_experts_grouped_over_the_cores_give_each_expert_paths_bits(ro
         np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
 
 
+def test_a_batch_of_no_rows_gives_no_rows() -> None:
+    moe = MoEConfig(8, 2, 256)
+    held, _ = _layer(1, moe, 256, Q.Q8_0)
+    out = NumpyOps().moe_ffn(np.zeros((0, 256), np.float32), held, moe, Activation.SWIGLU)
+    assert out.shape == (0, 256) and out.dtype == np.float32
+
+
 class _Counting(ExpertMatrices):
     """Experts that record which of them a product asked for."""
 

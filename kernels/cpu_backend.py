@@ -30,7 +30,6 @@ WEIGHTS_MODES: tuple[WeightsMode, ...] = ("quantized", "float")
 CpuWeight = np.ndarray | QuantizedMatrix | ExpertMatrices
 
 
-
 def keeps_blocks(info: TensorInfo, weights: WeightsMode) -> bool:
     """Whether the cpu backend holds this tensor as its blocks: every matrix not already
     float32 (and every 3-D expert tensor), in "quantized" mode; vectors (norms, biases)

@@ -56,17 +56,11 @@ ROUND_COST = ((1, 1.0), (2, 1.55), (3, 2.26), (4, 2.5), (6, 3.25), (8, 4.34), (1
               (16, 7.75), (24, 13.0), (40, 20.1))
 
 
-def _round_cost(rows: int) -> float:
-    """`ROUND_COST` at `rows`: interpolated, or past its last point at the last slope."""
-    xs, ys = zip(*ROUND_COST, strict=True)
-    if rows <= xs[-1]:
-        return float(np.interp(rows, xs, ys))
-    return ys[-1] + (rows - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-
-
-# looked up, not interpolated, for the round sizes a plan weighs: it prices every
-# candidate draft row of every session each round (3.5 us a call interpolated)
-_ROUND_COSTS = tuple(_round_cost(r) for r in range(1025))
+# looked up, not interpolated, up to the last point: a plan prices every candidate draft
+# row of every session each round (3.5 us a call interpolated); past it, the last slope
+_COST_ROWS, _COSTS = zip(*ROUND_COST, strict=True)
+_ROUND_COSTS = tuple(np.interp(np.arange(_COST_ROWS[-1] + 1), _COST_ROWS, _COSTS).tolist())
+_COST_SLOPE = (_COSTS[-1] - _COSTS[-2]) / (_COST_ROWS[-1] - _COST_ROWS[-2])
 
 
 def _gated(gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
@@ -265,7 +259,9 @@ class NumpyOps:
         did not pay."""
         if rows <= 1:
             return 1.0
-        return _ROUND_COSTS[rows] if rows < len(_ROUND_COSTS) else _round_cost(rows)
+        if rows < len(_ROUND_COSTS):
+            return _ROUND_COSTS[rows]
+        return _ROUND_COSTS[-1] + (rows - _COST_ROWS[-1]) * _COST_SLOPE
 
     def spec_prepare(self, meta: DeviceBuffer, buffers: speculative.SpecBuffers,
                      seqs: Sequence[speculative.SpecSeq]) -> list[int]:

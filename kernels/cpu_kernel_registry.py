@@ -56,7 +56,8 @@ class BlockType:
     sub-scales) rather than per group; `gemv_rows`: up to how many rows of x its `gemv`
     beats float32 tiles times BLAS (kernels/quantized.py; measured, docs/performance.md);
     `prompt_run_rows`: 0 where more rows (a prompt) take the float32 tiles, else they
-    take `gemv` too, in runs of that many rows of x: where that measured faster on
+    take `gemv` too, in runs of that many rows of x, on machines without AVX-512
+    (kernels/quantized.py's `PROMPT_RUNS`): where that measured faster on an AVX2 machine's
     prompts (the superblock types, whose integer sub-scales keep a superblock's dot
     products in integers; 32 rows for the IQ grid types, whose grids cost more to decode
     again for each run; 64 for IQ4_XS, whose signed codes cost its dot products one more

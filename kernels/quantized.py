@@ -14,10 +14,11 @@ matrix: the file's bytes, `[rows, row_bytes]`, so it takes what the file takes. 
   in turn (kernels/cpu_threads.py's `by_output_pieces`), or run on the calling thread
   under `GEMV_SERIAL_MAX_VALUES` multiply-adds.
   Beyond that (prefill, big batches), the types with a `prompt_run_rows` (the superblock
-  types) still take `gemv`, in runs of that many rows of x; the others dequantize
+  types) still take `gemv` on machines without AVX-512, in runs of that many rows of x
+  (`prompt_runs`); the others, and every type on AVX-512 machines, dequantize
   `TILE_ELEMENTS` worth of weight rows at a time into a reused float32 buffer and multiply
   it by BLAS, one share of the output rows per core: a tile per core is all the extra
-  memory. Which is faster was measured per type (docs/performance.md).
+  memory. Which is faster was measured per type and machine (docs/performance.md).
 - `QuantizedMatrix.take(ids)`: rows dequantized (the embedding lookup).
 """
 
@@ -46,8 +47,16 @@ from eagerlm.kernels.cpu_activations import (
 )
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
 from eagerlm.kernels.cpu_row_kernel import RowKernel, register
+from eagerlm.kernels.cpu_simd import HOST_AVX512
 from eagerlm.kernels.cpu_threads import by_output_features, by_output_pieces, core_workers
 
+# Prompts take `gemv` in runs (the types' `prompt_run_rows`) only on machines without
+# AVX-512, where the runs were measured faster than float32 tiles times BLAS (an AMD EPYC,
+# AVX2). With AVX-512, OpenBLAS's float32 kernels are twice as wide and `gemv`'s integer
+# dot products are not: on a Xeon (AVX-512 VNNI) the tiles' prompts were 20-30% faster
+# for every type measured, F16 and the superblock and IQ types (docs/performance.md,
+# 2026-11-28).
+PROMPT_RUNS = not HOST_AVX512
 # weights per tile: 2 MiB of float32 (128K-4M measured, docs/performance.md: 2816-value
 # rows gained 8% over 1 MiB; an OpenBLAS call repacks x for every tile)
 TILE_ELEMENTS = 1 << 19
@@ -138,22 +147,26 @@ def gemv_activations(qtype: GGMLQuantizationType, x: np.ndarray) -> tuple[np.nda
 def takes_gemv(qtype: GGMLQuantizationType, n_rows: int) -> bool:
     """Whether `quantized_linear` multiplies `n_rows` rows of x by the type's `gemv` (8-bit
     activations for the block types) rather than by float32 tiles and BLAS."""
-    block_type = BLOCK_TYPES[qtype]
-    return n_rows <= block_type.gemv_rows or block_type.prompt_run_rows > 0
+    return n_rows <= BLOCK_TYPES[qtype].gemv_rows or prompt_runs(qtype) > 0
+
+
+def prompt_runs(qtype: GGMLQuantizationType) -> int:
+    """The runs of rows of x in which more than `gemv_rows` rows take `qtype`'s `gemv`:
+    its `prompt_run_rows` where `PROMPT_RUNS`, else 0 (float32 tiles)."""
+    return BLOCK_TYPES[qtype].prompt_run_rows if PROMPT_RUNS else 0
 
 
 def _gemv_runs(w: QuantizedMatrix, acts: tuple[np.ndarray, ...], y: np.ndarray, start: int,
                stop: int) -> None:
     """Output features start .. stop - 1 by `gemv`, over runs of the type's
-    `prompt_run_rows` rows of x when there are more than its `gemv_rows`: each run's
+    `prompt_runs` rows of x when there are more than its `gemv_rows`: each run's
     activations stay in the core's caches while every weight row of the share passes."""
     n = len(acts[0])
-    block_type = BLOCK_TYPES[w.qtype]
     gemv = w.kernels.gemv
-    if n <= block_type.gemv_rows:  # decode, decode batches (and no rows at all): one call
+    if n <= BLOCK_TYPES[w.qtype].gemv_rows:  # decode, decode batches (and no rows): one call
         gemv(w.blocks, *acts, y, start, stop)
         return
-    run = block_type.prompt_run_rows
+    run = prompt_runs(w.qtype)
     for j in range(0, n, run):
         gemv(w.blocks, *(a[j:j + run] for a in acts), y[j:j + run], start, stop)
 
@@ -202,10 +215,10 @@ register(row_kernel)
 def dequantized_types(qtypes: Iterable[GGMLQuantizationType],
                       embedding: GGMLQuantizationType | None) -> set[GGMLQuantizationType]:
     """The types of `qtypes` whose `dequant` a forward runs: those whose prompts take
-    float32 tiles (no `prompt_run_rows`) and the embedding table's (`take`). The others
-    only ever take `gemv`: a load compiles no `dequant` for them (a test or a comparison
-    that dequantizes one compiles it then)."""
-    tiled = {q for q in qtypes if not BLOCK_TYPES[q].prompt_run_rows}
+    float32 tiles (no `prompt_runs`) and the embedding table's (`take`). The others only
+    ever take `gemv`: a load compiles no `dequant` for them (a test or a comparison that
+    dequantizes one compiles it then)."""
+    tiled = {q for q in qtypes if not prompt_runs(q)}
     return tiled | ({embedding} & set(qtypes))
 
 

@@ -61,6 +61,8 @@ from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_backend import cpu_transformer
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.vmm.kv_layout import KVLayout, TokenMajorKV
+from eagerlm.kernels import quantized
+quantized.PROMPT_RUNS = sys.argv[2] == "runs"
 tf = cpu_transformer(ModelFile.open(sys.argv[1]))
 def compiled():
     return {q.name: {name: len(getattr(cpu_kernel_registry.kernels(q), name).signatures)
@@ -76,16 +78,18 @@ print(json.dumps({"at_load": at_load, "after": compiled()}))
 
 
 @pytest.mark.slow
-def test_a_load_compiles_dequant_only_for_the_tiled_types_and_the_embedding(tmp_path):
-    """Q4_K matrices take `gemv` for prompts too (runs of rows), so a load of a Q4_K
-    model compiles no Q4_K `dequant`; its Q8_0 embedding table is looked up by `dequant`
-    (and Q8_0 prompts take float32 tiles). A prompt and a decode step then compile
-    nothing more: the load compiled what a forward runs."""
+@pytest.mark.parametrize("prompts", ["runs", "tiles"])
+def test_a_load_compiles_dequant_only_for_the_tiled_types_and_the_embedding(tmp_path, prompts):
+    """Where prompts take `gemv` in runs of rows (`quantized.PROMPT_RUNS`: machines without
+    AVX-512), Q4_K matrices never take float32 tiles, so a load of a Q4_K model compiles
+    no Q4_K `dequant`; where they take tiles (AVX-512) it does. Its Q8_0 embedding table
+    is looked up by `dequant` either way (and Q8_0 prompts take float32 tiles). A prompt
+    and a decode step then compile nothing more: the load compiled what a forward runs."""
     spec = tiny_spec("llama", d_model=256, head_dim=64, d_ff=512, weight_type=Q.Q4_K,
                      embedding_type=Q.Q8_0)
     path = write_synthetic_model(tmp_path / "q4_k.gguf", spec)
-    result = run(_LOAD_AND_RUN, tmp_path / "cache", str(path))
-    assert result["at_load"] == {"Q4_K": {"gemv": 1, "dequant": 0},
+    result = run(_LOAD_AND_RUN, tmp_path / "cache", str(path), prompts)
+    assert result["at_load"] == {"Q4_K": {"gemv": 1, "dequant": int(prompts == "tiles")},
                                  "Q8_0": {"gemv": 1, "dequant": 1}}
     assert result["after"] == result["at_load"]
 

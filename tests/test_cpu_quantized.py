@@ -226,11 +226,13 @@ def test_each_types_kernels_equal_float64_dequantize_then_matmul(qtype, monkeypa
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
-def test_a_row_gives_the_same_bits_alone_and_in_a_batch(qtype):
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch(qtype, monkeypatch):
     """Up to `gemv_rows` rows, each row of x is computed in the same order whatever else is
     in the batch (numba_settings.JIT_ORDERED): a batched request gets what it would alone.
     So does every row of a prompt for the types whose many-rows path is `gemv` too (in
-    runs of `prompt_run_rows`: here two and a part)."""
+    runs of `prompt_run_rows`: here two and a part) on the machines that take it
+    (`quantized.PROMPT_RUNS`, here on every machine)."""
+    monkeypatch.setattr(quantized, "PROMPT_RUNS", True)
     rng = np.random.default_rng(int(qtype) + 2)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
     run = BLOCK_TYPES[qtype].prompt_run_rows
@@ -242,10 +244,12 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(qtype):
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
-def test_the_warm_up_compiles_the_gemv_every_product_calls(qtype):
+def test_the_warm_up_compiles_the_gemv_every_product_calls(qtype, monkeypatch):
     """`quantized.warm_up` compiles `gemv` on zeros in its activations' layout, not
     through the quantizer (kernels/cpu_compile.py: each kernel in one group): one row, a
-    batch and a prompt's runs then call that compiled `gemv`, and compile no other."""
+    batch and a prompt's runs (taken here on every machine) then call that compiled
+    `gemv`, and compile no other."""
+    monkeypatch.setattr(quantized, "PROMPT_RUNS", True)
     quantized.warm_up([qtype])
     gemv = kernels(qtype).gemv
     compiled = list(gemv.signatures)

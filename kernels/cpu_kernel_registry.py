@@ -165,10 +165,12 @@ def _import(block_type: BlockType) -> ModuleType:
     directory = _generated_dir()
     path = directory / f"{stem}.py"
     if not path.exists():
+        # other versions' modules of the type stay: a process of that version (another
+        # install sharing the cache, a server started before an upgrade) may still
+        # compile from its module (the decode replay's row kernels compile on first use),
+        # and numba cannot cache a function whose source file is gone ("no locator
+        # available"). They are a few KB each, beside numba's own cache files of them.
         _write_atomically(path, text)
-        for stale in directory.glob(f"{block_type.qtype.name.lower()}_*.py"):
-            if stale != path:
-                stale.unlink(missing_ok=True)
     name = f"eagerlm_kernels_{stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None

@@ -19,7 +19,8 @@ vectors instead, so what runs is what is written:
 The vectors are generic LLVM IR, lowered by LLVM for whatever the machine has (AVX2 as
 two or one 256-bit registers, AVX-512, SSE, NEON): no kernel assumes an instruction set.
 Three operations use x86 instructions where the compiling machine has them, with a generic
-fallback otherwise: the dot products (`vpmaddubsw`, `vpmaddwd`, `vpsignb` on AVX2; LLVM's
+fallback otherwise: the dot products (`vpmaddubsw`, `vpmaddwd`, `vpsignb` on AVX2, and
+`vpdpbusd` for the unscaled ones where AVX-512 VNNI or AVX-VNNI is there; LLVM's
 own instruction selection found `vpmaddwd` in isolation but lost it once the loads were
 folded in, and has no saturating pair sum to match `vpmaddubsw` from) and `lut16` (a
 16-entry byte table lookup, `vpshufb`; LLVM has no variable shuffle). numba's cache keys
@@ -46,14 +47,14 @@ def _vec(element: ir.Type, n: int) -> ir.VectorType:
     return ir.VectorType(element, n)
 
 
-def _host_features() -> set[str]:
+def host_features() -> set[str]:
     """The instruction-set features numba compiles for: NUMBA_CPU_FEATURES where set,
     else the host's."""
     text = numba.config.CPU_FEATURES or llvm_binding.get_host_cpu_features().flatten()
     return {f[1:] for f in text.split(",") if f.startswith("+")}
 
 
-_FEATURES = _host_features()
+_FEATURES = host_features()
 _X86_AVX2 = "avx2" in _FEATURES
 # `vpdpbusd` on 256-bit registers: AVX-512 VNNI with AVX-512 VL, or AVX-VNNI
 _X86_VNNI = ("avx512vnni" in _FEATURES and "avx512vl" in _FEATURES) or "avxvnni" in _FEATURES
@@ -495,6 +496,30 @@ dot_signed_scaled = _scaled_dot(True)
 dot_signed_scaled.__doc__ = """`dot_unsigned_scaled` for codes -128..127."""
 
 
+def _half_to_float(builder, value: ir.Value) -> ir.Value:
+    """A float16 (or a vector of them) as float32: `fpext` (F16C's `vcvtph2ps`) where the
+    machine has F16C; elsewhere LLVM makes `fpext` a call of a runtime helper that numba's
+    JIT does not link (a call of address 0), so the bits are converted here: the exponent
+    and mantissa moved into place and scaled by 2^112 (exact for normal and subnormal
+    values alike), infinities and NaNs given the full exponent, the sign put back."""
+    n = value.type.count if isinstance(value.type, ir.VectorType) else 0
+    i32 = _vec(_I32, n) if n else _I32
+    f32 = _vec(_F32, n) if n else _F32
+    if "f16c" in _FEATURES or "sse2" not in _FEATURES:  # (not x86: converted natively)
+        return builder.fpext(value, f32)
+
+    def c(v, t=_I32):
+        return _splat(builder, ir.Constant(t, v), _vec(t, n)) if n else ir.Constant(t, v)
+    bits = builder.zext(builder.bitcast(value, _vec(_I16, n) if n else ir.IntType(16)), i32)
+    magnitude = builder.bitcast(builder.shl(builder.and_(bits, c(0x7FFF)), c(13)), f32)
+    scaled = builder.fmul(magnitude, c(2.0 ** 112, _F32))
+    as_bits = builder.bitcast(scaled, i32)
+    special = builder.fcmp_ordered(">=", scaled, c(65536.0, _F32))
+    as_bits = builder.select(special, builder.or_(as_bits, c(0x7F800000)), as_bits)
+    sign = builder.shl(builder.and_(bits, c(0x8000)), c(16))
+    return builder.bitcast(builder.or_(as_bits, sign), f32)
+
+
 # -- float vectors --------------------------------------------------------------------------------
 
 _F8 = _vec(_F32, 8)
@@ -661,7 +686,7 @@ def _load8(element: ir.Type, convert, doc: str):
 
 codes_f32x8 = _load8(_I8, lambda b, v: b.sitofp(v, _F8),
                      "8 int8 codes from item `offset` on, as float32.")
-load_f16x8 = _load8(_HALF, lambda b, v: b.fpext(v, _F8),
+load_f16x8 = _load8(_HALF, _half_to_float,
                     """8 IEEE float16 values at byte `offset` of a byte array, as float32
                     (F16C's `vcvtph2ps` on x86).""")
 load_bf16x8 = _load8(_I16, lambda b, v: b.bitcast(b.shl(
@@ -683,7 +708,7 @@ def _scalar_load(element: ir.Type, result: types.Type, convert):
     return load
 
 
-load_f16 = _scalar_load(_HALF, types.float32, lambda b, v: b.fpext(v, _F32))
+load_f16 = _scalar_load(_HALF, types.float32, _half_to_float)
 load_f16.__doc__ = "The float16 at a byte offset of a byte array, as float32."
 load_u16 = _scalar_load(_I16, types.int32, lambda b, v: b.zext(v, _I32))
 load_u16.__doc__ = "The little-endian uint16 at a byte offset, as int32."
@@ -713,7 +738,7 @@ def half_to_float(typingctx, bits):
     """The float16 whose bits are the low 16 of `bits`, as float32."""
     def codegen(context, builder, signature, args):
         raw = builder.trunc(context.cast(builder, args[0], signature.args[0], types.int64), _I16)
-        return builder.fpext(builder.bitcast(raw, _HALF), _F32)
+        return _half_to_float(builder, builder.bitcast(raw, _HALF))
     return types.float32(bits), codegen
 
 

@@ -246,3 +246,23 @@ def test_a_cold_load_does_not_wait_for_the_replays_table_and_the_forward_switche
     assert warm["replayed_first"] and warm["table_stats"] == [1, 0]
     np.testing.assert_allclose(np.array(warm["first"]), first, rtol=1e-4,
                                atol=1e-4 * np.abs(first).max())
+
+
+def test_another_versions_module_of_a_type_leaves_this_ones_compilable(tmp_path, monkeypatch):
+    """Two versions of the engine sharing one cache (two installs, a server started
+    before an upgrade) generate two modules of a type. The newer must not remove the
+    older's: the process running it still compiles from it (here the decode replay's
+    row kernel, compiled on first use), and numba cannot cache a function whose source
+    file is gone."""
+    import dataclasses
+
+    import numba
+
+    from eagerlm.kernels import cpu_kernel_registry as registry
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+    block_type = registry.BLOCK_TYPES[GGMLQuantizationType.Q8_0]
+    running = registry._import(block_type)
+    registry._import(dataclasses.replace(block_type,
+                                         binding=block_type.binding + "# a newer version\n"))
+    assert len(list((tmp_path / "eagerlm_kernels").glob("q8_0_*.py"))) == 2
+    assert running.row_kernel_address() > 0

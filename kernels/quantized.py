@@ -53,7 +53,7 @@ from eagerlm.kernels.cpu_threads import by_output_features, by_output_pieces, co
 # Prompts take `gemv` in runs (the types' `prompt_run_rows`) only on machines without
 # AVX-512, where the runs were measured faster than float32 tiles times BLAS (an AMD EPYC,
 # AVX2). With AVX-512, OpenBLAS's float32 kernels are twice as wide and `gemv`'s integer
-# dot products are not: on a Xeon (AVX-512 VNNI) the tiles' prompts were 20-30% faster
+# dot products are not: on a Xeon (AVX-512 VNNI) the tiles' prompts were 11-31% faster
 # for every type measured, F16 and the superblock and IQ types (docs/performance.md,
 # 2026-11-28).
 PROMPT_RUNS = not HOST_AVX512

@@ -193,7 +193,8 @@ def main() -> int:
     by_role: dict[str, int] = collections.defaultdict(int)
     for lw in w.layers:
         for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
-            by_role[name] += getattr(lw, name).nbytes
+            m = getattr(lw, name)
+            by_role[name] += m.nbytes if m is not None else 0  # (a mixture's layer: none)
     by_role["lm_head"] = w.output.nbytes
     op_min = 0.0
     for k in keys:

@@ -59,6 +59,8 @@ _X86_AVX2 = "avx2" in _FEATURES
 # `vpdpbusd` on 256-bit registers: AVX-512 VNNI with AVX-512 VL, or AVX-VNNI
 _X86_VNNI = ("avx512vnni" in _FEATURES and "avx512vl" in _FEATURES) or "avxvnni" in _FEATURES
 _X86_SSSE3 = "ssse3" in _FEATURES
+_X86 = "sse2" in _FEATURES
+_F16C = "f16c" in _FEATURES
 # 512-bit vectors: the kernels here stay 256-bit, OpenBLAS's float32 ones do not
 # (kernels/quantized.py's `PROMPT_RUNS`)
 HOST_AVX512 = "avx512f" in _FEATURES
@@ -505,7 +507,7 @@ def _half_to_float(builder, value: ir.Value) -> ir.Value:
     n = value.type.count if isinstance(value.type, ir.VectorType) else 0
     i32 = _vec(_I32, n) if n else _I32
     f32 = _vec(_F32, n) if n else _F32
-    if "f16c" in _FEATURES or "sse2" not in _FEATURES:  # (not x86: converted natively)
+    if _F16C or not _X86:  # (not x86: converted natively)
         return builder.fpext(value, f32)
 
     def c(v, t=_I32):

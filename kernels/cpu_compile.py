@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType
 from numba.core.caching import FunctionCache
 
-from eagerlm.kernels import cpu_attention, cpu_decode_program, quantized
+from eagerlm.kernels import cpu_attention, cpu_decode_program, cpu_panel_gemm, quantized
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
 from eagerlm.kernels.cpu_threads import core_count
@@ -60,10 +60,12 @@ from eagerlm.kernels.cpu_threads import core_count
 # activations' two quantizers 0.8, the demo model's types' `gemv` 1.2-1.6 and `dequant`
 # 0.26-0.4): only the order the cold groups are taken in, the larger first, so that the
 # last to finish is a short one. The replay's group compiles after the load.
-_COLD_SECONDS = {"row_ops": 1.7, "attention": 3.7, "activations": 0.8}
+_COLD_SECONDS = {"row_ops": 1.7, "attention": 3.7, "activations": 0.8, "panel_product": 1.3}
 _TYPE_COLD_SECONDS = 1.4  # a type's `gemv`
 _DEQUANT_COLD_SECONDS = 0.35  # a type's `dequant`
+_PANELS_COLD_SECONDS = 0.9  # a type's `pack_panels` (0.6-1.1 on the Xeon, 2026-11-28)
 _DEQUANT = ".dequant"  # the suffix of a type's `dequant` group
+_PANELS = ".panels"  # the suffix of a type's `pack_panels` group
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ class _Group:
     def seconds(self) -> float:
         if self.name.endswith(_DEQUANT):
             return _DEQUANT_COLD_SECONDS
+        if self.name.endswith(_PANELS):
+            return _PANELS_COLD_SECONDS
         return _COLD_SECONDS.get(self.name, _TYPE_COLD_SECONDS)
 
     def cached(self) -> bool:
@@ -119,6 +123,12 @@ def _groups(qtypes: Iterable[GGMLQuantizationType],
                              lambda: quantized.activation_kernels(qtypes)))
     groups += [_Group(q.name, lambda q=q: quantized.warm_up_gemv([q]),
                       lambda q=q: [kernels(q).gemv]) for q in qtypes]
+    paneled = sorted(quantized.panel_types(qtypes), key=int)
+    if paneled:
+        groups.append(_Group("panel_product", quantized.warm_up_panel_product,
+                             lambda: [cpu_panel_gemm.panel_product]))
+    groups += [_Group(q.name + _PANELS, lambda q=q: quantized.warm_up_pack_panels([q]),
+                      lambda q=q: [kernels(q).pack_panels]) for q in paneled]
     return groups + [_Group(q.name + _DEQUANT, lambda q=q: quantized.warm_up_dequant([q]),
                             lambda q=q: [kernels(q).dequant])
                      for q in qtypes if q in dequantized]

@@ -42,7 +42,7 @@ _KERNELS_DIR = Path(__file__).resolve().parent
 _LOOPS_MARK = "# -- loops:"
 # the modules whose text the generated code is made of (besides its template)
 _INGREDIENTS = ("cpu_block_decoders.py", "cpu_simd.py", "numba_settings.py", "iq_tables.py",
-                "cpu_row_kernel.py")
+                "cpu_row_kernel.py", "cpu_panel_gemm.py")
 
 
 @dataclass(frozen=True)

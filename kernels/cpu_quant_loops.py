@@ -319,6 +319,68 @@ else:  # per-group float scales
                         store_f32x8(orow, b * BLOCK + s * SUB + i, value)
 
 
+# -- panels: the prompts' 8-bit weight tiles (kernels/cpu_panel_gemm.py) -----------------------
+from eagerlm.kernels.cpu_panel_gemm import PANEL  # noqa: E402
+from eagerlm.kernels.cpu_simd import load_u32  # noqa: E402
+
+_FLIP = 0x80808080 if SIGNED_CODES else 0  # signed codes as unsigned bytes: + 128
+_CODE_SHIFT = np.float32(CODE_OFFSET + (128 if SIGNED_CODES else 0))
+_WORDS = BLOCK // 4  # 4-code words per block
+_PANEL_CODES = PANEL * BLOCK  # a block of a panel's rows, decoded
+_PANEL_GROUPS = PANEL * NSUB
+
+
+@njit(**JIT_ORDERED)
+def pack_panels(w, r0, r1, codes, scales, offsets):
+    """Rows r0 .. r1 - 1 of w as panels of `PANEL` rows (kernels/cpu_panel_gemm.py's
+    layout): the codes unsigned (the signed types' plus 128) into `codes` (uint32 words),
+    per group of `SUB` values the scale and the offset (minimum - scale * (code offset
+    (+ 128))) into `scales` and `offsets`; the last panel's rows past r1 with scales and
+    offsets 0. A block of the panel's rows is decoded into stack buffers, then copied out
+    a word of every row at a time: the stores run through the panel in order (one row's
+    words, a panel's width apart, touched a cache line each)."""
+    n_blocks = w.shape[1] // BLOCK_BYTES
+    words = n_blocks * _WORDS
+    groups = n_blocks * NSUB
+    q = stack_empty(_PANEL_CODES, np.int8)
+    sc = stack_empty(_PANEL_GROUPS, np.float32)
+    mn = stack_empty(_PANEL_GROUPS, np.float32)
+    isc = stack_empty(32, np.int8)
+    imn = stack_empty(32, np.int8)
+    for p in range(-(-(r1 - r0) // PANEL)):
+        rows = min(PANEL, r1 - r0 - p * PANEL)
+        for b in range(n_blocks):
+            for t in range(PANEL):
+                if t >= rows:
+                    for s in range(NSUB):
+                        sc[t * NSUB + s] = 0.0
+                        mn[t * NSUB + s] = 0.0
+                    continue
+                wr = w[r0 + p * PANEL + t]
+                if INT_SCALES:
+                    d, dmin = decode_block(wr, b * BLOCK_BYTES, q[t * BLOCK:], isc, imn)
+                    for s in range(NSUB):
+                        sc[t * NSUB + s] = d * np.float32(isc[s])
+                        mn[t * NSUB + s] = -dmin * np.float32(imn[s]) if HAS_MIN \
+                            else np.float32(0.0)
+                else:
+                    decode_block(wr, b * BLOCK_BYTES, q[t * BLOCK:], sc[t * NSUB:],
+                                 mn[t * NSUB:])
+                    if not HAS_MIN:
+                        for s in range(NSUB):
+                            mn[t * NSUB + s] = 0.0
+            at = (p * words + b * _WORDS) * PANEL
+            for j in range(_WORDS):
+                for t in range(PANEL):
+                    codes[at + j * PANEL + t] = load_u32(q, t * BLOCK + 4 * j) ^ _FLIP
+            at = (p * groups + b * NSUB) * PANEL
+            for s in range(NSUB):
+                for t in range(PANEL):
+                    scale = sc[t * NSUB + s]
+                    scales[at + s * PANEL + t] = scale
+                    offsets[at + s * PANEL + t] = mn[t * NSUB + s] - scale * _CODE_SHIFT
+
+
 # -- the row kernel: `gemv` behind kernels/cpu_row_kernel.py's C signature ----------------------
 import functools  # noqa: E402
 

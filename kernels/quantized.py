@@ -33,7 +33,7 @@ from types import ModuleType
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from eagerlm.kernels.aligned_arrays import aligned
+from eagerlm.kernels.aligned_arrays import aligned, aligned_empty
 from eagerlm.kernels.cpu_activations import (
     PAD,
     SUPERBLOCK,
@@ -46,6 +46,7 @@ from eagerlm.kernels.cpu_activations import (
     quantizer_function,
 )
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
+from eagerlm.kernels.cpu_panel_gemm import PANEL, PANELS_NATIVE, ROW_BLOCK, panel_product
 from eagerlm.kernels.cpu_row_kernel import RowKernel, register
 from eagerlm.kernels.cpu_simd import HOST_AVX512
 from eagerlm.kernels.cpu_threads import by_output_features, by_output_pieces, core_workers
@@ -57,6 +58,12 @@ from eagerlm.kernels.cpu_threads import by_output_features, by_output_pieces, co
 # for every type measured, F16 and the superblock and IQ types (docs/performance.md,
 # 2026-11-28).
 PROMPT_RUNS = not HOST_AVX512
+# Prompts of the block types take 8-bit panels (kernels/cpu_panel_gemm.py) where the
+# machine has 512-bit VNNI: 1.5-2.5x the tiles' and the runs' rates there (docs/
+# performance.md, 2026-11-28).
+PROMPT_PANELS = PANELS_NATIVE
+# codes per panel tile: 1 MiB, 32 * k bytes a panel (a tile's rows times every row of x)
+PANEL_TILE_BYTES = 1 << 20
 # weights per tile: 2 MiB of float32 (128K-4M measured, docs/performance.md: 2816-value
 # rows gained 8% over 1 MiB; an OpenBLAS call repacks x for every tile)
 TILE_ELEMENTS = 1 << 19
@@ -129,6 +136,16 @@ def quantized_linear(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
         by_output_pieces(n * out_features * in_features, out_features,
                          partial(_gemv_runs, w, acts, y), serial_max=GEMV_SERIAL_MAX_VALUES)
         return y
+    if prompt_panels(w.qtype):
+        sub = BLOCK_TYPES[w.qtype].activation_group
+        padded = -(-n // ROW_BLOCK) * ROW_BLOCK
+        if padded != n:
+            x = np.concatenate([x, np.zeros((padded - n, in_features), np.float32)])
+        acts = quantize_activations(x, sub)
+        part = partial(_panels, w, acts, y, core_workers().local)
+        by_output_pieces(n * out_features * in_features, -(-out_features // PANEL),
+                         lambda a, b: part(a * PANEL, min(out_features, b * PANEL)))
+        return y
     by_output_features(n * out_features * in_features, out_features,
                        partial(_tiles, x, w, y, core_workers().local))
     return y
@@ -146,8 +163,16 @@ def gemv_activations(qtype: GGMLQuantizationType, x: np.ndarray) -> tuple[np.nda
 
 def takes_gemv(qtype: GGMLQuantizationType, n_rows: int) -> bool:
     """Whether `quantized_linear` multiplies `n_rows` rows of x by the type's `gemv` (8-bit
-    activations for the block types) rather than by float32 tiles and BLAS."""
-    return n_rows <= BLOCK_TYPES[qtype].gemv_rows or prompt_runs(qtype) > 0
+    activations for the block types) rather than by panels or float32 tiles and BLAS."""
+    if n_rows <= BLOCK_TYPES[qtype].gemv_rows:
+        return True
+    return not prompt_panels(qtype) and prompt_runs(qtype) > 0
+
+
+def prompt_panels(qtype: GGMLQuantizationType) -> bool:
+    """Whether more than `gemv_rows` rows of x take 8-bit panels (`PROMPT_PANELS` and a
+    block type: F16 and BF16 keep their tiles or runs)."""
+    return PROMPT_PANELS and BLOCK_TYPES[qtype].activation_group > 0
 
 
 def prompt_runs(qtype: GGMLQuantizationType) -> int:
@@ -169,6 +194,29 @@ def _gemv_runs(w: QuantizedMatrix, acts: tuple[np.ndarray, ...], y: np.ndarray, 
     run = prompt_runs(w.qtype)
     for j in range(0, n, run):
         gemv(w.blocks, *(a[j:j + run] for a in acts), y[j:j + run], start, stop)
+
+
+def _panels(w: QuantizedMatrix, acts: tuple[np.ndarray, ...], y: np.ndarray,
+            local: threading.local, start: int, stop: int) -> None:
+    """Output features start .. stop - 1: `PANEL_TILE_BYTES` of 8-bit panels at a time
+    packed from the blocks into this thread's buffers (the type's `pack_panels`), times
+    every row of x by `panel_product` (kernels/cpu_panel_gemm.py)."""
+    in_features = w.shape[1]
+    groups = in_features // BLOCK_TYPES[w.qtype].activation_group
+    tile_rows = max(PANEL, PANEL_TILE_BYTES // in_features // PANEL * PANEL)
+    tile_rows = min(tile_rows, -(-(stop - start) // PANEL) * PANEL)
+    buffers = getattr(local, "panels", None)
+    if buffers is None or buffers[0].size < tile_rows * in_features // 4 \
+            or buffers[1].size < tile_rows * groups:
+        buffers = local.panels = (aligned_empty(tile_rows * in_features // 4, np.uint32),
+                                  aligned_empty(tile_rows * groups, np.float32),
+                                  aligned_empty(tile_rows * groups, np.float32))
+    codes, scales, offsets = buffers
+    pack, product = w.kernels.pack_panels, panel_product
+    for s in range(start, stop, tile_rows):
+        rows = min(tile_rows, stop - s)
+        pack(w.blocks, s, s + rows, codes, scales, offsets)
+        product(codes, scales, offsets, in_features, -(-rows // PANEL), *acts, y, s, rows)
 
 
 def _tiles(x: np.ndarray, w: QuantizedMatrix, y: np.ndarray, local: threading.local,
@@ -218,8 +266,13 @@ def dequantized_types(qtypes: Iterable[GGMLQuantizationType],
     float32 tiles (no `prompt_runs`) and the embedding table's (`take`). The others only
     ever take `gemv`: a load compiles no `dequant` for them (a test or a comparison that
     dequantizes one compiles it then)."""
-    tiled = {q for q in qtypes if not prompt_runs(q)}
+    tiled = {q for q in qtypes if not prompt_runs(q) and not prompt_panels(q)}
     return tiled | ({embedding} & set(qtypes))
+
+
+def panel_types(qtypes: Iterable[GGMLQuantizationType]) -> set[GGMLQuantizationType]:
+    """The types of `qtypes` whose prompts take 8-bit panels (`pack_panels` compiled)."""
+    return {q for q in qtypes if prompt_panels(q)}
 
 
 def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> None:
@@ -233,6 +286,27 @@ def warm_up_dequant(qtypes: Iterable[GGMLQuantizationType]) -> None:
     """The `dequant` of `qtypes` (the tiles, the embedding lookup)."""
     for qtype in sorted(set(qtypes), key=int):
         _tiny(qtype).dequantize()
+
+
+def warm_up_pack_panels(qtypes: Iterable[GGMLQuantizationType]) -> None:
+    """The `pack_panels` of `qtypes` (their prompts' panels, `prompt_panels`)."""
+    for qtype in sorted(set(qtypes), key=int):
+        w = _tiny(qtype)
+        groups = w.shape[1] // BLOCK_TYPES[qtype].activation_group
+        w.kernels.pack_panels(w.blocks, 0, 1, np.empty(PANEL * w.shape[1] // 4, np.uint32),
+                              np.empty(PANEL * groups, np.float32),
+                              np.empty(PANEL * groups, np.float32))
+
+
+def warm_up_panel_product() -> None:
+    """`panel_product` (every type's panels), on zeros."""
+    k = PAD
+    acts = activation_arrays(ROW_BLOCK, k, 32, superblocks=False)
+    for a in acts:
+        a[...] = 0
+    panel_product(np.zeros(PANEL * k // 4, np.uint32), np.zeros(PANEL * k // 32, np.float32),
+                  np.zeros(PANEL * k // 32, np.float32), k, 1, *acts,
+                  np.empty((1, PANEL), np.float32), 0, PANEL)
 
 
 def warm_up_gemv(qtypes: Iterable[GGMLQuantizationType]) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from eagerlm.kernels import cpu_compile
+from eagerlm.kernels import cpu_compile, quantized
 from eagerlm.loader.synthetic import tiny_spec, write_synthetic_model
 
 Q = GGMLQuantizationType
@@ -62,11 +62,15 @@ from eagerlm.kernels.cpu_backend import cpu_transformer
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.vmm.kv_layout import KVLayout, TokenMajorKV
 from eagerlm.kernels import quantized
+from eagerlm.kernels.cpu_panel_gemm import panel_product
 quantized.PROMPT_RUNS = sys.argv[2] == "runs"
+quantized.PROMPT_PANELS = sys.argv[2] == "panels"
 tf = cpu_transformer(ModelFile.open(sys.argv[1]))
 def compiled():
-    return {q.name: {name: len(getattr(cpu_kernel_registry.kernels(q), name).signatures)
-                     for name in ("gemv", "dequant")} for q in cpu_kernel_registry._built}
+    kernels = {q.name: {name: len(getattr(cpu_kernel_registry.kernels(q), name).signatures)
+                        for name in ("gemv", "dequant", "pack_panels")}
+               for q in cpu_kernel_registry._built}
+    return {**kernels, "panel_product": len(panel_product.signatures)}
 at_load = compiled()
 cfg = tf.config
 kv = TokenMajorKV(np.zeros((64, *KVLayout(cfg.n_layers, cfg.n_kv_heads,
@@ -78,26 +82,30 @@ print(json.dumps({"at_load": at_load, "after": compiled()}))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prompts", ["runs", "tiles"])
-def test_a_load_compiles_dequant_only_for_the_tiled_types_and_the_embedding(tmp_path, prompts):
-    """Where prompts take `gemv` in runs of rows (`quantized.PROMPT_RUNS`: machines without
-    AVX-512), Q4_K matrices never take float32 tiles, so a load of a Q4_K model compiles
-    no Q4_K `dequant`; where they take tiles (AVX-512) it does. Its Q8_0 embedding table
-    is looked up by `dequant` either way (and Q8_0 prompts take float32 tiles). A prompt
+@pytest.mark.parametrize("prompts", ["runs", "tiles", "panels"])
+def test_a_load_compiles_only_the_prompt_path_it_takes(tmp_path, prompts):
+    """Prompts take one of three paths, by machine: `gemv` in runs of rows
+    (`quantized.PROMPT_RUNS`: machines without AVX-512, for the superblock types), 8-bit
+    panels (`quantized.PROMPT_PANELS`: 512-bit VNNI) or float32 tiles (the rest). A load
+    of a Q4_K model compiles Q4_K's `dequant` only for the tiles, its `pack_panels` and
+    the shared `panel_product` only for the panels. Its Q8_0 embedding table is looked up
+    by `dequant` whatever the path (Q8_0 prompts take tiles but for the panels). A prompt
     and a decode step then compile nothing more: the load compiled what a forward runs."""
     spec = tiny_spec("llama", d_model=256, head_dim=64, d_ff=512, weight_type=Q.Q4_K,
                      embedding_type=Q.Q8_0)
     path = write_synthetic_model(tmp_path / "q4_k.gguf", spec)
     result = run(_LOAD_AND_RUN, tmp_path / "cache", str(path), prompts)
-    assert result["at_load"] == {"Q4_K": {"gemv": 1, "dequant": int(prompts == "tiles")},
-                                 "Q8_0": {"gemv": 1, "dequant": 1}}
+    panels = int(prompts == "panels")
+    assert result["at_load"] == {
+        "Q4_K": {"gemv": 1, "dequant": int(prompts == "tiles"), "pack_panels": panels},
+        "Q8_0": {"gemv": 1, "dequant": 1, "pack_panels": panels}, "panel_product": panels}
     assert result["after"] == result["at_load"]
 
 
 _COMPILE = """
 import json, sys
 from gguf import GGMLQuantizationType as Q
-from eagerlm.kernels import cpu_compile
+from eagerlm.kernels import cpu_compile, quantized
 types = [Q[n] for n in sys.argv[1].split(",")]
 if sys.argv[2] == "no helper":
     cpu_compile.core_count = lambda: 1
@@ -122,8 +130,10 @@ def test_the_kernels_load_from_numbas_disk_cache_in_a_new_process(tmp_path):
     (hits only)."""
     first = run(_COMPILE, tmp_path, "Q8_0,IQ4_XS", "no helper")["stats"]
     second = run(_COMPILE, tmp_path, "Q8_0,IQ4_XS", "no helper")["stats"]
+    panels = {"panel_product", "Q8_0.panels", "IQ4_XS.panels"} if quantized.PROMPT_PANELS \
+        else set()  # (this machine's prompt path, as the process's)
     assert set(first) == {"row_ops", "attention", "activations", "replay", "Q8_0", "IQ4_XS",
-                          "Q8_0.dequant", "IQ4_XS.dequant"}
+                          "Q8_0.dequant", "IQ4_XS.dequant", *panels}
     assert first.pop("replay") == [[1, 0]]
     assert all(misses == 1 and hits == 0 for g in first.values() for hits, misses in g)
     assert all(misses == 0 and hits == 1 for g in second.values() for hits, misses in g)

@@ -3,10 +3,12 @@
 kernels/cpu_simd.py names x86 instructions where the machine has them and falls back to
 generic LLVM IR elsewhere: the unscaled 8-bit dot products are one `vpdpbusd` on AVX-512
 VNNI (or AVX-VNNI) machines, `vpmaddubsw` + `vpmaddwd` on AVX2 ones, generic IR on the
-rest; the table lookups `vpshufb` or generic IR. The integer sums are exact on every path
-(no pair sum of the callers' codes saturates int16) and the float32 work around them is
-written in one order (numba_settings.JIT_ORDERED), so the products, and the tokens a
-model gives, are the same bits on every machine with fused multiply-adds. Each narrower
+rest; the table lookups `vpshufb` or generic IR; the prompts' 8-bit panels
+(kernels/cpu_panel_gemm.py) 512-bit `vpdpbusd` or generic IR. The integer sums are
+exact on every path (no pair sum of the callers' codes saturates int16) and the
+float32 work around them is written in one order (numba_settings.JIT_ORDERED), so the
+products, and the tokens a model gives, are the same bits on every machine with fused
+multiply-adds. Each narrower
 path is compiled here in a new process told to compile for an older CPU (numba's
 NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, an empty cache), where this machine can run its
 code, and compared with this process's products; so is its float16 conversion, against
@@ -27,6 +29,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from numba import njit
 
+from eagerlm.kernels import quantized
 from eagerlm.kernels.cpu_simd import half_to_float, host_features
 from eagerlm.kernels.quantized import quantized_linear
 from tests.test_cpu_quantized import assert_within_derived_bounds, random_matrix
@@ -34,6 +37,7 @@ from tests.test_cpu_quantized import assert_within_derived_bounds, random_matrix
 # a signed and an unsigned 32-value type (`dot_signed`, `dot_unsigned`), one by table
 # (`lut16`), a superblock type (`dot_unsigned_scaled`), a float type
 TYPES = (Q.Q8_0, Q.Q4_0, Q.IQ4_NL, Q.Q4_K, Q.F16)
+FLOAT_TYPES = (Q.F16,)
 ROWS, COLS = 48, 512
 # what an older x86-64 has: the AVX2 generation (no AVX-512, no VNNI: the same bits as
 # this machine's), and SSSE3 only (no FMA either: multiply-adds round twice, so within the
@@ -47,7 +51,9 @@ CPUS = {
 _PRODUCTS = """
 import sys
 import numpy as np
+from eagerlm.kernels import quantized
 from eagerlm.kernels.quantized import quantized_linear
+quantized.PROMPT_PANELS = True
 from tests.test_cpu_instruction_sets import every_half, inputs
 out = {"halves": every_half()}
 for qtype, w, xs in inputs():
@@ -72,16 +78,19 @@ def every_half() -> np.ndarray:
 
 
 def inputs():
-    """Each type's matrix and rows of x: one row (decode) and five (a batch)."""
+    """Each type's matrix and rows of x: one row (decode), five (a batch) and, for the
+    block types, 30 (a prompt: the 8-bit panels, kernels/cpu_panel_gemm.py, taken here
+    whatever the machine: `vpdpbusd` on 512-bit VNNI, generic vector code elsewhere)."""
     for qtype in TYPES:
         rng = np.random.default_rng(int(qtype) + 40)
         w = random_matrix(qtype, ROWS, COLS, rng)
-        yield qtype, w, [rng.standard_normal((n, COLS)).astype(np.float32) for n in (1, 5)]
+        rows = (1, 5) if qtype in FLOAT_TYPES else (1, 5, 30)
+        yield qtype, w, [rng.standard_normal((n, COLS)).astype(np.float32) for n in rows]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cpu", sorted(CPUS))
-def test_an_older_cpus_kernels_agree_with_this_machines(cpu, tmp_path):
+def test_an_older_cpus_kernels_agree_with_this_machines(cpu, tmp_path, monkeypatch):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64 instruction sets")
     name, features = CPUS[cpu]
@@ -94,7 +103,8 @@ def test_an_older_cpus_kernels_agree_with_this_machines(cpu, tmp_path):
     subprocess.run([sys.executable, "-c", _PRODUCTS, str(out)], env=env, check=True,
                    capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     theirs = np.load(out)
-    assert len(theirs.files) == 2 * len(TYPES) + 1
+    assert len(theirs.files) == 3 * len(TYPES) - len(FLOAT_TYPES) + 1
+    monkeypatch.setattr(quantized, "PROMPT_PANELS", True)
     # numpy's float16 conversion, the independent reference: the same bits but for the
     # NaNs, NaNs either way (F16C's conversion quiets a signalling NaN, numpy's does not)
     halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)

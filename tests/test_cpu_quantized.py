@@ -46,6 +46,7 @@ from eagerlm.kernels.cpu_activations import (
 )
 from eagerlm.kernels.cpu_backend import cpu_transformer, held_bytes
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
+from eagerlm.kernels.cpu_panel_gemm import PANEL, X_CHUNK_BYTES
 from eagerlm.kernels.cpu_quant_loops import MAX_ROWS
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, CoreWorkers
 from eagerlm.kernels.numpy_ops import NumpyOps
@@ -71,6 +72,7 @@ from tests.test_dispatcher import make, random_workload, run_workload
 Q = GGMLQuantizationType
 ALL_TYPES = sorted(BLOCK_TYPES, key=lambda q: q.name)
 FLOAT_TYPES = (Q.F16, Q.BF16)
+BLOCK_ONLY = [q for q in ALL_TYPES if q not in FLOAT_TYPES]
 IN_FEATURES = 512  # two K-quant superblocks, sixteen 32-value blocks
 GEMV_ROWS = BLOCK_TYPES[Q.Q8_0].gemv_rows  # the block types' (they all have the same)
 OUT_FEATURES = 37  # shares of unequal size, partial tiles
@@ -133,25 +135,46 @@ def dequantized_activations(x: np.ndarray, superblocks: bool = False
     return codes[:, :k] * d, d
 
 
+def takes_panels(qtype: GGMLQuantizationType, n_rows: int) -> bool:
+    """Whether `quantized_linear` multiplies n_rows rows of x by 8-bit panels."""
+    return not takes_gemv(qtype, n_rows) and quantized.prompt_panels(qtype)
+
+
+def block_maxima(values: np.ndarray, block: int) -> np.ndarray:
+    """Each value replaced by the largest of its block of `block` along the rows."""
+    rows, cols = values.shape
+    per_block = values.reshape(rows, cols // block, block).max(axis=2)
+    return np.repeat(per_block, block, axis=1)
+
+
 def assert_within_derived_bounds(y: np.ndarray, x: np.ndarray, w: QuantizedMatrix) -> None:
-    """y against x @ w^T in float64. Where the type's `gemv` computes them (`takes_gemv`):
-    the float32 rounding bound around x~ @ w^T (x~ the 8-bit activations, or x itself for
-    the float types), and the 8-bit activations' bound around x @ w^T. Otherwise (float32
-    tiles times BLAS, whose summation order is its own): k * 2^-24 * sum |x_i w_i|, the
-    bound of any order."""
+    """y against x @ w^T in float64. Where the type's `gemv` or the 8-bit panels compute
+    them (`takes_gemv`, `takes_panels`): the float32 rounding bound around x~ @ w^T (x~ the
+    8-bit activations, per 32 values for the panels, or x itself for the float types), and
+    the 8-bit activations' bound around x @ w^T. The panels hold each value as scale *
+    (unsigned code) + offset, codes 0..255, so their terms are bounded by 256 times the
+    group's scale past the value; a scale is at most the largest |value - minimum| of its
+    group wherever a code of the group is off the type's offset (every group of these
+    random matrices), so the bound takes 256 times its block's largest |value| + |minimum|.
+    Otherwise (float32 tiles times BLAS, whose summation order is its own):
+    k * 2^-24 * sum |x_i w_i|, the bound of any order."""
     ref = reference(w)
     k = w.shape[1]
     assert y.dtype == np.float32 and y.shape == (len(x), w.shape[0])
     exact = x.astype(np.float64) @ ref.T
-    if not takes_gemv(w.qtype, len(x)):
+    panels = takes_panels(w.qtype, len(x))
+    if not takes_gemv(w.qtype, len(x)) and not panels:
         bound = k * EPS32 * (np.abs(x) @ np.abs(ref).T)
         assert np.all(np.abs(y - exact) <= bound), np.max(np.abs(y - exact) / bound)
         return
     if BLOCK_TYPES[w.qtype].activation_group:
-        xt, d = dequantized_activations(x, BLOCK_TYPES[w.qtype].superblocks)
+        xt, d = dequantized_activations(x, BLOCK_TYPES[w.qtype].superblocks and not panels)
     else:
         xt, d = x.astype(np.float64), np.zeros(x.shape)
-    rounding = (k / 16 + 8) * EPS32 * (np.abs(xt) @ (np.abs(ref) + offsets(w)).T)
+    magnitudes = np.abs(ref) + offsets(w)
+    if panels:  # scale * unsigned code + offset: each term up to 256 scales past the value
+        magnitudes += 256 * block_maxima(magnitudes, GGML_QUANT_SIZES[w.qtype][0])
+    rounding = (k / 16 + 8) * EPS32 * (np.abs(xt) @ magnitudes.T)
     err = np.abs(y - xt @ ref.T)
     assert np.all(err <= rounding), np.max(err / rounding)
     bound = d / 2 @ np.abs(ref).T + rounding
@@ -225,6 +248,38 @@ def test_each_types_kernels_equal_float64_dequantize_then_matmul(qtype, monkeypa
     np.testing.assert_array_equal(y[:, 5:30], full[:, 5:30])
 
 
+@pytest.mark.parametrize("qtype", BLOCK_ONLY, ids=lambda q: q.name)
+def test_each_types_panels_equal_float64_dequantize_then_matmul(qtype, monkeypatch):
+    """The prompts' 8-bit panels (kernels/cpu_panel_gemm.py), taken here on every machine:
+    prompts of a few rows past `gemv_rows`, of rows not a multiple of the row block, and
+    of more rows than one pass over the panels keeps (`X_CHUNK_BYTES`); a tile of one
+    panel (so each core's share takes several), the last panel part-filled (37 rows)."""
+    monkeypatch.setattr(quantized, "PROMPT_PANELS", True)
+    monkeypatch.setattr(quantized, "PANEL_TILE_BYTES", PANEL * IN_FEATURES)
+    rng = np.random.default_rng(int(qtype) + 7)
+    w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
+    chunk = X_CHUNK_BYTES // IN_FEATURES
+    for n_rows in (GEMV_ROWS + 1, GEMV_ROWS + 6, chunk + 3):
+        x = rng.standard_normal((n_rows, IN_FEATURES)).astype(np.float32)
+        assert takes_panels(qtype, n_rows)
+        assert_within_derived_bounds(quantized_linear(x, w), x, w)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_ONLY, ids=lambda q: q.name)
+def test_a_prompt_row_gives_the_same_bits_in_any_prompt(qtype, monkeypatch):
+    """Each row of x goes through the panels alone, in one order: a prompt's row gives the
+    same bits whatever the other rows, however many (a row block's padding, a second
+    pass over the panels)."""
+    monkeypatch.setattr(quantized, "PROMPT_PANELS", True)
+    rng = np.random.default_rng(int(qtype) + 8)
+    w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
+    x = rng.standard_normal((X_CHUNK_BYTES // IN_FEATURES + 5, IN_FEATURES)).astype(np.float32)
+    whole = quantized_linear(x, w)
+    for rows in (slice(0, GEMV_ROWS + 1), slice(7, GEMV_ROWS + 10), slice(len(x) - 30, None)):
+        np.testing.assert_array_equal(quantized_linear(x[rows], w).view(np.uint32),
+                                      whole[rows].view(np.uint32))
+
+
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_a_row_gives_the_same_bits_alone_and_in_a_batch(qtype, monkeypatch):
     """Up to `gemv_rows` rows, each row of x is computed in the same order whatever else is
@@ -233,6 +288,7 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(qtype, monkeypatch):
     runs of `prompt_run_rows`: here two and a part) on the machines that take it
     (`quantized.PROMPT_RUNS`, here on every machine)."""
     monkeypatch.setattr(quantized, "PROMPT_RUNS", True)
+    monkeypatch.setattr(quantized, "PROMPT_PANELS", False)
     rng = np.random.default_rng(int(qtype) + 2)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
     run = BLOCK_TYPES[qtype].prompt_run_rows
@@ -250,6 +306,7 @@ def test_the_warm_up_compiles_the_gemv_every_product_calls(qtype, monkeypatch):
     batch and a prompt's runs (taken here on every machine) then call that compiled
     `gemv`, and compile no other."""
     monkeypatch.setattr(quantized, "PROMPT_RUNS", True)
+    monkeypatch.setattr(quantized, "PROMPT_PANELS", False)
     quantized.warm_up([qtype])
     gemv = kernels(qtype).gemv
     compiled = list(gemv.signatures)
@@ -485,6 +542,8 @@ class EightBitActivations(NumpyOps):
         qtype = self.qtypes.get(id(w))
         if qtype is not None and takes_gemv(qtype, len(x)):
             x = eight_bit(x, SUPERBLOCK if BLOCK_TYPES[qtype].superblocks else GROUP)
+        elif qtype is not None and takes_panels(qtype, len(x)):
+            x = eight_bit(x, GROUP)
         return super().linear(x, w, bias)
 
 

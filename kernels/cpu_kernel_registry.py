@@ -73,10 +73,15 @@ class BlockType:
     superblocks: bool
     gemv_rows: int
     prompt_run_rows: int = 0
+    # whether prompts may take 8-bit panels (kernels/quantized.py's `PROMPT_PANELS`): all
+    # but Q1_0, whose 8-bit products of the llama.cpp fixture's prompt measured 2.9x
+    # llama.cpp's own distance from the exact logits (KL; every other type 0.4-1.05x), so
+    # its prompts keep float32 tiles (tests/test_types_vs_llama_cpp.py, 2026-11-28)
+    panels: bool = True
 
 
 def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: bool = False,
-            signed: bool = False, prompt_run_rows: int = 0) -> BlockType:
+            signed: bool = False, prompt_run_rows: int = 0, panels: bool = True) -> BlockType:
     """A block type, decoded by `cpu_block_decoders.decode_<type>`: codes (0..127, or
     -128..127 if `signed`) q per value and a scale sc per `sub` values, plus a minimum mn
     per `sub` values if `has_min`: value = sc * (q - offset) + mn. The 256-value
@@ -89,7 +94,8 @@ def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: 
                f"BLOCK, BLOCK_BYTES, SUB, HAS_MIN, CODE_OFFSET, SIGNED_CODES = "
                f"{block}, {block_bytes}, {sub}, {has_min}, {offset}, {signed}\n"
                f"INT_SCALES = {superblocks}\n")
-    return BlockType(qtype, "cpu_quant_loops", binding, sub, superblocks, 24, prompt_run_rows)
+    return BlockType(qtype, "cpu_quant_loops", binding, sub, superblocks, 24, prompt_run_rows,
+                     panels)
 
 
 def _floats(qtype: GGMLQuantizationType, name: str, *, prompt_run_rows: int = 0) -> BlockType:
@@ -126,7 +132,7 @@ BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (
     _blocks(Q.TQ2_0, 32, offset=1, prompt_run_rows=16),
     _blocks(Q.MXFP4, 32, offset=12),
     _blocks(Q.NVFP4, 16, offset=12),
-    _blocks(Q.Q1_0, 32, offset=1),
+    _blocks(Q.Q1_0, 32, offset=1, panels=False),
 )}
 
 _built: dict[GGMLQuantizationType, ModuleType] = {}

@@ -184,6 +184,75 @@ def store_accs(typingctx, accs, rows, out, at, stride):
     return types.void(accs, rows, out, at, stride), codegen
 
 
+def _transpose_network(n_rows: int, n_words: int) -> list[list[tuple[int, int, list[int]]]]:
+    """The shuffles that turn n_rows rows of n_words words (held two rows a vector, row
+    2i + r in lanes 8r .. of vector i) into n_words vectors of one word of every row
+    (vector j, lane t: word j of row t): per stage, for each pair of vectors whose index
+    differs in one bit, two two-source shuffles (`vpermt2d`), each keeping the words
+    whose final vector has that bit 0, or 1; the last stage puts the lanes in row order.
+    Worked out on labels here, once, as (a, b, lanes) per output vector of each stage."""
+    width = 2 * n_words
+    vectors = [[(2 * i + lane // n_words, lane % n_words) for lane in range(width)]
+               for i in range(n_rows // 2)]
+    stages = []
+    bits = (len(vectors) - 1).bit_length()
+    for bit in range(bits):
+        step, new, shuffles = 1 << bit, [None] * len(vectors), []
+        for a in range(len(vectors)):
+            if a & step:
+                continue
+            b = a | step
+            pool = vectors[a] + vectors[b]
+            for side, target in ((0, a), (1, b)):
+                chosen = [k for k, (_, word) in enumerate(pool) if (word >> bit) & 1 == side]
+                if bit == bits - 1:
+                    chosen.sort(key=lambda k: pool[k][0])
+                new[target] = [pool[k] for k in chosen]
+                shuffles.append((target, a, b, chosen))
+        vectors = new
+        stages.append(shuffles)
+    assert all(v == [(t, j) for t in range(n_rows)] for j, v in enumerate(vectors))
+    return stages
+
+
+_TRANSPOSE = _transpose_network(16, 8)
+
+
+@intrinsic
+def store_panel_words(typingctx, q, q_at, q_stride, codes, c_at, flip):
+    """8 words (32 codes) of each of 16 rows, row r at byte q_at + r * q_stride of `q`
+    (int8), into `codes` (uint32) as panel words: word j of the rows at item
+    c_at + j * PANEL .. + 15, each xor `flip`. A transpose of 16 x 8 words in 24 shuffles
+    of two vectors (`_TRANSPOSE`), where copying word by word took ~0.5 cycle a byte,
+    most of a type's packing."""
+    def codegen(context, builder, signature, args):
+        a = signature.args
+        half = ir.VectorType(_I32, 8)
+        start = context.cast(builder, args[1], a[1], types.intp)
+        stride = context.cast(builder, args[2], a[2], types.intp)
+        rows = [builder.load(_element_ptr(
+            context, builder, a[0], args[0],
+            builder.add(start, builder.mul(stride, ir.Constant(_I64, r))), types.intp, half),
+            align=1) for r in range(16)]
+        both = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+        vectors = [builder.shuffle_vector(rows[2 * i], rows[2 * i + 1], both) for i in range(8)]
+        for stage in _TRANSPOSE:
+            new = list(vectors)
+            for target, x, y, lanes in stage:
+                new[target] = builder.shuffle_vector(vectors[x], vectors[y], ir.Constant(
+                    ir.VectorType(_I32, 16), lanes))
+            vectors = new
+        mask = _splat(builder, builder.trunc(context.cast(builder, args[5], a[5], types.int64),
+                                             _I32), _VI)
+        at = context.cast(builder, args[4], a[4], types.intp)
+        for j in range(8):
+            ptr = _element_ptr(context, builder, a[3], args[3],
+                               builder.add(at, ir.Constant(_I64, j * PANEL)), types.intp, _VI)
+            builder.store(builder.xor(vectors[j], mask), ptr, align=4)
+        return context.get_dummy_value()
+    return types.void(q, q_at, q_stride, codes, c_at, flip), codegen
+
+
 _ACCS = 2 * ROW_BLOCK
 
 

@@ -320,8 +320,7 @@ else:  # per-group float scales
 
 
 # -- panels: the prompts' 8-bit weight tiles (kernels/cpu_panel_gemm.py) -----------------------
-from eagerlm.kernels.cpu_panel_gemm import PANEL  # noqa: E402
-from eagerlm.kernels.cpu_simd import load_u32  # noqa: E402
+from eagerlm.kernels.cpu_panel_gemm import PANEL, store_panel_words  # noqa: E402
 
 _FLIP = 0x80808080 if SIGNED_CODES else 0  # signed codes as unsigned bytes: + 128
 _CODE_SHIFT = np.float32(CODE_OFFSET + (128 if SIGNED_CODES else 0))
@@ -336,12 +335,14 @@ def pack_panels(w, r0, r1, codes, scales, offsets):
     layout): the codes unsigned (the signed types' plus 128) into `codes` (uint32 words),
     per group of `SUB` values the scale and the offset (minimum - scale * (code offset
     (+ 128))) into `scales` and `offsets`; the last panel's rows past r1 with scales and
-    offsets 0. A block of the panel's rows is decoded into stack buffers, then copied out
-    a word of every row at a time: the stores run through the panel in order (one row's
-    words, a panel's width apart, touched a cache line each)."""
-    n_blocks = w.shape[1] // BLOCK_BYTES
+    offsets 0. A block of the panel's rows is decoded into stack buffers, then transposed
+    out 16 rows by 8 words at a time (`store_panel_words`): the stores run through the
+    panel in order (one row's words, a panel's width apart, touched a cache line each)."""
+    row_bytes = w.shape[1]
+    n_blocks = row_bytes // BLOCK_BYTES
     words = n_blocks * _WORDS
     groups = n_blocks * NSUB
+    flat = w.reshape(-1)  # a block at a byte offset: no view of a row per block
     q = stack_empty(_PANEL_CODES, np.int8)
     sc = stack_empty(_PANEL_GROUPS, np.float32)
     mn = stack_empty(_PANEL_GROUPS, np.float32)
@@ -356,23 +357,23 @@ def pack_panels(w, r0, r1, codes, scales, offsets):
                         sc[t * NSUB + s] = 0.0
                         mn[t * NSUB + s] = 0.0
                     continue
-                wr = w[r0 + p * PANEL + t]
+                o = (r0 + p * PANEL + t) * row_bytes + b * BLOCK_BYTES
                 if INT_SCALES:
-                    d, dmin = decode_block(wr, b * BLOCK_BYTES, q[t * BLOCK:], isc, imn)
+                    d, dmin = decode_block(flat, o, q[t * BLOCK:], isc, imn)
                     for s in range(NSUB):
                         sc[t * NSUB + s] = d * np.float32(isc[s])
                         mn[t * NSUB + s] = -dmin * np.float32(imn[s]) if HAS_MIN \
                             else np.float32(0.0)
                 else:
-                    decode_block(wr, b * BLOCK_BYTES, q[t * BLOCK:], sc[t * NSUB:],
-                                 mn[t * NSUB:])
+                    decode_block(flat, o, q[t * BLOCK:], sc[t * NSUB:], mn[t * NSUB:])
                     if not HAS_MIN:
                         for s in range(NSUB):
                             mn[t * NSUB + s] = 0.0
             at = (p * words + b * _WORDS) * PANEL
-            for j in range(_WORDS):
-                for t in range(PANEL):
-                    codes[at + j * PANEL + t] = load_u32(q, t * BLOCK + 4 * j) ^ _FLIP
+            for h in range(2):
+                for c in range(BLOCK // 32):
+                    store_panel_words(q, 16 * h * BLOCK + 32 * c, BLOCK, codes,
+                                      at + 8 * c * PANEL + 16 * h, _FLIP)
             at = (p * groups + b * NSUB) * PANEL
             for s in range(NSUB):
                 for t in range(PANEL):

@@ -171,8 +171,9 @@ def takes_gemv(qtype: GGMLQuantizationType, n_rows: int) -> bool:
 
 def prompt_panels(qtype: GGMLQuantizationType) -> bool:
     """Whether more than `gemv_rows` rows of x take 8-bit panels (`PROMPT_PANELS` and a
-    block type: F16 and BF16 keep their tiles or runs)."""
-    return PROMPT_PANELS and BLOCK_TYPES[qtype].activation_group > 0
+    block type with `panels`: F16 and BF16 keep their tiles or runs, Q1_0 its tiles)."""
+    block_type = BLOCK_TYPES[qtype]
+    return PROMPT_PANELS and block_type.activation_group > 0 and block_type.panels
 
 
 def prompt_runs(qtype: GGMLQuantizationType) -> int:

@@ -72,7 +72,7 @@ from tests.test_dispatcher import make, random_workload, run_workload
 Q = GGMLQuantizationType
 ALL_TYPES = sorted(BLOCK_TYPES, key=lambda q: q.name)
 FLOAT_TYPES = (Q.F16, Q.BF16)
-BLOCK_ONLY = [q for q in ALL_TYPES if q not in FLOAT_TYPES]
+PANEL_TYPES = [q for q in ALL_TYPES if BLOCK_TYPES[q].activation_group and BLOCK_TYPES[q].panels]
 IN_FEATURES = 512  # two K-quant superblocks, sixteen 32-value blocks
 GEMV_ROWS = BLOCK_TYPES[Q.Q8_0].gemv_rows  # the block types' (they all have the same)
 OUT_FEATURES = 37  # shares of unequal size, partial tiles
@@ -248,7 +248,7 @@ def test_each_types_kernels_equal_float64_dequantize_then_matmul(qtype, monkeypa
     np.testing.assert_array_equal(y[:, 5:30], full[:, 5:30])
 
 
-@pytest.mark.parametrize("qtype", BLOCK_ONLY, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda q: q.name)
 def test_each_types_panels_equal_float64_dequantize_then_matmul(qtype, monkeypatch):
     """The prompts' 8-bit panels (kernels/cpu_panel_gemm.py), taken here on every machine:
     prompts of a few rows past `gemv_rows`, of rows not a multiple of the row block, and
@@ -265,7 +265,7 @@ def test_each_types_panels_equal_float64_dequantize_then_matmul(qtype, monkeypat
         assert_within_derived_bounds(quantized_linear(x, w), x, w)
 
 
-@pytest.mark.parametrize("qtype", BLOCK_ONLY, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda q: q.name)
 def test_a_prompt_row_gives_the_same_bits_in_any_prompt(qtype, monkeypatch):
     """Each row of x goes through the panels alone, in one order: a prompt's row gives the
     same bits whatever the other rows, however many (a row block's padding, a second

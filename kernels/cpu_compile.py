@@ -78,10 +78,13 @@ class _Group:
     warm_up: Callable[[], None]
     dispatchers: Callable[[], list]
     c_functions: Callable[[], list] = list
-    # compiled last, after the load: the decode replay's table, which calls other groups'
-    # kernels (the row ops, the attention rows) that it would otherwise compile again
-    # while the helper compiles them, and the types' C entries that only it calls
+    # compiled last, after the load, where cold: the decode replay's table, which calls
+    # other groups' kernels (the row ops, the attention rows) that it would otherwise
+    # compile again while the helper compiles them, and the types' C entries that only it
+    # calls; the prompts' panels, which only speed prompts up. `ready` is set once they
+    # are loaded here (cleared meanwhile): the forward takes another path until then.
     after: bool = False
+    ready: threading.Event | None = None
 
     @property
     def seconds(self) -> float:
@@ -104,7 +107,8 @@ class _Group:
 
 
 def _groups(qtypes: Iterable[GGMLQuantizationType],
-            dequantized: Iterable[GGMLQuantizationType] | None = None) -> list[_Group]:
+            dequantized: Iterable[GGMLQuantizationType] | None = None,
+            paneled: Iterable[GGMLQuantizationType] | None = None) -> list[_Group]:
     """The groups a model of matrices of `qtypes` needs: each compiled once, in one
     process or the other (the activations' quantizers, which several types share, are a
     group of their own; each type's `dequant` too, for the types in `dequantized`, all
@@ -116,19 +120,22 @@ def _groups(qtypes: Iterable[GGMLQuantizationType],
         _Group("attention", cpu_attention.warm_up, lambda: list(cpu_attention.KERNELS)),
         _Group("replay", lambda: _warm_up_replay(qtypes),
                lambda: list(cpu_decode_program.KERNELS),
-               lambda: quantized.row_kernel_functions(qtypes), after=True),
+               lambda: quantized.row_kernel_functions(qtypes), after=True,
+               ready=cpu_decode_program.TABLE_READY),
     ]
     if quantized.activation_kernels(qtypes):
         groups.append(_Group("activations", lambda: quantized.warm_up_activations(qtypes),
                              lambda: quantized.activation_kernels(qtypes)))
     groups += [_Group(q.name, lambda q=q: quantized.warm_up_gemv([q]),
                       lambda q=q: [kernels(q).gemv]) for q in qtypes]
-    paneled = sorted(quantized.panel_types(qtypes), key=int)
+    paneled = sorted(quantized.panel_types(qtypes) if paneled is None else paneled, key=int)
+    ready = quantized.PANELS_READY
     if paneled:
         groups.append(_Group("panel_product", quantized.warm_up_panel_product,
-                             lambda: [cpu_panel_gemm.panel_product]))
+                             lambda: [cpu_panel_gemm.panel_product], after=True, ready=ready))
     groups += [_Group(q.name + _PANELS, lambda q=q: quantized.warm_up_pack_panels([q]),
-                      lambda q=q: [kernels(q).pack_panels]) for q in paneled]
+                      lambda q=q: [kernels(q).pack_panels], after=True, ready=ready)
+               for q in paneled]
     return groups + [_Group(q.name + _DEQUANT, lambda q=q: quantized.warm_up_dequant([q]),
                             lambda q=q: [kernels(q).dequant])
                      for q in qtypes if q in dequantized]
@@ -158,7 +165,9 @@ def start_compile(qtypes: Iterable[GGMLQuantizationType],
     qtypes = sorted(set(qtypes), key=int)
     groups = _groups(qtypes, dequantized)
     claims = _Claims([g for g in groups if not g.after and not g.cached()])
-    later = [g for g in groups if g.after and not g.cached()]
+    # (the panels before the replay's table: a prompt comes before a decode batch)
+    later = sorted((g for g in groups if g.after and not g.cached()),
+                   key=lambda g: g.ready is cpu_decode_program.TABLE_READY)
     helper = None
     if len(claims.names) > 1 and core_count() > 1:
         # (with one cold group a helper starts once this process is done: compiling the
@@ -208,11 +217,14 @@ class KernelCompile:
         if helper is not None:
             for g in helper.served():  # from the cache the helper filled (or compiled here)
                 g.warm_up()
-        if not self.later:  # the replay's table from the cache
-            for g in self.groups:
-                if g.after:
-                    g.warm_up()
-            cpu_decode_program.TABLE_READY.set()
+        cold = {g.name for g in self.later}
+        for g in self.groups:  # the cached ones of the later groups (the replay's table)
+            if g.after and g.name not in cold:
+                g.warm_up()
+        pending = {g.ready for g in self.later}
+        for ready in {g.ready for g in self.groups if g.after} - pending:
+            ready.set()
+        if not self.later:
             if helper is not None:
                 helper.close()
                 helper.process.wait()
@@ -222,28 +234,36 @@ class KernelCompile:
         if helper is None:  # none can start: compiled here
             for g in self.later:
                 g.warm_up()
-            cpu_decode_program.TABLE_READY.set()
+            for ready in pending:
+                ready.set()
             return time.perf_counter() - t0
-        cpu_decode_program.TABLE_READY.clear()
-        if helper.send([g.name for g in self.later]):  # (a helper that failed: op by op)
-            helper.close()
+        for ready in pending:
+            ready.clear()
+        if helper.send([g.name for g in self.later]):  # (a helper that failed: the other
+            helper.close()                                 # paths stay)
             threading.Thread(target=_load_when_compiled, args=(helper, self.later),
-                             daemon=True, name="eagerlm-replay-table").start()
+                             daemon=True, name="eagerlm-later-kernels").start()
         return time.perf_counter() - t0
 
 
 def _load_when_compiled(helper: _Helper, later: Sequence[_Group]) -> None:
-    """Once the helper has compiled `later` (the replay's table) into the cache, load it
-    here and let the forward use it. If the helper failed, the forward stays op by op
-    for this process (compiling the table here would take the GIL from the forward for
-    seconds); the next load compiles it again."""
-    helper.wait_for([g.name for g in later])
-    helper.process.wait()
-    if not all(g.name in helper.done and g.cached() for g in later):
-        return
+    """As the helper compiles `later` into the cache (in their order: the panels, then
+    the replay's table), load each kind here and set its `ready`: the forward switches to
+    it. If the helper failed, the forward stays on its other path (op by op, the tiles)
+    for this process (compiling here would take the GIL from the forward for seconds);
+    the next load compiles them again."""
+    kinds: dict[threading.Event, list[_Group]] = {}
     for g in later:
-        g.warm_up()
-    cpu_decode_program.TABLE_READY.set()
+        kinds.setdefault(g.ready, []).append(g)
+    for i, (ready, groups) in enumerate(kinds.items()):
+        helper.wait_for([g.name for g in groups])
+        if i == len(kinds) - 1:  # the last: the helper's exit, as the replay's always was
+            helper.process.wait()
+        if not all(g.name in helper.done and g.cached() for g in groups):
+            return
+        for g in groups:
+            g.warm_up()
+        ready.set()
 
 
 class _Helper:
@@ -326,7 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if listed is None or any(n not in members or members[n] not in BLOCK_TYPES
                              for n in listed):
         return 2
-    groups = {g.name: g for g in _groups(members[n] for n in listed)}
+    qtypes = [members[n] for n in listed]
+    # every panel group the loading process may name (it may take panels where this
+    # process's default would not: a test forcing them)
+    paneled = [q for q in qtypes if quantized.has_panels(q)]
+    groups = {g.name: g for g in _groups(qtypes, paneled=paneled)}
     for line in sys.stdin:
         name = line.strip()
         if name not in groups:

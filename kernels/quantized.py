@@ -62,6 +62,13 @@ PROMPT_RUNS = not HOST_AVX512
 # machine has 512-bit VNNI: 1.5-2.5x the tiles' and the runs' rates there (docs/
 # performance.md, 2026-11-28).
 PROMPT_PANELS = PANELS_NATIVE
+# Cleared while the panels' kernels compile in kernels/cpu_compile.py's helper process
+# after a load on a cold cache, set once they are loaded here: until then prompts take
+# the float32 tiles (whose `dequant` the load compiles for these types too), as decode
+# batches run op by op until the replay's table is ready, instead of the load waiting
+# seconds more for them.
+PANELS_READY = threading.Event()
+PANELS_READY.set()
 # codes per panel tile: 1 MiB, 32 * k bytes a panel (a tile's rows times every row of x)
 PANEL_TILE_BYTES = 1 << 20
 # weights per tile: 2 MiB of float32 (128K-4M measured, docs/performance.md: 2816-value
@@ -170,10 +177,16 @@ def takes_gemv(qtype: GGMLQuantizationType, n_rows: int) -> bool:
 
 
 def prompt_panels(qtype: GGMLQuantizationType) -> bool:
-    """Whether more than `gemv_rows` rows of x take 8-bit panels (`PROMPT_PANELS` and a
-    block type with `panels`: F16 and BF16 keep their tiles or runs, Q1_0 its tiles)."""
+    """Whether more than `gemv_rows` rows of x take 8-bit panels: `PROMPT_PANELS`, a type
+    that has them (`has_panels`) and the kernels ready (`PANELS_READY`)."""
+    return PROMPT_PANELS and has_panels(qtype) and PANELS_READY.is_set()
+
+
+def has_panels(qtype: GGMLQuantizationType) -> bool:
+    """Whether `qtype` has 8-bit panels: the block types with `panels` (F16 and BF16 keep
+    their tiles or runs, Q1_0 its tiles)."""
     block_type = BLOCK_TYPES[qtype]
-    return PROMPT_PANELS and block_type.activation_group > 0 and block_type.panels
+    return block_type.activation_group > 0 and block_type.panels
 
 
 def prompt_runs(qtype: GGMLQuantizationType) -> int:
@@ -264,16 +277,18 @@ register(row_kernel)
 def dequantized_types(qtypes: Iterable[GGMLQuantizationType],
                       embedding: GGMLQuantizationType | None) -> set[GGMLQuantizationType]:
     """The types of `qtypes` whose `dequant` a forward runs: those whose prompts take
-    float32 tiles (no `prompt_runs`) and the embedding table's (`take`). The others only
+    float32 tiles (no `prompt_runs`; the panel types' too, while their panels compile
+    after a load, `PANELS_READY`) and the embedding table's (`take`). The others only
     ever take `gemv`: a load compiles no `dequant` for them (a test or a comparison that
     dequantizes one compiles it then)."""
-    tiled = {q for q in qtypes if not prompt_runs(q) and not prompt_panels(q)}
+    tiled = {q for q in qtypes if not prompt_runs(q)}
     return tiled | ({embedding} & set(qtypes))
 
 
 def panel_types(qtypes: Iterable[GGMLQuantizationType]) -> set[GGMLQuantizationType]:
-    """The types of `qtypes` whose prompts take 8-bit panels (`pack_panels` compiled)."""
-    return {q for q in qtypes if prompt_panels(q)}
+    """The types of `qtypes` whose prompts take 8-bit panels on this machine
+    (`PROMPT_PANELS`, `has_panels`)."""
+    return {q for q in qtypes if PROMPT_PANELS and has_panels(q)}
 
 
 def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> None:

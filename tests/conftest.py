@@ -26,8 +26,9 @@ def _seeded_rng(request) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _decode_replay_table() -> None:
-    """The cpu decode replay's table compiled (or loaded from numba's cache) before any
-    test, as a load did before the table compiled in the background: a load on a cold
+    """The cpu decode replay's table (and the prompts' panels) compiled (or loaded from
+    numba's cache) before any test, as a load did before the table compiled in the
+    background: a load on a cold
     cache returns without it and runs decode batches op by op until it is ready
     (kernels/cpu_compile.py; tests/test_cpu_compile.py checks that, in fresh processes),
     which would make the suite's first tests' path depend on timing. Through
@@ -36,10 +37,16 @@ def _decode_replay_table() -> None:
     replayed logits 1e-3 away from the ops' (not understood; not seen again on 2026-11-28,
     with each kernel in one compile group: a fresh cache, the table warmed up first or
     last, gave a Q8_0 and a Q5_0 model's replayed logits equal to the ops')."""
-    from eagerlm.kernels import cpu_compile, cpu_decode_program
+    from eagerlm.kernels import cpu_compile, cpu_decode_program, quantized
+    from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES
 
     cpu_compile.compile_kernels(())
     assert cpu_decode_program.TABLE_READY.wait(600)
+    # likewise the prompts' panels where the machine takes them: a load on a cold cache
+    # has its prompts take the tiles until the helper has compiled them
+    if quantized.PROMPT_PANELS:
+        quantized.warm_up_panel_product()
+        quantized.warm_up_pack_panels(q for q in BLOCK_TYPES if quantized.has_panels(q))
 
 
 @pytest.fixture(scope="session")

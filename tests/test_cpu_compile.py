@@ -65,19 +65,21 @@ from eagerlm.kernels import quantized
 from eagerlm.kernels.cpu_panel_gemm import panel_product
 quantized.PROMPT_RUNS = sys.argv[2] == "runs"
 quantized.PROMPT_PANELS = sys.argv[2] == "panels"
-tf = cpu_transformer(ModelFile.open(sys.argv[1]))
 def compiled():
     kernels = {q.name: {name: len(getattr(cpu_kernel_registry.kernels(q), name).signatures)
                         for name in ("gemv", "dequant", "pack_panels")}
                for q in cpu_kernel_registry._built}
     return {**kernels, "panel_product": len(panel_product.signatures)}
+tf = cpu_transformer(ModelFile.open(sys.argv[1]))
+loaded = compiled()
+quantized.PANELS_READY.wait(600)  # (on a cold cache compiled after the load)
 at_load = compiled()
 cfg = tf.config
 kv = TokenMajorKV(np.zeros((64, *KVLayout(cfg.n_layers, cfg.n_kv_heads,
                                           cfg.head_dim).token_shape), np.float32))
 tf.forward(ForwardBatch.single(np.arange(1, 41, dtype=np.int32), 0, kv))  # a prompt
 tf.forward(ForwardBatch.single(np.array([7], np.int32), 40, kv))  # a decode step
-print(json.dumps({"at_load": at_load, "after": compiled()}))
+print(json.dumps({"loaded": loaded, "at_load": at_load, "after": compiled()}))
 """
 
 
@@ -87,17 +89,22 @@ def test_a_load_compiles_only_the_prompt_path_it_takes(tmp_path, prompts):
     """Prompts take one of three paths, by machine: `gemv` in runs of rows
     (`quantized.PROMPT_RUNS`: machines without AVX-512, for the superblock types), 8-bit
     panels (`quantized.PROMPT_PANELS`: 512-bit VNNI) or float32 tiles (the rest). A load
-    of a Q4_K model compiles Q4_K's `dequant` only for the tiles, its `pack_panels` and
-    the shared `panel_product` only for the panels. Its Q8_0 embedding table is looked up
-    by `dequant` whatever the path (Q8_0 prompts take tiles but for the panels). A prompt
-    and a decode step then compile nothing more: the load compiled what a forward runs."""
+    of a Q4_K model on a cold cache compiles Q4_K's `dequant` except for the runs (the
+    panels' prompts take the tiles until their kernels are ready), and returns before the
+    panels' kernels (both types' `pack_panels`, the shared `panel_product`), which the
+    helper compiles after it and this process then loads. Its Q8_0 embedding table is
+    looked up by `dequant` whatever the path. A prompt and a decode step then compile
+    nothing more: the load compiled what a forward runs."""
     spec = tiny_spec("llama", d_model=256, head_dim=64, d_ff=512, weight_type=Q.Q4_K,
                      embedding_type=Q.Q8_0)
     path = write_synthetic_model(tmp_path / "q4_k.gguf", spec)
     result = run(_LOAD_AND_RUN, tmp_path / "cache", str(path), prompts)
     panels = int(prompts == "panels")
+    assert result["loaded"] == {
+        "Q4_K": {"gemv": 1, "dequant": int(prompts != "runs"), "pack_panels": 0},
+        "Q8_0": {"gemv": 1, "dequant": 1, "pack_panels": 0}, "panel_product": 0}
     assert result["at_load"] == {
-        "Q4_K": {"gemv": 1, "dequant": int(prompts == "tiles"), "pack_panels": panels},
+        "Q4_K": {"gemv": 1, "dequant": int(prompts != "runs"), "pack_panels": panels},
         "Q8_0": {"gemv": 1, "dequant": 1, "pack_panels": panels}, "panel_product": panels}
     assert result["after"] == result["at_load"]
 
@@ -113,8 +120,9 @@ if sys.argv[2] == "a helper that fails":
     cpu_compile.sys.executable = "/bin/false"
 compiling = cpu_compile.start_compile(types)
 compiling.finish()
-if sys.argv[2] != "a helper that fails":
-    cpu_compile.cpu_decode_program.TABLE_READY.wait(600)  # the replay's, if compiled after
+if sys.argv[2] != "a helper that fails":  # the replay's and the panels', if compiled after
+    cpu_compile.cpu_decode_program.TABLE_READY.wait(600)
+    quantized.PANELS_READY.wait(600)
 stats = {g.name: [[len(f.stats.cache_hits), len(f.stats.cache_misses)]
                   for f in g.dispatchers()] for g in cpu_compile._groups(types)}
 helper = compiling.helper
@@ -125,16 +133,17 @@ print(json.dumps({"stats": stats, "helper": [g.name for g in helper.taken] if he
 @pytest.mark.slow
 def test_the_kernels_load_from_numbas_disk_cache_in_a_new_process(tmp_path):
     """The generated modules keep numba's cache working: in an empty cache the first
-    process compiles every kernel once (a miss each; the decode replay's table, compiled
-    by the helper in the background, it loads: hits only), the second loads every one
-    (hits only)."""
+    process compiles every kernel once (a miss each; the decode replay's table and the
+    prompts' panels, compiled by the helper in the background, it loads: hits only), the
+    second loads every one (hits only)."""
     first = run(_COMPILE, tmp_path, "Q8_0,IQ4_XS", "no helper")["stats"]
     second = run(_COMPILE, tmp_path, "Q8_0,IQ4_XS", "no helper")["stats"]
     panels = {"panel_product", "Q8_0.panels", "IQ4_XS.panels"} if quantized.PROMPT_PANELS \
         else set()  # (this machine's prompt path, as the process's)
     assert set(first) == {"row_ops", "attention", "activations", "replay", "Q8_0", "IQ4_XS",
                           "Q8_0.dequant", "IQ4_XS.dequant", *panels}
-    assert first.pop("replay") == [[1, 0]]
+    for later in ("replay", *panels):
+        assert first.pop(later) == [[1, 0]], later
     assert all(misses == 1 and hits == 0 for g in first.values() for hits, misses in g)
     assert all(misses == 0 and hits == 1 for g in second.values() for hits, misses in g)
 
@@ -151,6 +160,8 @@ def test_a_cold_cache_is_filled_by_a_helper_process_and_this_one_together(tmp_pa
     # (the replay's table the helper compiles last, after the load: it calls the row ops
     # and the attention rows)
     helper = {*result["helper"], "replay"}
+    if quantized.PROMPT_PANELS:  # (the panels too)
+        helper |= {"panel_product", "Q8_0.panels", "Q6_K.panels", "Q4_K.panels"}
     assert len(helper) > 1 and helper != set(stats)
     for name, kernels in stats.items():
         if name in helper:
@@ -170,6 +181,8 @@ def test_a_helper_that_fails_leaves_its_groups_to_this_process(tmp_path):
     stats = result["stats"]
     assert result["helper"]  # it was given a group before it was found to have failed
     assert stats.pop("replay") == [[0, 0]]  # left to the next load: op by op meanwhile
+    for name in [n for n in stats if n == "panel_product" or n.endswith(".panels")]:
+        assert stats.pop(name) == [[0, 0]], name  # likewise: the tiles meanwhile
     assert all(misses == 1 and hits == 0 for g in stats.values() for hits, misses in g)
 
 

@@ -22,18 +22,23 @@ layout, not through the quantizer that several types share, which is a group of 
 and its `dequant` is another, compiled only for the types a forward dequantizes
 (`quantized.dequantized_types`).
 
-The decode replay's table (kernels/cpu_decode_program.py) is only an optimization: the
-forward runs op by op without it, with the same results. So when it is not in the cache
-yet, the load does not wait for it, nor for the types' C entries (`row_kernel`) that only
-the table calls, each of which compiles its type's `gemv` into its own code again (a
-quarter of the type's compile): the helper compiles them last, after its share (the
-table calls the row ops and the attention rows, by then in the cache), the load returns
-once everything else is compiled, and a thread here loads the table from the cache when the
-helper is done (`cpu_decode_program.TABLE_READY`; until then decode batches run op by op,
-and a forward never compiles it). A helper still compiling when this process exits
-finishes on its own: numba writes each cache file under a temporary name and renames it,
-so a helper cut short (Ctrl-C) leaves no half-written entry, only at worst an index entry
-whose data a later compile writes again.
+The decode replay's table (kernels/cpu_decode_program.py) and the prompts' 8-bit panels
+(kernels/cpu_panel_gemm.py, each type's `pack_panels`) are only optimizations: the
+forward runs op by op without the first, with the same results, and prompts take the
+float32 tiles without the second (whose `dequant` the load compiles). So when they are
+not in the cache yet, the load does not wait for them (the helper compiles the panels
+first, then the table; `quantized.PANELS_READY` is set once the panels are loaded
+here, as `TABLE_READY` for the table below); nor for the types' C entries
+(`row_kernel`) that only the table calls, each of which compiles its type's `gemv`
+into its own code again (a quarter of the type's compile): the helper compiles them
+last, after its share (the table calls the row ops and the attention rows, by then in
+the cache), the load returns once everything else is compiled, and a thread here loads
+the table from the cache when the helper is done (`cpu_decode_program.TABLE_READY`;
+until then decode batches run op by op, and a forward never compiles it). A helper
+still compiling when this process exits finishes on its own: numba writes each cache
+file under a temporary name and renames it, so a helper cut short (Ctrl-C) leaves no
+half-written entry, only at worst an index entry whose data a later compile writes
+again.
 """
 
 from __future__ import annotations
@@ -244,6 +249,14 @@ class KernelCompile:
             threading.Thread(target=_load_when_compiled, args=(helper, self.later),
                              daemon=True, name="eagerlm-later-kernels").start()
         return time.perf_counter() - t0
+
+
+def wait_for_later_kernels(timeout: float | None = None) -> bool:
+    """Wait until the kernels a load on a cold cache left to the helper (the replay's
+    table, the prompts' panels) are loaded here; whether they are. What a measurement of
+    the engine's steady state waits for after the load."""
+    return all(ready.wait(timeout) for ready in (cpu_decode_program.TABLE_READY,
+                                                  quantized.PANELS_READY))
 
 
 def _load_when_compiled(helper: _Helper, later: Sequence[_Group]) -> None:

@@ -44,7 +44,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, register_model
 
-from eagerlm.kernels.cpu_simd import _FEATURES, _element_ptr, _splat, _VectorModel, _VectorType
+from eagerlm.kernels.cpu_simd import VectorModel, VectorType, element_ptr, host_features, splat
 from eagerlm.kernels.numba_settings import JIT_ORDERED
 
 PANEL = 32  # weight rows interleaved: two 16-lane vectors
@@ -53,20 +53,20 @@ ROW_BLOCK = 4  # rows of x multiplied together with one panel
 # panels themselves are 32 * k bytes each)
 X_CHUNK_BYTES = 1 << 18
 # `vpdpbusd` on 512-bit registers
-PANELS_NATIVE = "avx512vnni" in _FEATURES and "avx512bw" in _FEATURES
+PANELS_NATIVE = {"avx512vnni", "avx512bw"} <= host_features()
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _VI = ir.VectorType(_I32, 16)
 _VF = ir.VectorType(_F32, 16)
 
 
-class Float32x16Type(_VectorType):
+class Float32x16Type(VectorType):
     def __init__(self) -> None:
         super().__init__("Float32x16", _VF)
 
 
 float32x16 = Float32x16Type()
-register_model(Float32x16Type)(_VectorModel)
+register_model(Float32x16Type)(VectorModel)
 
 
 def _dpbusd_generic(builder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
@@ -140,7 +140,7 @@ def group_mac(typingctx, accs, rows, steps, codes, c0, xq, x0, x_stride, scales,
             for i in range(n_rows):
                 offset = builder.add(builder.add(x_at, builder.mul(x_step, const(i))),
                                      const(4 * step))
-                x = _splat(builder, builder.load(at(5, offset, _I32), align=1), _VI)
+                x = splat(builder, builder.load(at(5, offset, _I32), align=1), _VI)
                 sums[i] = [_dpbusd(builder, sums[i][h], w[h], x) for h in range(2)]
         muladd = builder.module.declare_intrinsic("llvm.fmuladd.v16f32",
                                                   fnty=ir.FunctionType(_VF, [_VF] * 3))
@@ -151,8 +151,8 @@ def group_mac(typingctx, accs, rows, steps, codes, c0, xq, x0, x_stride, scales,
         out = []
         for i in range(n_rows):
             g = builder.add(g_at, builder.mul(g_step, const(i)))
-            x_scale = _splat(builder, builder.load(at(11, g, _F32)), _VF)
-            x_sum = _splat(builder, builder.load(at(12, g, _F32)), _VF)
+            x_scale = splat(builder, builder.load(at(11, g, _F32)), _VF)
+            x_sum = splat(builder, builder.load(at(12, g, _F32)), _VF)
             for h in range(2):
                 acc = builder.extract_value(args[0], 2 * i + h)
                 acc = builder.call(muladd, [builder.sitofp(sums[i][h], _VF),
@@ -177,7 +177,7 @@ def store_accs(typingctx, accs, rows, out, at, stride):
         for i in range(n_rows):
             row = builder.add(start, builder.mul(step, ir.Constant(_I64, i)))
             for h in range(2):
-                ptr = _element_ptr(context, builder, a[2], args[2],
+                ptr = element_ptr(context, builder, a[2], args[2],
                                    builder.add(row, ir.Constant(_I64, 16 * h)), types.intp, _VF)
                 builder.store(builder.extract_value(args[0], 2 * i + h), ptr, align=4)
         return context.get_dummy_value()
@@ -230,7 +230,7 @@ def store_panel_words(typingctx, q, q_at, q_stride, codes, c_at, flip):
         half = ir.VectorType(_I32, 8)
         start = context.cast(builder, args[1], a[1], types.intp)
         stride = context.cast(builder, args[2], a[2], types.intp)
-        rows = [builder.load(_element_ptr(
+        rows = [builder.load(element_ptr(
             context, builder, a[0], args[0],
             builder.add(start, builder.mul(stride, ir.Constant(_I64, r))), types.intp, half),
             align=1) for r in range(16)]
@@ -242,11 +242,11 @@ def store_panel_words(typingctx, q, q_at, q_stride, codes, c_at, flip):
                 new[target] = builder.shuffle_vector(vectors[x], vectors[y], ir.Constant(
                     ir.VectorType(_I32, 16), lanes))
             vectors = new
-        mask = _splat(builder, builder.trunc(context.cast(builder, args[5], a[5], types.int64),
+        mask = splat(builder, builder.trunc(context.cast(builder, args[5], a[5], types.int64),
                                              _I32), _VI)
         at = context.cast(builder, args[4], a[4], types.intp)
         for j in range(8):
-            ptr = _element_ptr(context, builder, a[3], args[3],
+            ptr = element_ptr(context, builder, a[3], args[3],
                                builder.add(at, ir.Constant(_I64, j * PANEL)), types.intp, _VI)
             builder.store(builder.xor(vectors[j], mask), ptr, align=4)
         return context.get_dummy_value()

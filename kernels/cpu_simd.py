@@ -68,7 +68,7 @@ HOST_AVX512 = "avx512f" in _FEATURES
 
 # -- the three vector types -------------------------------------------------------------------
 
-class _VectorType(types.Type):
+class VectorType(types.Type):
     """A numba type whose value is one LLVM vector (`llvm` is its IR type)."""
 
     def __init__(self, name: str, llvm: ir.VectorType) -> None:
@@ -76,17 +76,17 @@ class _VectorType(types.Type):
         super().__init__(name=name)
 
 
-class Bytes32Type(_VectorType):
+class Bytes32Type(VectorType):
     def __init__(self) -> None:
         super().__init__("Bytes32", _vec(_I8, 32))
 
 
-class Int32x8Type(_VectorType):
+class Int32x8Type(VectorType):
     def __init__(self) -> None:
         super().__init__("Int32x8", _vec(_I32, 8))
 
 
-class Float32x8Type(_VectorType):
+class Float32x8Type(VectorType):
     def __init__(self) -> None:
         super().__init__("Float32x8", _vec(_F32, 8))
 
@@ -97,21 +97,21 @@ bytes32, int32x8, float32x8 = Bytes32Type(), Int32x8Type(), Float32x8Type()
 @register_model(Bytes32Type)
 @register_model(Int32x8Type)
 @register_model(Float32x8Type)
-class _VectorModel(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type: _VectorType) -> None:
+class VectorModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type: VectorType) -> None:
         super().__init__(dmm, fe_type, fe_type.llvm)
 
 
-# -- IR helpers ---------------------------------------------------------------------------------
+# -- IR helpers (kernels/cpu_panel_gemm.py's intrinsics use them too) ----------------------------
 
-def _element_ptr(context, builder, array_type, array, offset, offset_type, element: ir.Type):
+def element_ptr(context, builder, array_type, array, offset, offset_type, element: ir.Type):
     """A pointer to `element` at item `offset` of a numba array (C-contiguous, 1-D)."""
     data = context.make_array(array_type)(context, builder, array).data
     at = context.cast(builder, offset, offset_type, types.intp)
     return builder.bitcast(builder.gep(data, [at]), element.as_pointer())
 
 
-def _splat(builder, value: ir.Value, vec: ir.VectorType) -> ir.Value:
+def splat(builder, value: ir.Value, vec: ir.VectorType) -> ir.Value:
     one = builder.insert_element(ir.Constant(vec, None), value, ir.Constant(_I32, 0))
     return builder.shuffle_vector(one, one, ir.Constant(_vec(_I32, vec.count), [0] * vec.count))
 
@@ -124,7 +124,7 @@ def _scalar_to(context, builder, value, from_type, vec: ir.VectorType) -> ir.Val
     else:
         scalar = builder.trunc(context.cast(builder, value, from_type, types.int64), element) \
             if element.width < 64 else context.cast(builder, value, from_type, types.int64)
-    return _splat(builder, scalar, vec)
+    return splat(builder, scalar, vec)
 
 
 def _constant_lanes(vec: ir.VectorType, values) -> ir.Constant:
@@ -169,7 +169,7 @@ _V32 = _vec(_I8, 32)
 def load_bytes(typingctx, array, offset):
     """32 bytes of a byte array (uint8 / int8) from item `offset` on."""
     def codegen(context, builder, signature, args):
-        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+        ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
                            signature.args[1], _V32)
         return builder.load(ptr, align=1)
     return bytes32(array, offset), codegen
@@ -180,7 +180,7 @@ def load_bytes16(typingctx, array, offset):
     """16 bytes of a byte array from item `offset` on, in lanes 0-15 (16-31 zero): a
     block's header, without reading past the block."""
     def codegen(context, builder, signature, args):
-        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+        ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
                            signature.args[1], _vec(_I8, 16))
         half = builder.load(ptr, align=1)
         return builder.shuffle_vector(half, ir.Constant(_vec(_I8, 16), None),
@@ -192,7 +192,7 @@ def load_bytes16(typingctx, array, offset):
 def store_bytes(typingctx, array, offset, value):
     """`value` into 32 items of a byte array from `offset` on."""
     def codegen(context, builder, signature, args):
-        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+        ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
                            signature.args[1], _V32)
         builder.store(args[2], ptr, align=1)
         return context.get_dummy_value()
@@ -203,11 +203,11 @@ def _nibbles(order: list[int]):
     @intrinsic
     def load(typingctx, array, offset):
         def codegen(context, builder, signature, args):
-            ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+            ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
                                signature.args[1], _vec(_I8, 16))
             half = builder.load(ptr, align=1)
-            low = builder.and_(half, _splat(builder, ir.Constant(_I8, 15), _vec(_I8, 16)))
-            high = builder.lshr(half, _splat(builder, ir.Constant(_I8, 4), _vec(_I8, 16)))
+            low = builder.and_(half, splat(builder, ir.Constant(_I8, 15), _vec(_I8, 16)))
+            high = builder.lshr(half, splat(builder, ir.Constant(_I8, 4), _vec(_I8, 16)))
             return builder.shuffle_vector(low, high, _constant_lanes(_vec(_I32, 32), order))
         return bytes32(array, offset), codegen
     return load
@@ -235,7 +235,7 @@ def bit_lanes(typingctx, word, value):
     slower, Q5_0 / Q5_1's 1.5x; docs/performance.md)."""
     def codegen(context, builder, signature, args):
         w = builder.trunc(context.cast(builder, args[0], signature.args[0], types.int64), _I32)
-        words = builder.bitcast(_splat(builder, w, _vec(_I32, 8)), _V32)
+        words = builder.bitcast(splat(builder, w, _vec(_I32, 8)), _V32)
         spread = builder.shuffle_vector(words, words, _constant_lanes(
             _vec(_I32, 32), [16 * (i // 16) + i // 8 for i in range(32)]))
         bits = _constant_lanes(_V32, [1 << (i % 8) for i in range(32)])
@@ -270,7 +270,7 @@ def mul_high(typingctx, value, factor):
         wide = builder.zext(args[0], _vec(_I16, 32))
         f = _scalar_to(context, builder, args[1], signature.args[1], _vec(_I16, 32))
         product = builder.mul(wide, f)
-        shifted = builder.lshr(product, _splat(builder, ir.Constant(_I16, 8), _vec(_I16, 32)))
+        shifted = builder.lshr(product, splat(builder, ir.Constant(_I16, 8), _vec(_I16, 32)))
         return builder.trunc(shifted, _V32)
     return bytes32(value, factor), codegen
 
@@ -312,7 +312,7 @@ def gather_u64x4(typingctx, table, i0, i1, i2, i3):
     def codegen(context, builder, signature, args):
         out = ir.Constant(_vec(_I64, 4), None)
         for lane in range(4):
-            ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1 + lane],
+            ptr = element_ptr(context, builder, signature.args[0], args[0], args[1 + lane],
                                signature.args[1 + lane], _I64)
             out = builder.insert_element(out, builder.load(ptr, align=8),
                                          ir.Constant(_I32, lane))
@@ -326,7 +326,7 @@ def gather_u32x8(typingctx, table, i0, i1, i2, i3, i4, i5, i6, i7):
     def codegen(context, builder, signature, args):
         out = ir.Constant(_vec(_I32, 8), None)
         for lane in range(8):
-            ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1 + lane],
+            ptr = element_ptr(context, builder, signature.args[0], args[0], args[1 + lane],
                                signature.args[1 + lane], _I32)
             out = builder.insert_element(out, builder.load(ptr, align=4),
                                          ir.Constant(_I32, lane))
@@ -343,22 +343,22 @@ _FLOAT_OPS = {operator.add: "fadd", operator.sub: "fsub", operator.mul: "fmul",
               operator.truediv: "fdiv"}
 
 
-def _vector_binop(vector_type: _VectorType, name: str):
+def _vector_binop(vector_type: VectorType, name: str):
     """An intrinsic for `vector op vector`, `vector op scalar` and `scalar op vector`."""
     @intrinsic
     def op(typingctx, a, b):
         def codegen(context, builder, signature, args):
             x, y = args
-            if not isinstance(signature.args[0], _VectorType):
+            if not isinstance(signature.args[0], VectorType):
                 x = _scalar_to(context, builder, x, signature.args[0], vector_type.llvm)
-            if not isinstance(signature.args[1], _VectorType):
+            if not isinstance(signature.args[1], VectorType):
                 y = _scalar_to(context, builder, y, signature.args[1], vector_type.llvm)
             return getattr(builder, name)(x, y)
         return vector_type(a, b), codegen
     return op
 
 
-def _operator_typer(vector_type: _VectorType, scalar: type, impl):
+def _operator_typer(vector_type: VectorType, scalar: type, impl):
     def typer(a, b):
         vector = isinstance(a, type(vector_type)) or isinstance(b, type(vector_type))
         operands_ok = all(isinstance(t, (type(vector_type), scalar)) for t in (a, b))
@@ -368,7 +368,7 @@ def _operator_typer(vector_type: _VectorType, scalar: type, impl):
     return typer
 
 
-def _register_operators(vector_type: _VectorType, ops: dict, scalar: type) -> None:
+def _register_operators(vector_type: VectorType, ops: dict, scalar: type) -> None:
     for pyop, name in ops.items():
         overload(pyop)(
             _operator_typer(vector_type, scalar, _vector_binop(vector_type, name)))
@@ -445,7 +445,7 @@ def _dot(signed_codes: bool):
     @intrinsic
     def dot(typingctx, codes, acts, offset):
         def codegen(context, builder, signature, args):
-            x = builder.load(_element_ptr(context, builder, signature.args[1], args[1], args[2],
+            x = builder.load(element_ptr(context, builder, signature.args[1], args[1], args[2],
                                           signature.args[2], _V32), align=1)
             q = args[0]
             if signed_codes:
@@ -466,13 +466,13 @@ def _scaled_dot(signed_codes: bool):
         two = pair.literal_value
 
         def codegen(context, builder, signature, args):
-            x = builder.load(_element_ptr(context, builder, signature.args[1], args[1], args[2],
+            x = builder.load(element_ptr(context, builder, signature.args[1], args[1], args[2],
                                           signature.args[2], _V32), align=1)
             q = args[0]
             if signed_codes:
                 q, x = _abs_and_sign(builder, q, x)
             pairs = _pmaddubsw(builder, q, x)
-            raw = builder.load(_element_ptr(context, builder, signature.args[3], args[3],
+            raw = builder.load(element_ptr(context, builder, signature.args[3], args[3],
                                             args[4], signature.args[4], _vec(_I8, 2)), align=1)
             wide = builder.sext(raw, _vec(_I16, 2))
             lanes = [0] * 8 + [1] * 8 if two else [0] * 16
@@ -511,7 +511,7 @@ def _half_to_float(builder, value: ir.Value) -> ir.Value:
         return builder.fpext(value, f32)
 
     def c(v, t=_I32):
-        return _splat(builder, ir.Constant(t, v), _vec(t, n)) if n else ir.Constant(t, v)
+        return splat(builder, ir.Constant(t, v), _vec(t, n)) if n else ir.Constant(t, v)
     bits = builder.zext(builder.bitcast(value, _vec(_I16, n) if n else ir.IntType(16)), i32)
     magnitude = builder.bitcast(builder.shl(builder.and_(bits, c(0x7FFF)), c(13)), f32)
     scaled = builder.fmul(magnitude, c(2.0 ** 112, _F32))
@@ -538,7 +538,7 @@ def _load_ints8(element: ir.Type, doc: str):
     @intrinsic
     def load(typingctx, array, offset):
         def codegen(context, builder, signature, args):
-            raw = builder.load(_element_ptr(context, builder, signature.args[0], args[0],
+            raw = builder.load(element_ptr(context, builder, signature.args[0], args[0],
                                             args[1], signature.args[1], _vec(element, 8)),
                                align=1)
             return builder.sext(raw, _vec(_I32, 8)) if element.width < 32 else raw
@@ -580,7 +580,7 @@ def scaled_add(typingctx, acc, sums, scale):
     `scale` a scalar (every lane) or a Float32x8 (one per lane)."""
     def codegen(context, builder, signature, args):
         s = args[2]
-        if not isinstance(signature.args[2], _VectorType):
+        if not isinstance(signature.args[2], VectorType):
             s = _scalar_to(context, builder, s, signature.args[2], _F8)
         return _muladd(builder, builder.sitofp(args[1], _F8), s, args[0])
     return float32x8(acc, sums, scale), codegen
@@ -591,7 +591,7 @@ def pair_lanes(typingctx, array, index):
     """[a[i]] * 4 + [a[i + 1]] * 4 of a float32 array: the scales of two 16-value groups
     for the lanes of a 32-value `dot_unsigned` (lanes 0-3 sum values 0-15)."""
     def codegen(context, builder, signature, args):
-        two = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1],
+        two = builder.load(element_ptr(context, builder, signature.args[0], args[0], args[1],
                                         signature.args[1], _vec(_F32, 2)), align=4)
         return builder.shuffle_vector(two, two, _constant_lanes(_vec(_I32, 8),
                                                                 [0] * 4 + [1] * 4))
@@ -657,7 +657,7 @@ def lane_sums8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
 def load_f32x8(typingctx, array, offset):
     """8 float32 of a float32 array from item `offset` on."""
     def codegen(context, builder, signature, args):
-        return builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1],
+        return builder.load(element_ptr(context, builder, signature.args[0], args[0], args[1],
                                          signature.args[1], _F8), align=4)
     return float32x8(array, offset), codegen
 
@@ -665,7 +665,7 @@ def load_f32x8(typingctx, array, offset):
 @intrinsic
 def store_f32x8(typingctx, array, offset, value):
     def codegen(context, builder, signature, args):
-        builder.store(args[2], _element_ptr(context, builder, signature.args[0], args[0],
+        builder.store(args[2], element_ptr(context, builder, signature.args[0], args[0],
                                             args[1], signature.args[1], _F8), align=4)
         return context.get_dummy_value()
     return types.void(array, offset, value), codegen
@@ -677,7 +677,7 @@ def _load8(element: ir.Type, convert, doc: str):
     @intrinsic
     def load(typingctx, array, offset):
         def codegen(context, builder, signature, args):
-            raw = builder.load(_element_ptr(context, builder, signature.args[0], args[0],
+            raw = builder.load(element_ptr(context, builder, signature.args[0], args[0],
                                             args[1], signature.args[1], _vec(element, 8)),
                                align=1)
             return convert(builder, raw)
@@ -692,7 +692,7 @@ load_f16x8 = _load8(_HALF, _half_to_float,
                     """8 IEEE float16 values at byte `offset` of a byte array, as float32
                     (F16C's `vcvtph2ps` on x86).""")
 load_bf16x8 = _load8(_I16, lambda b, v: b.bitcast(b.shl(
-    b.zext(v, _vec(_I32, 8)), _splat(b, ir.Constant(_I32, 16), _vec(_I32, 8))), _F8),
+    b.zext(v, _vec(_I32, 8)), splat(b, ir.Constant(_I32, 16), _vec(_I32, 8))), _F8),
     """8 bfloat16 values at byte `offset` of a byte array, as float32 (the bits shifted
     into a float32's upper half: exact).""")
 
@@ -703,7 +703,7 @@ def _scalar_load(element: ir.Type, result: types.Type, convert):
     @intrinsic
     def load(typingctx, array, byte_offset):
         def codegen(context, builder, signature, args):
-            ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+            ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
                                signature.args[1], element)
             return convert(builder, builder.load(ptr, align=1))
         return result(array, byte_offset), codegen
@@ -727,7 +727,7 @@ def store_u64(typingctx, array, byte_offset, value):
     in one store (eight one-byte stores read back as a wider load stall the load until
     they are all written)."""
     def codegen(context, builder, signature, args):
-        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+        ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
                            signature.args[1], _I64)
         builder.store(context.cast(builder, args[2], signature.args[2], types.int64), ptr,
                       align=1)
@@ -750,7 +750,7 @@ def prefetch(typingctx, array, offset):
     `prefetcht0`): for reads at strides the hardware prefetcher does not follow, such as
     one layer's K and V rows of a token-major cache."""
     def codegen(context, builder, signature, args):
-        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1],
+        ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
                            signature.args[1], _I8)
         fn = builder.module.declare_intrinsic(
             "llvm.prefetch", [ptr.type],

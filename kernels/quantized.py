@@ -13,9 +13,14 @@ matrix: the file's bytes, `[rows, row_bytes]`, so it takes what the file takes. 
   x, nothing dequantized to memory; the output rows are cut in pieces that the cores take
   in turn (kernels/cpu_threads.py's `by_output_pieces`), or run on the calling thread
   under `GEMV_SERIAL_MAX_VALUES` multiply-adds.
-  Beyond that (prefill, big batches), the types with a `prompt_run_rows` (the superblock
-  types) still take `gemv` on machines without AVX-512, in runs of that many rows of x
-  (`prompt_runs`); the others, and every type on AVX-512 machines, dequantize
+  Beyond that (prefill, big batches), on machines with 512-bit VNNI every block type but
+  Q1_0 takes 8-bit panels (`prompt_panels`, kernels/cpu_panel_gemm.py): x quantized per
+  32 values once, `PANEL_TILE_BYTES` of panels at a time packed from the blocks by the
+  type's `pack_panels` into a reused buffer per core, times every row of x; the cores
+  take pieces of whole panels in turn. Elsewhere the types with a `prompt_run_rows` (the
+  superblock types) still take `gemv` on machines without AVX-512, in runs of that many
+  rows of x (`prompt_runs`); the others (on AVX-512 machines every type the panels do
+  not take), dequantize
   `TILE_ELEMENTS` worth of weight rows at a time into a reused float32 buffer and multiply
   it by BLAS, one share of the output rows per core: a tile per core is all the extra
   memory. Which is faster was measured per type and machine (docs/performance.md).

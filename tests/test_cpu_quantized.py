@@ -253,7 +253,8 @@ def test_each_types_panels_equal_float64_dequantize_then_matmul(qtype, monkeypat
     """The prompts' 8-bit panels (kernels/cpu_panel_gemm.py), taken here on every machine:
     prompts of a few rows past `gemv_rows`, of rows not a multiple of the row block, and
     of more rows than one pass over the panels keeps (`X_CHUNK_BYTES`); a tile of one
-    panel (so each core's share takes several), the last panel part-filled (37 rows)."""
+    panel (so each core's share takes several), the last panel part-filled (37 rows);
+    rows of three blocks, not a whole 256 values of x's padded codes."""
     monkeypatch.setattr(quantized, "PROMPT_PANELS", True)
     monkeypatch.setattr(quantized, "PANEL_TILE_BYTES", PANEL * IN_FEATURES)
     rng = np.random.default_rng(int(qtype) + 7)
@@ -263,6 +264,11 @@ def test_each_types_panels_equal_float64_dequantize_then_matmul(qtype, monkeypat
         x = rng.standard_normal((n_rows, IN_FEATURES)).astype(np.float32)
         assert takes_panels(qtype, n_rows)
         assert_within_derived_bounds(quantized_linear(x, w), x, w)
+    # rows of three blocks (96 or 768 values): x's codes padded past them to 256 values
+    cols = 3 * max(GGML_QUANT_SIZES[qtype][0], 32)
+    w = random_matrix(qtype, 45, cols, rng)
+    x = rng.standard_normal((GEMV_ROWS + 3, cols)).astype(np.float32)
+    assert_within_derived_bounds(quantized_linear(x, w), x, w)
 
 
 @pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda q: q.name)

@@ -200,8 +200,9 @@ class _Claims:
 @dataclass
 class KernelCompile:
     """A first-use compile under way (`start_compile`): the groups of `qtypes`, the cold
-    ones that this process and the helper take in turn (`cold`), the `later` ones (the
-    replay's) that the helper compiles after the load, and the helper itself."""
+    ones that this process and the helper take in turn (`cold`), the cold `later` ones
+    (the prompts' panels, the replay's table) that the helper compiles after the load,
+    and the helper itself."""
 
     qtypes: list[GGMLQuantizationType]
     groups: list[_Group]

@@ -64,11 +64,11 @@ from eagerlm.kernels.cpu_threads import core_count
 # (docs/performance.md: row ops 1.7, attention 3.7 with numba's own start-up, the
 # activations' two quantizers 0.8, the demo model's types' `gemv` 1.2-1.6 and `dequant`
 # 0.26-0.4): only the order the cold groups are taken in, the larger first, so that the
-# last to finish is a short one. The replay's group compiles after the load.
-_COLD_SECONDS = {"row_ops": 1.7, "attention": 3.7, "activations": 0.8, "panel_product": 1.3}
+# last to finish is a short one. The replay's and the panels' groups compile after the
+# load (not claimed: no estimate).
+_COLD_SECONDS = {"row_ops": 1.7, "attention": 3.7, "activations": 0.8}
 _TYPE_COLD_SECONDS = 1.4  # a type's `gemv`
 _DEQUANT_COLD_SECONDS = 0.35  # a type's `dequant`
-_PANELS_COLD_SECONDS = 0.9  # a type's `pack_panels` (0.6-1.1 on the Xeon, 2026-11-28)
 _DEQUANT = ".dequant"  # the suffix of a type's `dequant` group
 _PANELS = ".panels"  # the suffix of a type's `pack_panels` group
 
@@ -95,8 +95,6 @@ class _Group:
     def seconds(self) -> float:
         if self.name.endswith(_DEQUANT):
             return _DEQUANT_COLD_SECONDS
-        if self.name.endswith(_PANELS):
-            return _PANELS_COLD_SECONDS
         return _COLD_SECONDS.get(self.name, _TYPE_COLD_SECONDS)
 
     def cached(self) -> bool:

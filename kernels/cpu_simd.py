@@ -170,7 +170,7 @@ def load_bytes(typingctx, array, offset):
     """32 bytes of a byte array (uint8 / int8) from item `offset` on."""
     def codegen(context, builder, signature, args):
         ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
-                           signature.args[1], _V32)
+                          signature.args[1], _V32)
         return builder.load(ptr, align=1)
     return bytes32(array, offset), codegen
 
@@ -181,7 +181,7 @@ def load_bytes16(typingctx, array, offset):
     block's header, without reading past the block."""
     def codegen(context, builder, signature, args):
         ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
-                           signature.args[1], _vec(_I8, 16))
+                          signature.args[1], _vec(_I8, 16))
         half = builder.load(ptr, align=1)
         return builder.shuffle_vector(half, ir.Constant(_vec(_I8, 16), None),
                                       _constant_lanes(_vec(_I32, 32), range(32)))
@@ -193,7 +193,7 @@ def store_bytes(typingctx, array, offset, value):
     """`value` into 32 items of a byte array from `offset` on."""
     def codegen(context, builder, signature, args):
         ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
-                           signature.args[1], _V32)
+                          signature.args[1], _V32)
         builder.store(args[2], ptr, align=1)
         return context.get_dummy_value()
     return types.void(array, offset, value), codegen
@@ -204,7 +204,7 @@ def _nibbles(order: list[int]):
     def load(typingctx, array, offset):
         def codegen(context, builder, signature, args):
             ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
-                               signature.args[1], _vec(_I8, 16))
+                              signature.args[1], _vec(_I8, 16))
             half = builder.load(ptr, align=1)
             low = builder.and_(half, splat(builder, ir.Constant(_I8, 15), _vec(_I8, 16)))
             high = builder.lshr(half, splat(builder, ir.Constant(_I8, 4), _vec(_I8, 16)))
@@ -313,7 +313,7 @@ def gather_u64x4(typingctx, table, i0, i1, i2, i3):
         out = ir.Constant(_vec(_I64, 4), None)
         for lane in range(4):
             ptr = element_ptr(context, builder, signature.args[0], args[0], args[1 + lane],
-                               signature.args[1 + lane], _I64)
+                              signature.args[1 + lane], _I64)
             out = builder.insert_element(out, builder.load(ptr, align=8),
                                          ir.Constant(_I32, lane))
         return builder.bitcast(out, _V32)
@@ -327,7 +327,7 @@ def gather_u32x8(typingctx, table, i0, i1, i2, i3, i4, i5, i6, i7):
         out = ir.Constant(_vec(_I32, 8), None)
         for lane in range(8):
             ptr = element_ptr(context, builder, signature.args[0], args[0], args[1 + lane],
-                               signature.args[1 + lane], _I32)
+                              signature.args[1 + lane], _I32)
             out = builder.insert_element(out, builder.load(ptr, align=4),
                                          ir.Constant(_I32, lane))
         return builder.bitcast(out, _V32)
@@ -446,7 +446,7 @@ def _dot(signed_codes: bool):
     def dot(typingctx, codes, acts, offset):
         def codegen(context, builder, signature, args):
             x = builder.load(element_ptr(context, builder, signature.args[1], args[1], args[2],
-                                          signature.args[2], _V32), align=1)
+                                         signature.args[2], _V32), align=1)
             q = args[0]
             if signed_codes:
                 q, x = _abs_and_sign(builder, q, x)
@@ -467,13 +467,13 @@ def _scaled_dot(signed_codes: bool):
 
         def codegen(context, builder, signature, args):
             x = builder.load(element_ptr(context, builder, signature.args[1], args[1], args[2],
-                                          signature.args[2], _V32), align=1)
+                                         signature.args[2], _V32), align=1)
             q = args[0]
             if signed_codes:
                 q, x = _abs_and_sign(builder, q, x)
             pairs = _pmaddubsw(builder, q, x)
             raw = builder.load(element_ptr(context, builder, signature.args[3], args[3],
-                                            args[4], signature.args[4], _vec(_I8, 2)), align=1)
+                                           args[4], signature.args[4], _vec(_I8, 2)), align=1)
             wide = builder.sext(raw, _vec(_I16, 2))
             lanes = [0] * 8 + [1] * 8 if two else [0] * 16
             scale = builder.shuffle_vector(wide, wide, _constant_lanes(_vec(_I32, 16), lanes))
@@ -539,7 +539,7 @@ def _load_ints8(element: ir.Type, doc: str):
     def load(typingctx, array, offset):
         def codegen(context, builder, signature, args):
             raw = builder.load(element_ptr(context, builder, signature.args[0], args[0],
-                                            args[1], signature.args[1], _vec(element, 8)),
+                                           args[1], signature.args[1], _vec(element, 8)),
                                align=1)
             return builder.sext(raw, _vec(_I32, 8)) if element.width < 32 else raw
         return int32x8(array, offset), codegen
@@ -592,7 +592,7 @@ def pair_lanes(typingctx, array, index):
     for the lanes of a 32-value `dot_unsigned` (lanes 0-3 sum values 0-15)."""
     def codegen(context, builder, signature, args):
         two = builder.load(element_ptr(context, builder, signature.args[0], args[0], args[1],
-                                        signature.args[1], _vec(_F32, 2)), align=4)
+                                       signature.args[1], _vec(_F32, 2)), align=4)
         return builder.shuffle_vector(two, two, _constant_lanes(_vec(_I32, 8),
                                                                 [0] * 4 + [1] * 4))
     return float32x8(array, index), codegen
@@ -658,7 +658,7 @@ def load_f32x8(typingctx, array, offset):
     """8 float32 of a float32 array from item `offset` on."""
     def codegen(context, builder, signature, args):
         return builder.load(element_ptr(context, builder, signature.args[0], args[0], args[1],
-                                         signature.args[1], _F8), align=4)
+                                        signature.args[1], _F8), align=4)
     return float32x8(array, offset), codegen
 
 
@@ -666,7 +666,7 @@ def load_f32x8(typingctx, array, offset):
 def store_f32x8(typingctx, array, offset, value):
     def codegen(context, builder, signature, args):
         builder.store(args[2], element_ptr(context, builder, signature.args[0], args[0],
-                                            args[1], signature.args[1], _F8), align=4)
+                                           args[1], signature.args[1], _F8), align=4)
         return context.get_dummy_value()
     return types.void(array, offset, value), codegen
 
@@ -678,7 +678,7 @@ def _load8(element: ir.Type, convert, doc: str):
     def load(typingctx, array, offset):
         def codegen(context, builder, signature, args):
             raw = builder.load(element_ptr(context, builder, signature.args[0], args[0],
-                                            args[1], signature.args[1], _vec(element, 8)),
+                                           args[1], signature.args[1], _vec(element, 8)),
                                align=1)
             return convert(builder, raw)
         return float32x8(array, offset), codegen
@@ -704,7 +704,7 @@ def _scalar_load(element: ir.Type, result: types.Type, convert):
     def load(typingctx, array, byte_offset):
         def codegen(context, builder, signature, args):
             ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
-                               signature.args[1], element)
+                              signature.args[1], element)
             return convert(builder, builder.load(ptr, align=1))
         return result(array, byte_offset), codegen
     return load
@@ -728,7 +728,7 @@ def store_u64(typingctx, array, byte_offset, value):
     they are all written)."""
     def codegen(context, builder, signature, args):
         ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
-                           signature.args[1], _I64)
+                          signature.args[1], _I64)
         builder.store(context.cast(builder, args[2], signature.args[2], types.int64), ptr,
                       align=1)
         return context.get_dummy_value()
@@ -751,7 +751,7 @@ def prefetch(typingctx, array, offset):
     one layer's K and V rows of a token-major cache."""
     def codegen(context, builder, signature, args):
         ptr = element_ptr(context, builder, signature.args[0], args[0], args[1],
-                           signature.args[1], _I8)
+                          signature.args[1], _I8)
         fn = builder.module.declare_intrinsic(
             "llvm.prefetch", [ptr.type],
             ir.FunctionType(ir.VoidType(), [ptr.type, _I32, _I32, _I32]))

@@ -72,7 +72,7 @@ from tests.test_dispatcher import make, random_workload, run_workload
 Q = GGMLQuantizationType
 ALL_TYPES = sorted(BLOCK_TYPES, key=lambda q: q.name)
 FLOAT_TYPES = (Q.F16, Q.BF16)
-PANEL_TYPES = [q for q in ALL_TYPES if BLOCK_TYPES[q].activation_group and BLOCK_TYPES[q].panels]
+PANEL_TYPES = [q for q in ALL_TYPES if quantized.has_panels(q)]
 IN_FEATURES = 512  # two K-quant superblocks, sixteen 32-value blocks
 GEMV_ROWS = BLOCK_TYPES[Q.Q8_0].gemv_rows  # the block types' (they all have the same)
 OUT_FEATURES = 37  # shares of unequal size, partial tiles

@@ -124,7 +124,8 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
                   if keeps_blocks(info, weights) and info.qtype in BLOCK_TYPES}
     embedding = f.tensors.get("token_embd.weight")
     compiling = start_compile(held_types, dequantized_types(
-        held_types, None if embedding is None else embedding.qtype))
+        held_types, None if embedding is None else embedding.qtype),
+        experts=model.config.moe is not None)
     if on_bytes is not None:
         on_bytes(0, total)
     held = build_weights(f, model.config,

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType
 from numba.core.caching import FunctionCache
 
-from eagerlm.kernels import cpu_attention, cpu_decode_program, cpu_panel_gemm, quantized
+from eagerlm.kernels import cpu_attention, cpu_decode_program, cpu_moe, cpu_panel_gemm, quantized
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
 from eagerlm.kernels.cpu_threads import core_count
@@ -111,11 +111,13 @@ class _Group:
 
 def _groups(qtypes: Iterable[GGMLQuantizationType],
             dequantized: Iterable[GGMLQuantizationType] | None = None,
-            paneled: Iterable[GGMLQuantizationType] | None = None) -> list[_Group]:
+            paneled: Iterable[GGMLQuantizationType] | None = None,
+            experts: bool = False) -> list[_Group]:
     """The groups a model of matrices of `qtypes` needs: each compiled once, in one
     process or the other (the activations' quantizers, which several types share, are a
     group of their own; each type's `dequant` too, for the types in `dequantized`, all
-    by default: `quantized.dequantized_types`)."""
+    by default: `quantized.dequantized_types`; the experts' routing for a mixture of
+    experts, `experts`)."""
     qtypes = sorted(set(qtypes), key=int)
     dequantized = set(qtypes if dequantized is None else dequantized)
     groups = [
@@ -126,6 +128,8 @@ def _groups(qtypes: Iterable[GGMLQuantizationType],
                lambda: quantized.row_kernel_functions(qtypes), after=True,
                ready=cpu_decode_program.TABLE_READY),
     ]
+    if experts:
+        groups.append(_Group("experts", cpu_moe.warm_up, lambda: list(cpu_moe.KERNELS)))
     if quantized.activation_kernels(qtypes):
         groups.append(_Group("activations", lambda: quantized.warm_up_activations(qtypes),
                              lambda: quantized.activation_kernels(qtypes)))
@@ -151,22 +155,24 @@ def _warm_up_replay(qtypes: Sequence[GGMLQuantizationType]) -> None:
 
 
 def compile_kernels(qtypes: Iterable[GGMLQuantizationType],
-                    dequantized: Iterable[GGMLQuantizationType] | None = None) -> float:
+                    dequantized: Iterable[GGMLQuantizationType] | None = None,
+                    experts: bool = False) -> float:
     """Compile (or load from numba's disk cache) the kernels a model with matrices of
     `qtypes` runs, and nothing else (`dequant` only for the types in `dequantized`, all
     by default); returns the seconds the load waited for. The first forward would
     otherwise pay it. A decode replay's table not in the cache yet compiles in the helper
     process after this returns (the module's docstring)."""
-    return start_compile(qtypes, dequantized).finish()
+    return start_compile(qtypes, dequantized, experts).finish()
 
 
 def start_compile(qtypes: Iterable[GGMLQuantizationType],
-                  dequantized: Iterable[GGMLQuantizationType] | None = None) -> KernelCompile:
+                  dequantized: Iterable[GGMLQuantizationType] | None = None,
+                  experts: bool = False) -> KernelCompile:
     """`compile_kernels` begun: if two groups or more are cold and there is another core,
     a helper process starts taking them now, while this process does other work (the
     cpu backend copies the weights) before `KernelCompile.finish` takes the rest."""
     qtypes = sorted(set(qtypes), key=int)
-    groups = _groups(qtypes, dequantized)
+    groups = _groups(qtypes, dequantized, experts=experts)
     claims = _Claims([g for g in groups if not g.after and not g.cached()])
     # (the panels before the replay's table: a prompt comes before a decode batch)
     later = sorted((g for g in groups if g.after and not g.cached()),
@@ -362,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # every panel group the loading process may name (it may take panels where this
     # process's default would not: a test forcing them)
     paneled = [q for q in qtypes if quantized.has_panels(q)]
-    groups = {g.name: g for g in _groups(qtypes, paneled=paneled)}
+    groups = {g.name: g for g in _groups(qtypes, paneled=paneled, experts=True)}
     for line in sys.stdin:
         name = line.strip()
         if name not in groups:

@@ -28,8 +28,19 @@ tests/test_cpu_decode_program.py). A row's replayed forward is therefore the sam
 as the ops give it in any batch wherever the ops' are (docs/architecture.md, "Batch
 invariance"). A forward the table cannot express is
 not recorded and runs op by op as before: a matrix without a row kernel, or more rows
-than its kernel takes; a mixture of experts; attention sinks; gpt-oss's activation; a
-tensor-parallel group; a batch with prompt rows, or logits wanted for some rows only.
+than its kernel takes; float32 experts, or a mixture's biases or shared expert; attention
+sinks; gpt-oss's activation; a tensor-parallel group; a batch with prompt rows, or logits
+wanted for some rows only.
+
+A mixture of experts (quantized experts, read in place from the file's map) is five
+steps: ROUTE (a row's router logits, then kernels/cpu_moe.py's `route_row`, the ids
+written into the arena as floats), EXPERT for the gate and up products (a chunk is a
+row, one of its k slots and a range of output rows; the expert's blocks are found from
+the id ROUTE wrote, so the table holds every expert's address at once and reads only the
+chosen ones), the activation over the n * k pairs, EXPERT for the down products (one
+input per pair), and COMBINE (`combine_row`). The ops call the same kernels on the same
+rows, so a replayed row is the ops' bits. Op by op, a mixture's layer was ~20 calls from
+Python and three hand-offs to the cores per decode step.
 
 Products call a row kernel through its address (kernels/cpu_row_kernel.py: one C
 signature for every weight type, so the table is one compiled function and a type's
@@ -55,6 +66,7 @@ from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.aligned_arrays import CACHE_LINE, aligned_empty
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_attention import DecodeRows, _attend_rows
+from eagerlm.kernels.cpu_moe import GATING_CODES, ExpertMatrices, combine_row, route_row
 from eagerlm.kernels.cpu_row_kernel import RowKernel, f32_at, row_kernel
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, core_workers
 from eagerlm.kernels.numba_settings import JIT as _JIT
@@ -121,8 +133,9 @@ SPINS = 2000
 
 # -- the steps -------------------------------------------------------------------------
 
-NORM, ADD_NORM, GEMV, ROPE, APPEND, ATTN, ACT, SOFTCAP, QUANT = range(1, 10)
-WIDTH = 16  # int64 fields per step; the last is the step's chunk count
+NORM, ADD_NORM, GEMV, ROPE, APPEND, ATTN, ACT, SOFTCAP, QUANT, ROUTE, EXPERT, COMBINE = \
+    range(1, 13)
+WIDTH = 24  # int64 fields per step; the last is the step's chunk count
 GO_ON = WIDTH - 2  # the field saying the next step may start before this one ends
 # the KV caches, as an arena range: what APPEND writes and ATTN reads
 _CACHES = (-2, -1)
@@ -198,6 +211,30 @@ def _step_chunk(st: np.ndarray, fp: np.ndarray, base: int, rows: np.ndarray,
         row_ops.gated(_rows(base + 4 * (st[1] + c * st[2]), 1, width),
                       _rows(base + 4 * (st[3] + c * st[4]), 1, width), st[8] != 0,
                       _rows(base + 4 * (st[7] + c * width), 1, width))
+    elif op == ROUTE:  # row c's router logits (a float32 router's), experts and weights
+        d, n_experts, k = st[3], st[5], st[10]
+        logits = _rows(base + 4 * (st[6] + c * n_experts), 1, n_experts)
+        if st[4]:
+            row_ops.row_products(_rows(base + 4 * (st[1] + c * st[2]), 1, d),
+                                 _rows(st[4], n_experts, d), logits)
+        route_row(logits[0], st[9], k, st[11] != 0, fp[0], _floats(base + 4 * (st[7] + c * k), k),
+                  _floats(base + 4 * (st[8] + c * k), k))
+    elif op == EXPERT:  # a row's product by one of its chosen experts, a range of its rows
+        n_used, rows, chunk = st[13], st[7], st[10]
+        per_pair = -(-rows // chunk)
+        pair = c // per_pair
+        r0 = (c - pair * per_pair) * chunk
+        r1 = min(rows, r0 + chunk)
+        e = np.int64(_floats(base + 4 * (st[12] + pair), 1)[0])
+        x_row = pair if st[14] else pair // n_used  # the down products: one input per pair
+        _call_row_kernel(st[6], st[5] + e * st[11], base + 4 * (st[1] + x_row * st[2]),
+                         base + 4 * (st[15] + x_row * st[16]) if st[19] else 0,
+                         base + 4 * (st[17] + x_row * st[18]) if st[19] else 0,
+                         base + 4 * (st[9] + pair * rows), 1, st[3], rows, st[8], r0, r1)
+    elif op == COMBINE:  # row c: its experts' outputs weighted and summed
+        k, d = st[3], st[4]
+        combine_row(_rows(base + 4 * (st[1] + c * k * d), k, d),
+                    _floats(base + 4 * (st[2] + c * k), k), _floats(base + 4 * (st[5] + c * d), d))
     elif op == SOFTCAP:  # in place
         x = _floats(base + 4 * (st[1] + c * st[3]), st[3])
         cap = np.float32(fp[0])
@@ -463,7 +500,56 @@ class RecordingOps:
         return out
 
     def moe_ffn(self, x: Buf, w: Any, moe: Any, act: Activation) -> Buf:
-        raise Unsupported("a mixture of experts")
+        """Router, top k, the chosen experts' gate and up products (one chunk per row,
+        expert and range of rows, the expert's matrix found from the id the ROUTE step
+        wrote), the activation, the down products and the weighted sum: the ops' steps
+        (kernels/cpu_moe.py), the same kernels on the same rows."""
+        if moe.biases or moe.d_ff_shared:
+            raise Unsupported("a mixture with biases or a shared expert")
+        if not all(isinstance(m, ExpertMatrices) for m in (w.gate, w.up, w.down)):
+            raise Unsupported("float32 experts")
+        _contiguous(x, "a mixture of experts")
+        p, n, k = self.p, x.n, moe.n_used
+        logits, ids, weights = p.alloc(n, moe.n_experts), p.alloc(n, k), p.alloc(n, k)
+        router = w.router
+        if isinstance(router, np.ndarray) and router.dtype == np.float32:
+            router_at, reads = p.address(router), [x]
+            p.values += moe.n_experts * x.width
+        else:  # a quantized router: its logits by its row kernel (as the ops' `by_gemv`)
+            logits = self.linear(x, router)
+            router_at, reads = 0, [logits]
+        p.add([ROUTE, x.off, x.stride, x.width, router_at, moe.n_experts, logits.off, ids.off,
+               weights.off, GATING_CODES[moe.gating], k, int(moe.normalize)], n,
+              [moe.scale], reads=reads, writes=[logits, ids, weights])
+        gate = self._experts(x, w.gate, ids, k, per_pair=False)
+        up = self._experts(x, w.up, ids, k, per_pair=False)
+        hidden = self.gated_ffn_act(gate, up, act)
+        down = self._experts(hidden, w.down, ids, k, per_pair=True)
+        out = p.alloc(n, x.width)
+        p.add([COMBINE, down.off, weights.off, k, x.width, out.off], n,
+              reads=[down, weights], writes=[out])
+        return out
+
+    def _experts(self, x: Buf, m: ExpertMatrices, ids: Buf, k: int, per_pair: bool) -> Buf:
+        """y `[rows of x (per_pair) or each row's k pairs, out]`: each (row, slot) pair's
+        input times the matrix of the expert in its slot."""
+        kernel = row_kernel(m.expert(0))
+        if kernel is None:
+            raise Unsupported(f"no row kernel for {m.qtype.name} experts")
+        p = self.p
+        n_pairs, rows = ids.n * k, m.shape[1]
+        y = p.alloc(n_pairs, rows)
+        p.keep.append(m.blocks)
+        chunk = max(16, -(-rows // (ROW_CHUNKS_PER_THREAD * self._threads)))
+        inputs = self._quantized(x, kernel) if kernel.quantize else [x]
+        x_at, scales, sums = (inputs + [Buf(0, 1, 0, 0)] * 2)[:3]
+        p.add([EXPERT, x_at.off, x_at.stride, x.width, 0, m.blocks.ctypes.data,
+               kernel.address, rows, m.blocks.strides[1], y.off, chunk, m.blocks.strides[0],
+               ids.off, k, int(per_pair), scales.off, scales.stride, sums.off, sums.stride,
+               int(kernel.quantize != 0)], n_pairs * -(-rows // chunk),
+              reads=[*inputs, ids], writes=[y])
+        p.values += k * rows * x.width  # per decode row: its k experts' products
+        return y
 
     def all_reduce(self, x: Buf) -> Buf:
         """The identity: a device alone (NumpyOps.replay records no tensor-parallel

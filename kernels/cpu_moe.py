@@ -24,14 +24,21 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from numba import njit
 
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.aligned_arrays import aligned
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES
 from eagerlm.kernels.cpu_threads import by_output_pieces, by_rows
+from eagerlm.kernels.numba_settings import JIT
 from eagerlm.kernels.quantized import GEMV_SERIAL_MAX_VALUES, QuantizedMatrix, gemv_activations
 from eagerlm.loader.config import ExpertGating, MoEConfig
 from eagerlm.loader.weights import MoEWeights
+
+# Float operations in the order written (no `fastmath`): the routing and the weighted sum
+# are compiled into the ops and, inlined, into the decode replay's table; reassociated,
+# each caller's vectorizer could order a sum its own way, and the two paths' bits differ.
+_JIT = {**JIT, "fastmath": False}
 
 # llama.cpp clamps the sum of the chosen weights below at the smallest float16 normal
 # before dividing by it (build_moe_ffn's ffn_moe_weights_sum_clamped)
@@ -81,9 +88,102 @@ def expert(w: CpuExperts, e: int) -> QuantizedMatrix | np.ndarray:
     return w.expert(e) if isinstance(w, ExpertMatrices) else w[e]
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+# the gating's code in the compiled kernels (`route_row`)
+GATING_CODES = {ExpertGating.SOFTMAX: 0, ExpertGating.SIGMOID: 1,
+                ExpertGating.SOFTMAX_WEIGHT: 2}
+_ONE = np.float32(1.0)
+
+
+@njit(**_JIT)
+def _softmax_in_place(v: np.ndarray, n: int) -> None:
+    top = v[0]
+    for i in range(1, n):
+        top = max(top, v[i])
+    total = np.float32(0.0)
+    for i in range(n):
+        v[i] = np.exp(v[i] - top)
+        total += v[i]
+    for i in range(n):
+        v[i] = v[i] / total
+
+
+@njit(**_JIT)
+def route_row(scores: np.ndarray, gating: int, n_used: int, normalize: bool, scale: float,
+              ids: np.ndarray, weights: np.ndarray) -> None:
+    """One row's experts (`ids`, float32 holding integers: the decode replay's arena is
+    float32) and their weights, from its router logits `scores` (overwritten with the
+    scores). The ops (`route`) and the decode replay (kernels/cpu_decode_program.py) both
+    call this, so a row's routing is the same bits on either path, alone or in a batch.
+    Ties go to the lower expert index; the k picks cost k passes over the experts, which
+    for a router's 8 of 128 is less than a sort."""
+    n = scores.shape[0]
+    if gating == 0:
+        _softmax_in_place(scores, n)
+    elif gating == 1:
+        for e in range(n):
+            scores[e] = _ONE / (_ONE + np.exp(-scores[e]))
+    for s in range(n_used):
+        best = -1
+        for e in range(n):
+            taken = False
+            for t in range(s):
+                if ids[t] == e:
+                    taken = True
+                    break
+            if not taken and (best < 0 or scores[e] > scores[best]):
+                best = e
+        ids[s] = best
+        weights[s] = scores[best]
+    if gating == 2:
+        _softmax_in_place(weights, n_used)
+    if normalize:
+        total = np.float32(0.0)
+        for s in range(n_used):
+            total += weights[s]
+        total = max(total, WEIGHTS_SUM_MIN)
+        for s in range(n_used):
+            weights[s] = weights[s] / total
+    if scale != 1.0:
+        for s in range(n_used):
+            weights[s] = weights[s] * np.float32(scale)
+
+
+@njit(**_JIT)
+def route_rows(scores: np.ndarray, gating: int, n_used: int, normalize: bool, scale: float,
+               ids: np.ndarray, weights: np.ndarray) -> None:
+    """`route_row` for every row of `scores` `[rows, n_experts]`."""
+    for r in range(scores.shape[0]):
+        route_row(scores[r], gating, n_used, normalize, scale, ids[r], weights[r])
+
+
+@njit(**_JIT)
+def combine_row(y: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+    """out = sum over slots s, in order, of weights[s] * y[s] (`y` `[n_used, d]`): a row's
+    chosen experts' outputs weighted and summed, in the order of their scores whatever
+    other rows a batch holds (shared with the decode replay, as `route_row`)."""
+    for j in range(out.shape[0]):
+        acc = weights[0] * y[0, j]
+        for s in range(1, weights.shape[0]):
+            acc += weights[s] * y[s, j]
+        out[j] = acc
+
+
+@njit(**_JIT)
+def combine_rows(y: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+    """`combine_row` for every row: y `[rows * n_used, d]`, weights `[rows, n_used]`."""
+    k = weights.shape[1]
+    for r in range(out.shape[0]):
+        combine_row(y[r * k:(r + 1) * k], weights[r], out[r])
+
+
+KERNELS = (route_rows, combine_rows)  # for kernels/cpu_compile.py
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) the routing and the weighted sum."""
+    route(np.zeros((1, 2), np.float32), MoEConfig(2, 1, 1))
+    combine_rows(np.zeros((1, 1), np.float32), np.ones((1, 1), np.float32),
+                 np.zeros((1, 1), np.float32))
 
 
 def route(logits: np.ndarray, moe: MoEConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -95,30 +195,14 @@ def route(logits: np.ndarray, moe: MoEConfig) -> tuple[np.ndarray, np.ndarray]:
     probabilities, SIGMOID by each logit's sigmoid, SOFTMAX_WEIGHT scores by the logits
     and weighs by a softmax over the k chosen; then, with `normalize`, the weights are
     divided by their sum (clamped below at `WEIGHTS_SUM_MIN`), and multiplied by `scale`.
+    Compiled (`route_rows`).
     """
-    logits = np.asarray(logits, np.float32)
-    if moe.gating is ExpertGating.SOFTMAX:
-        scores = _softmax(logits)
-    elif moe.gating is ExpertGating.SIGMOID:
-        scores = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))
-    else:
-        scores = logits
-    k = moe.n_used
-    if k < scores.shape[1]:
-        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-    else:
-        top = np.broadcast_to(np.arange(k), scores.shape).copy()
-    top_scores = np.take_along_axis(scores, top, axis=1)
-    order = np.argsort(-top_scores, axis=1, kind="stable")
-    ids = np.take_along_axis(top, order, axis=1).astype(np.int32)
-    weights = np.take_along_axis(top_scores, order, axis=1)
-    if moe.gating is ExpertGating.SOFTMAX_WEIGHT:
-        weights = _softmax(weights)
-    if moe.normalize:
-        weights = weights / np.maximum(weights.sum(axis=1, keepdims=True), WEIGHTS_SUM_MIN)
-    if moe.scale != 1.0:
-        weights = weights * np.float32(moe.scale)
-    return ids, weights.astype(np.float32)
+    scores = np.array(logits, np.float32, copy=True, order="C")
+    ids = np.empty((len(scores), moe.n_used), np.float32)
+    weights = np.empty((len(scores), moe.n_used), np.float32)
+    route_rows(scores, GATING_CODES[moe.gating], moe.n_used, moe.normalize, moe.scale,
+               ids, weights)
+    return ids.astype(np.int32), weights
 
 
 Linear = Callable[..., np.ndarray]
@@ -280,12 +364,12 @@ def moe_ffn(linear: Linear, gated: Gated, x: np.ndarray, w: MoEWeights,
     else:  # float32 experts (--weights float): BLAS, expert by expert
         results = [_expert(linear, gated, x[rows], w, e) for e, rows in groups]
     if n == 1:
-        for slot, y in enumerate(results):
-            out += weights[0, slot] * y
-    else:
-        flat_weights = weights.reshape(-1)
-        for (_, rows), pairs, y in zip(groups, pairs_of, results, strict=True):
-            out[rows] += flat_weights[pairs][:, None] * y
+        by_pair = np.concatenate(results)
+    else:  # each (row, slot) pair's output in row-major order
+        by_pair = np.empty((n * moe.n_used, d), np.float32)
+        for pairs, y in zip(pairs_of, results, strict=True):
+            by_pair[pairs] = y
+    combine_rows(np.ascontiguousarray(by_pair, np.float32), weights, out)
     if moe.d_ff_shared:
         shared = linear(gated(linear(x, w.shared_gate), linear(x, w.shared_up)), w.shared_down)
         if w.shared_router is not None:

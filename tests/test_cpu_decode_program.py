@@ -2,9 +2,10 @@
 (kernels/cpu_decode_program.py) gives what the forward run op by op gives (the same
 Transformer's `run` with the same ops, on copies of the same caches): logits and the K/V
 it appends, within float32 rounding (the same bits but for the float32 products' order
-and the activation's exp), for every architecture it records; and what the recording
-cannot express (a mixture of experts, attention sinks, prompt rows, logits of some rows
-only) runs op by op."""
+and the activation's exp), for every architecture it records, a mixture of experts with
+quantized experts included (the same bits); and what the recording cannot express (float32
+experts, a mixture's biases, attention sinks, prompt rows, logits of some rows only) runs
+op by op."""
 
 from __future__ import annotations
 
@@ -122,10 +123,35 @@ def test_a_sessions_several_rows_replay_with_the_logits_of_the_ops(tmp_path):
         np.testing.assert_allclose(a.data, b.data, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_rows", [1, 3])
+@pytest.mark.parametrize("expert_type", [Q.Q8_0, Q.Q4_K, Q.Q6_K])
+def test_a_mixture_of_experts_replays_with_the_bits_of_the_ops(tmp_path, expert_type, n_rows):
+    """qwen3moe with quantized matrices: the router (float32, as llama.cpp leaves it), the
+    routing, each row's chosen experts' products (the expert found from the id the table
+    wrote), the activation and the weighted sum, replayed: the ops' logits bit for bit (the
+    same kernels on the same rows), step after step."""
+    spec = tiny_spec("qwen3moe", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2,
+                     head_dim=64, d_ff_expert=256, weight_type=Q.Q8_0,
+                     expert_type=expert_type)
+    tf = loaded(ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", spec)))
+    (replayed, by_ops), positions = prefilled(tf)
+    replayed, by_ops, positions = replayed[:n_rows], by_ops[:n_rows], positions[:n_rows]
+    tokens = np.arange(11, 11 + n_rows, dtype=np.int32)
+    for _ in range(3):
+        got = tf.forward(decode_batch(tokens, replayed, positions))
+        want = tf.run(decode_batch(tokens, by_ops, positions), tf.ops)
+        assert tf.ops._programs[(id(tf), n_rows)] is not None  # it was replayed
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        for a, b in zip(replayed, by_ops, strict=True):
+            np.testing.assert_array_equal(a.data, b.data)
+        tokens = want.argmax(axis=1).astype(np.int32)
+        positions = [p + 1 for p in positions]
+
+
 def test_what_the_table_cannot_express_runs_op_by_op(tmp_path):
     """A prompt (the logits of its last row only) and logits of some rows only take the
-    ops; a mixture of experts and attention sinks are not recorded (tried once, not
-    again)."""
+    ops; float32 experts and gpt-oss (its sinks, its experts' biases) are not recorded
+    (tried once, not again)."""
     model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", tiny_spec("llama")))
     tf = loaded(model)
     (caches,), positions = prefilled(tf, 1)
@@ -139,7 +165,7 @@ def test_what_the_table_cannot_express_runs_op_by_op(tmp_path):
     assert tf.ops.replay(tf, some) is None
     assert tf.ops._programs == {}
 
-    for arch in ("qwen3moe", "gpt-oss"):  # experts; gpt-oss's sinks and experts
+    for arch in ("qwen3moe", "gpt-oss"):  # float32 experts; gpt-oss's sinks and biases
         other = loaded(ModelFile.open(write_synthetic_model(
             tmp_path / f"{arch}.gguf", tiny_spec(arch))))
         (caches,), positions = prefilled(other, 1)

@@ -11,6 +11,7 @@ checked against the same reference in tests/test_cuda_moe.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -187,6 +188,24 @@ def test_quantized_experts_grouped_over_the_cores_give_each_expert_paths_bits(ro
         np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("case", ["softmax-normalized", "sigmoid-scaled", "all-experts",
+                                  "softmax-weight-oai"])
+def test_a_row_gets_the_same_bits_alone_as_in_any_batch(case) -> None:
+    """Batch invariance (docs/architecture.md): a row's routing and its weighted sum over
+    its experts (in the order of their scores, whatever order a batch groups the experts
+    in) are the same bits alone, in a batch, and in the decode replay, which calls the same
+    compiled kernels (tests/test_cpu_decode_program.py)."""
+    moe, act = CASES[case]
+    moe = dataclasses.replace(moe, d_ff=64)  # whole Q8_0 blocks
+    d = 256
+    held, _ = _layer(21, moe, d, Q.Q8_0)
+    x = np.random.default_rng(22).standard_normal((9, d)).astype(np.float32)
+    together = NumpyOps().moe_ffn(x, held, moe, act)
+    for r in range(len(x)):
+        alone = NumpyOps().moe_ffn(x[r:r + 1], held, moe, act)
+        np.testing.assert_array_equal(alone[0].view(np.uint32), together[r].view(np.uint32))
+
+
 def test_a_batch_of_no_rows_gives_no_rows() -> None:
     moe = MoEConfig(8, 2, 256)
     held, _ = _layer(1, moe, 256, Q.Q8_0)
@@ -242,3 +261,5 @@ def test_routing_weights_follow_the_gating() -> None:
                                      normalize=False))
     np.testing.assert_allclose(w[1], np.exp([0.0, -0.5]) / np.exp([0.0, -0.5]).sum(),
                                rtol=1e-6)
+    ties = np.array([[1.0, 2.0, 2.0, 1.0]], np.float32)  # equal scores: the lower index first
+    assert route(ties, MoEConfig(4, 3, 8))[0].tolist() == [[1, 2, 0]]

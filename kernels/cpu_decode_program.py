@@ -28,9 +28,8 @@ tests/test_cpu_decode_program.py). A row's replayed forward is therefore the sam
 as the ops give it in any batch wherever the ops' are (docs/architecture.md, "Batch
 invariance"). A forward the table cannot express is
 not recorded and runs op by op as before: a matrix without a row kernel, or more rows
-than its kernel takes; float32 experts, or a mixture's biases or shared expert; attention
-sinks; gpt-oss's activation; a tensor-parallel group; a batch with prompt rows, or logits
-wanted for some rows only.
+than its kernel takes; float32 experts, or a mixture's shared expert; a tensor-parallel
+group; a batch with prompt rows, or logits wanted for some rows only.
 
 A mixture of experts (quantized experts, read in place from the file's map) is five
 steps: ROUTE (a row's router logits, then kernels/cpu_moe.py's `route_row`, the ids
@@ -38,9 +37,11 @@ written into the arena as floats), EXPERT for the gate and up products (a chunk 
 row, one of its k slots and a range of output rows; the expert's blocks are found from
 the id ROUTE wrote, so the table holds every expert's address at once and reads only the
 chosen ones), the activation over the n * k pairs, EXPERT for the down products (one
-input per pair), and COMBINE (`combine_row`). The ops call the same kernels on the same
-rows, so a replayed row is the ops' bits. Op by op, a mixture's layer was ~20 calls from
-Python and three hand-offs to the cores per decode step.
+input per pair), and COMBINE (`combine_row`); the router's and each expert's biases
+(gpt-oss) are added as the ops add them, and ATTN takes a layer's attention sinks. The
+ops call the same kernels on the same rows, so a replayed row is the ops' bits. Op by
+op, a mixture's layer was ~20 calls from Python and three hand-offs to the cores per
+decode step.
 
 Products call a row kernel through its address (kernels/cpu_row_kernel.py: one C
 signature for every weight type, so the table is one compiled function and a type's
@@ -202,14 +203,15 @@ def _step_chunk(st: np.ndarray, fp: np.ndarray, base: int, rows: np.ndarray,
         n, heads, hd = st[2], st[3], st[4]
         q = numba.carray(f32_at(base + 4 * st[1]), (n, heads, hd))
         out = numba.carray(f32_at(base + 4 * st[5]), (n, heads, hd))
-        # (no sinks: st[9] is 0, a run-time bool, so the kernel's compiled overload is the
-        # ops' own, not one more for a literal False)
+        # (the sinks' flag a run-time bool, so the kernel's compiled overload is the ops'
+        # own, not one more for a literal)
+        sinks = _floats(st[10], heads) if st[9] else _floats(base, 1)
         _attend_rows(q, out, rows, bases, positions, st[6], token_stride, st[7], fp[0], st[8],
-                     _floats(base, 1), st[9] != 0, c, st[WIDTH - 1])
+                     sinks, st[9] != 0, c, st[WIDTH - 1])
     elif op == ACT:
         width = st[6]
         row_ops.gated(_rows(base + 4 * (st[1] + c * st[2]), 1, width),
-                      _rows(base + 4 * (st[3] + c * st[4]), 1, width), st[8] != 0,
+                      _rows(base + 4 * (st[3] + c * st[4]), 1, width), st[8],
                       _rows(base + 4 * (st[7] + c * width), 1, width))
     elif op == ROUTE:  # row c's router logits (a float32 router's), experts and weights
         d, n_experts, k = st[3], st[5], st[10]
@@ -217,6 +219,10 @@ def _step_chunk(st: np.ndarray, fp: np.ndarray, base: int, rows: np.ndarray,
         if st[4]:
             row_ops.row_products(_rows(base + 4 * (st[1] + c * st[2]), 1, d),
                                  _rows(st[4], n_experts, d), logits)
+            if st[12]:  # its bias (a quantized router's GEMV step adds its own)
+                bias = _floats(st[12], n_experts)
+                for e in range(n_experts):
+                    logits[0, e] += bias[e]
         route_row(logits[0], st[9], k, st[11] != 0, fp[0], _floats(base + 4 * (st[7] + c * k), k),
                   _floats(base + 4 * (st[8] + c * k), k))
     elif op == EXPERT:  # a row's product by one of its chosen experts, a range of its rows
@@ -231,6 +237,11 @@ def _step_chunk(st: np.ndarray, fp: np.ndarray, base: int, rows: np.ndarray,
                          base + 4 * (st[15] + x_row * st[16]) if st[19] else 0,
                          base + 4 * (st[17] + x_row * st[18]) if st[19] else 0,
                          base + 4 * (st[9] + pair * rows), 1, st[3], rows, st[8], r0, r1)
+        if st[20]:  # the expert's bias `[n_experts, rows]`, as the ops add it
+            y = _floats(base + 4 * (st[9] + pair * rows), rows)
+            bias = _floats(st[20] + 4 * e * rows, rows)
+            for r in range(r0, r1):
+                y[r] += bias[r]
     elif op == COMBINE:  # row c: its experts' outputs weighted and summed
         k, d = st[3], st[4]
         combine_row(_rows(base + 4 * (st[1] + c * k * d), k, d),
@@ -491,12 +502,10 @@ class RecordingOps:
         return self._codes[key]
 
     def gated_ffn_act(self, gate: Buf, up: Buf, act: Activation) -> Buf:
-        if act not in (Activation.SWIGLU, Activation.GEGLU):
-            raise Unsupported(f"the {act.name} activation")
         out = self.p.alloc(gate.n, gate.width)
         self.p.add([ACT, gate.off, gate.stride, up.off, up.stride, gate.n, gate.width,
-                    out.off, 0 if act is Activation.SWIGLU else 1], gate.n,
-                    reads=[gate, up], writes=[out])
+                    out.off, row_ops.gated_kind(act)], gate.n,
+                   reads=[gate, up], writes=[out])
         return out
 
     def moe_ffn(self, x: Buf, w: Any, moe: Any, act: Activation) -> Buf:
@@ -504,8 +513,8 @@ class RecordingOps:
         expert and range of rows, the expert's matrix found from the id the ROUTE step
         wrote), the activation, the down products and the weighted sum: the ops' steps
         (kernels/cpu_moe.py), the same kernels on the same rows."""
-        if moe.biases or moe.d_ff_shared:
-            raise Unsupported("a mixture with biases or a shared expert")
+        if moe.d_ff_shared:
+            raise Unsupported("a mixture with a shared expert")
         if not all(isinstance(m, ExpertMatrices) for m in (w.gate, w.up, w.down)):
             raise Unsupported("float32 experts")
         _contiguous(x, "a mixture of experts")
@@ -513,26 +522,28 @@ class RecordingOps:
         logits, ids, weights = p.alloc(n, moe.n_experts), p.alloc(n, k), p.alloc(n, k)
         router = w.router
         if isinstance(router, np.ndarray) and router.dtype == np.float32:
-            router_at, reads = p.address(router), [x]
+            router_at, bias_at, reads = p.address(router), p.address(w.router_bias), [x]
             p.values += moe.n_experts * x.width
         else:  # a quantized router: its logits by its row kernel (as the ops' `by_gemv`)
-            logits = self.linear(x, router)
-            router_at, reads = 0, [logits]
+            logits = self.linear(x, router, w.router_bias)
+            router_at, bias_at, reads = 0, 0, [logits]
         p.add([ROUTE, x.off, x.stride, x.width, router_at, moe.n_experts, logits.off, ids.off,
-               weights.off, GATING_CODES[moe.gating], k, int(moe.normalize)], n,
+               weights.off, GATING_CODES[moe.gating], k, int(moe.normalize), bias_at], n,
               [moe.scale], reads=reads, writes=[logits, ids, weights])
-        gate = self._experts(x, w.gate, ids, k, per_pair=False)
-        up = self._experts(x, w.up, ids, k, per_pair=False)
+        gate = self._experts(x, w.gate, w.gate_bias, ids, k, per_pair=False)
+        up = self._experts(x, w.up, w.up_bias, ids, k, per_pair=False)
         hidden = self.gated_ffn_act(gate, up, act)
-        down = self._experts(hidden, w.down, ids, k, per_pair=True)
+        down = self._experts(hidden, w.down, w.down_bias, ids, k, per_pair=True)
         out = p.alloc(n, x.width)
         p.add([COMBINE, down.off, weights.off, k, x.width, out.off], n,
               reads=[down, weights], writes=[out])
         return out
 
-    def _experts(self, x: Buf, m: ExpertMatrices, ids: Buf, k: int, per_pair: bool) -> Buf:
-        """y `[rows of x (per_pair) or each row's k pairs, out]`: each (row, slot) pair's
-        input times the matrix of the expert in its slot."""
+    def _experts(self, x: Buf, m: ExpertMatrices, bias: np.ndarray | None, ids: Buf, k: int,
+                 per_pair: bool) -> Buf:
+        """y `[each row's k pairs, out]`: each (row, slot) pair's input (x's row, or with
+        `per_pair` x's row of that pair) times the matrix of the expert in its slot, plus
+        that expert's row of `bias` `[n_experts, out]`."""
         kernel = row_kernel(m.expert(0))
         if kernel is None:
             raise Unsupported(f"no row kernel for {m.qtype.name} experts")
@@ -546,7 +557,7 @@ class RecordingOps:
         p.add([EXPERT, x_at.off, x_at.stride, x.width, 0, m.blocks.ctypes.data,
                kernel.address, rows, m.blocks.strides[1], y.off, chunk, m.blocks.strides[0],
                ids.off, k, int(per_pair), scales.off, scales.stride, sums.off, sums.stride,
-               int(kernel.quantize != 0)], n_pairs * -(-rows // chunk),
+               int(kernel.quantize != 0), p.address(bias)], n_pairs * -(-rows // chunk),
               reads=[*inputs, ids], writes=[y])
         p.values += k * rows * x.width  # per decode row: its k experts' products
         return y
@@ -594,15 +605,14 @@ class RecordingOps:
 
     def attention(self, batch: ForwardBatch, layer: int, q: Buf, *, scale: float,
                   window: int, sinks: Any = None) -> Buf:
-        if sinks is not None:
-            raise Unsupported("attention sinks")
         _contiguous(q, "an attention")
         decode = self._decode
         heads, hd = q.heads, q.width // q.heads
         n_kv = decode.kv_dim // hd
         out = self.p.alloc(q.n, q.width)
         self.p.add([ATTN, q.off, q.n, heads, hd, out.off, layer * 2 * decode.kv_dim, n_kv,
-                    window], q.n * n_kv, [scale], reads=[q, _CACHES], writes=[out])
+                    window, int(sinks is not None), self.p.address(sinks)], q.n * n_kv,
+                   [scale], reads=[q, _CACHES], writes=[out])
         return out
 
 

@@ -31,8 +31,6 @@ from eagerlm.kernels.sampling import (
     token_logprob,
 )
 from eagerlm.loader.config import (
-    SWIGLU_OAI_ALPHA,
-    SWIGLU_OAI_LIMIT,
     Activation,
     MoEConfig,
     RopeParams,
@@ -47,7 +45,6 @@ if TYPE_CHECKING:
     from eagerlm.vmm.device import DeviceBuffer, HostBuffer, Stream
     from eagerlm.vmm.kv_region import KVRegion
 
-_GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 # NumpyOps.round_cost: (rows, the round's time over a one-row round's), measured on the demo
 # model's engine rounds (forward, sampling, acceptance; 2, 3 and 6 rows by the forward alone:
 # the plan had never chosen them), docs/performance.md 2026-11-28; linear in between, and
@@ -61,25 +58,6 @@ ROUND_COST = ((1, 1.0), (2, 1.55), (3, 2.26), (4, 2.5), (6, 3.25), (8, 4.34), (1
 _COST_ROWS, _COSTS = zip(*ROUND_COST, strict=True)
 _ROUND_COSTS = tuple(np.interp(np.arange(_COST_ROWS[-1] + 1), _COST_ROWS, _COSTS).tolist())
 _COST_SLOPE = (_COSTS[-1] - _COSTS[-2]) / (_COST_ROWS[-1] - _COST_ROWS[-2])
-
-
-def _gated(gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
-    """act(gate) * up: SiLU (SwiGLU), GELU with the tanh approximation (GeGLU), or gpt-oss's
-    clamped SwiGLU (gate clamped above, up on both sides, gate * sigmoid(alpha gate) *
-    (up + 1), as ggml's swiglu_oai)."""
-    if act is Activation.SWIGLU:
-        with np.errstate(over="ignore"):  # exp(-gate) = inf gives the right limit, 0
-            return gate / (np.float32(1.0) + np.exp(-gate)) * up
-    if act is Activation.SWIGLU_OAI:
-        limit = np.float32(SWIGLU_OAI_LIMIT)
-        g = np.minimum(gate, limit)
-        u = np.clip(up, -limit, limit)
-        with np.errstate(over="ignore"):
-            return g / (np.float32(1.0) + np.exp(np.float32(-SWIGLU_OAI_ALPHA) * g)) * (
-                u + np.float32(1.0))
-    g3 = gate * gate * gate
-    return np.float32(0.5) * gate * (
-        np.float32(1.0) + np.tanh(_GELU_C * (gate + np.float32(0.044715) * g3))) * up
 
 
 def _attend(s: SeqSlice, layer: int, q: np.ndarray, out: np.ndarray, scale: np.float32,
@@ -358,20 +336,16 @@ class NumpyOps:
         return y + bias if bias is not None else y
 
     def gated_ffn_act(self, gate: np.ndarray, up: np.ndarray, act: Activation) -> np.ndarray:
-        """act(gate) * up: SwiGLU and GeGLU compiled (kernels/cpu_row_ops.py's `gated`,
-        the decode replay's too: the same bits on both paths), gpt-oss's clamped SwiGLU
-        in numpy (`_gated`); the rows split over the cores."""
-        out = np.empty(gate.shape, np.result_type(gate, up))
-        if act is Activation.SWIGLU_OAI:
-            def part(a: int, b: int) -> None:
-                out[a:b] = _gated(gate[a:b], up[a:b], act)
-        else:
-            g = np.ascontiguousarray(gate, np.float32)
-            u = np.ascontiguousarray(up, np.float32)
-            gelu = act is Activation.GEGLU
+        """act(gate) * up: SwiGLU, GeGLU and gpt-oss's clamped SwiGLU, compiled
+        (kernels/cpu_row_ops.py's `gated`, the decode replay's too: the same bits on both
+        paths); the rows split over the cores."""
+        g = np.ascontiguousarray(gate, np.float32)
+        u = np.ascontiguousarray(up, np.float32)
+        out = np.empty(g.shape, np.float32)
+        kind = row_ops.gated_kind(act)
 
-            def part(a: int, b: int) -> None:
-                row_ops.gated(g[a:b], u[a:b], gelu, out[a:b])
+        def part(a: int, b: int) -> None:
+            row_ops.gated(g[a:b], u[a:b], kind, out[a:b])
         by_rows(len(gate), part)
         return out
 

@@ -4,8 +4,7 @@ Transformer's `run` with the same ops, on copies of the same caches): logits and
 it appends, within float32 rounding (the same bits but for the float32 products' order
 and the activation's exp), for every architecture it records, a mixture of experts with
 quantized experts included (the same bits); and what the recording cannot express (float32
-experts, a mixture's biases, attention sinks, prompt rows, logits of some rows only) runs
-op by op."""
+experts, prompt rows, logits of some rows only) runs op by op."""
 
 from __future__ import annotations
 
@@ -124,13 +123,17 @@ def test_a_sessions_several_rows_replay_with_the_logits_of_the_ops(tmp_path):
 
 
 @pytest.mark.parametrize("n_rows", [1, 3])
-@pytest.mark.parametrize("expert_type", [Q.Q8_0, Q.Q4_K, Q.Q6_K])
-def test_a_mixture_of_experts_replays_with_the_bits_of_the_ops(tmp_path, expert_type, n_rows):
-    """qwen3moe with quantized matrices: the router (float32, as llama.cpp leaves it), the
-    routing, each row's chosen experts' products (the expert found from the id the table
-    wrote), the activation and the weighted sum, replayed: the ops' logits bit for bit (the
-    same kernels on the same rows), step after step."""
-    spec = tiny_spec("qwen3moe", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2,
+@pytest.mark.parametrize("arch, expert_type", [("qwen3moe", Q.Q8_0), ("qwen3moe", Q.Q4_K),
+                                               ("qwen3moe", Q.Q6_K), ("gpt-oss", Q.MXFP4)])
+def test_a_mixture_of_experts_replays_with_the_bits_of_the_ops(tmp_path, arch, expert_type,
+                                                               n_rows):
+    """Quantized matrices: the router (float32, as llama.cpp leaves it), the routing, each
+    row's chosen experts' products (the expert found from the id the table wrote), the
+    activation and the weighted sum, replayed: the ops' logits bit for bit (the same
+    kernels on the same rows), step after step. gpt-oss adds attention sinks, sliding
+    window layers, biases (the router's, each expert's, the attention's), the clamped
+    SwiGLU and the softmax over the chosen experts' logits."""
+    spec = tiny_spec(arch, n_layers=2, d_model=256, n_heads=4, n_kv_heads=2,
                      head_dim=64, d_ff_expert=256, weight_type=Q.Q8_0,
                      expert_type=expert_type)
     tf = loaded(ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", spec)))
@@ -150,8 +153,8 @@ def test_a_mixture_of_experts_replays_with_the_bits_of_the_ops(tmp_path, expert_
 
 def test_what_the_table_cannot_express_runs_op_by_op(tmp_path):
     """A prompt (the logits of its last row only) and logits of some rows only take the
-    ops; float32 experts and gpt-oss (its sinks, its experts' biases) are not recorded
-    (tried once, not again)."""
+    ops; float32 experts (the tiny specs' default) are not recorded (tried once, not
+    again)."""
     model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", tiny_spec("llama")))
     tf = loaded(model)
     (caches,), positions = prefilled(tf, 1)
@@ -165,7 +168,7 @@ def test_what_the_table_cannot_express_runs_op_by_op(tmp_path):
     assert tf.ops.replay(tf, some) is None
     assert tf.ops._programs == {}
 
-    for arch in ("qwen3moe", "gpt-oss"):  # float32 experts; gpt-oss's sinks and biases
+    for arch in ("qwen3moe", "gpt-oss"):  # float32 experts
         other = loaded(ModelFile.open(write_synthetic_model(
             tmp_path / f"{arch}.gguf", tiny_spec(arch))))
         (caches,), positions = prefilled(other, 1)
@@ -173,15 +176,16 @@ def test_what_the_table_cannot_express_runs_op_by_op(tmp_path):
         assert other.ops._programs == {(id(other), 3): None}
 
 
-def test_attention_sinks_alone_are_not_recorded(tmp_path):
-    model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", tiny_spec("llama")))
+def test_attention_sinks_replay_with_the_logits_of_the_ops(tmp_path):
+    """A layer's attention sinks (one logit per head, in each head's softmax without a
+    value) go into the replayed attention items."""
+    model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf",
+                                                 tiny_spec("llama", n_layers=2)))
     tf = loaded(model)
     layer = tf.weights.layers[0]
-    tf.weights.layers[0] = dataclasses.replace(
-        layer, sinks=np.zeros(tf.config.n_heads, np.float32))
-    (caches,), positions = prefilled(tf, 1)
-    assert tf.ops.replay(tf, decode_batch(np.array([1, 2, 3], np.int32), caches,
-                                          positions)) is None
+    sinks = np.random.default_rng(4).standard_normal(tf.config.n_heads).astype(np.float32)
+    tf.weights.layers[0] = dataclasses.replace(layer, sinks=2 * sinks)
+    replayed_against_ops(tf)
 
 
 @pytest.mark.parametrize("n_threads", [1, 3])

@@ -73,17 +73,26 @@ def test_rope_rotates_the_pairs_of_its_style(style, dim):
     np.testing.assert_array_equal(got[..., dim:], x[..., dim:])
 
 
-@pytest.mark.parametrize("act", [Activation.SWIGLU, Activation.GEGLU])
+@pytest.mark.parametrize("act", [Activation.SWIGLU, Activation.GEGLU, Activation.SWIGLU_OAI])
 def test_gated_activation_is_the_float64_formula(act):
+    """gpt-oss's clamped SwiGLU as ggml's swiglu_oai writes it: the gate clamped above at
+    7, up to [-7, 7] (the values past the limits below hit both), gate * sigmoid(1.702
+    gate) * (up + 1)."""
     rng = np.random.default_rng(3)
     gate = rng.standard_normal((40, 70)).astype(np.float32) * 4
     gate[0, :3] = [-200.0, 200.0, 0.0]  # exp(-gate) overflows for the first: SiLU -> 0
-    up = rng.standard_normal((40, 70)).astype(np.float32)
+    up = rng.standard_normal((40, 70)).astype(np.float32) * (4 if act is
+                                                             Activation.SWIGLU_OAI else 1)
     got = NumpyOps().gated_ffn_act(gate, up, act)
     g = f64(gate)
     if act is Activation.SWIGLU:
         with np.errstate(over="ignore"):
             want = g / (1 + np.exp(-g)) * f64(up)
+    elif act is Activation.SWIGLU_OAI:
+        assert (gate > 7).any() and (up > 7).any() and (up < -7).any()
+        g = np.minimum(g, 7.0)
+        with np.errstate(over="ignore"):
+            want = g / (1 + np.exp(-1.702 * g)) * (np.clip(f64(up), -7.0, 7.0) + 1)
     else:
         want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * f64(up)
     assert np.isfinite(got).all()

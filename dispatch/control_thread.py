@@ -51,6 +51,7 @@ from eagerlm.dispatch.messages import (
 )
 from eagerlm.dispatch.owned_thread import OwnedThread
 from eagerlm.dispatch.prefix_cache import PrefixCache
+from eagerlm.dispatch.round_costs import RoundCosts
 from eagerlm.dispatch.round_speculation import RoundSpeculation, drafts
 from eagerlm.dispatch.round_work import (
     RoundWork,
@@ -102,6 +103,9 @@ class _RoundRecord:
     copied: Event
     spec: SpecRound | None = None  # its speculating sessions
     harvested: bool = False
+    # what the round costs are learned from: its device events, rows, and whether it had
+    # draft rows (None: it prefilled, a cost of another kind)
+    timing: tuple[Event, Event, int, bool] | None = None
 
 
 class ControlThread(OwnedThread):
@@ -127,9 +131,13 @@ class ControlThread(OwnedThread):
         spec = config.speculation
         self.scheduler = Scheduler(config.scheduler, pool, self.layout, context_length,
                                    sync_event=_sync)
+        # the plan's prices of rounds by their rows: learned from the rounds harvested
+        # (dispatch/round_costs.py), unless the settings fix them
+        self.round_costs = (RoundCosts(self.backend.round_cost) if spec.row_cost is None
+                            else None)
         if spec.adaptive:
-            self.scheduler.round_cost = (self.backend.round_cost if spec.row_cost is None
-                                         else linear_cost(spec.row_cost))
+            self.scheduler.round_cost = (linear_cost(spec.row_cost)
+                                         if spec.row_cost is not None else self.round_costs)
         self.scheduler.resolve_tokens = self._generated_tokens
         self.cache = PrefixCache(config.prefix_cache_entries) if config.prefix_cache else None
         self.scheduler.evict_cached = self._evict_cached
@@ -418,10 +426,13 @@ class ControlThread(OwnedThread):
         self.last_event = done
         host_out = self._tokens_host[slot].array.view(np.int32)[:n_copy]
         rec_rows = [(s, g) for s, g, _ in sampled_rows]
-        self._records[slot] = _RoundRecord(rec_rows, host_out, copied, spec)
+        n_prefill = plan.n_tokens - plan.n_decode - plan.n_draft
+        timing = None if n_prefill or trace.device_start is None else (
+            trace.device_start, done, plan.n_decode + plan.n_draft, plan.n_draft > 0)
+        self._records[slot] = _RoundRecord(rec_rows, host_out, copied, spec, timing=timing)
         trace.launch_end = time.perf_counter()
         trace.n_decode = plan.n_decode
-        trace.n_prefill_tokens = plan.n_tokens - plan.n_decode - plan.n_draft
+        trace.n_prefill_tokens = n_prefill
         trace.n_draft_rows = plan.n_draft
         trace.n_sessions = n_seqs
         trace.pages_in_use = self.pool.n_pages - self.pool.n_free
@@ -444,6 +455,9 @@ class ControlThread(OwnedThread):
         if rec is None or rec.harvested:
             return
         rec.copied.synchronize()
+        if rec.timing is not None and self.round_costs is not None:
+            start, end, rows, drafted = rec.timing
+            self.round_costs.observe(rows, drafted, start.elapsed_ms(end) / 1e3)
         tokens = rec.host_tokens.tolist()
         if rec.spec is None:
             for (s, gen), token in zip(rec.rows, tokens, strict=True):

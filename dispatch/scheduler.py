@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from eagerlm.dispatch.speculation import SpecSession, allocate_drafts
+from eagerlm.dispatch.speculation import RoundCost, SpecSession, allocate_drafts
 from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.vmm.device import Event
 from eagerlm.vmm.kv_layout import KVLayout
@@ -130,7 +130,7 @@ class Scheduler:
         # set by the control thread: a round's cost by its rows, relative to a one-row
         # round, by which speculating sessions' draft rows are chosen; None: always the
         # most each session allows (dispatch/speculation.py)
-        self.round_cost: Callable[[int], float] | None = None
+        self.round_cost: RoundCost | None = None
 
     # -- planning ----------------------------------------------------------------------
 

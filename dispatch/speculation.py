@@ -119,18 +119,22 @@ class SpecSession:
         self.trials = self.trials * _DECAY + trials
 
 
-def linear_cost(row_cost: float) -> Callable[[int], float]:
+RoundCost = Callable[[int, bool], float]  # (rows, drafted) -> cost, one-row rounds
+
+
+def linear_cost(row_cost: float) -> RoundCost:
     """A round's cost when each row beyond the first adds `row_cost` (relative to a
-    one-row round)."""
-    return lambda rows: 1.0 + row_cost * max(0, rows - 1)
+    one-row round), drafts or not."""
+    return lambda rows, drafted=False: 1.0 + row_cost * max(0, rows - 1)
 
 
 def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: int,
-                    cost: Callable[[int], float], budget: int,
-                    margin: float = MARGIN) -> list[int]:
+                    cost: RoundCost, budget: int, margin: float = MARGIN) -> list[int]:
     """Draft rows per speculating session (rates[i], at most caps[i]) in a round that
-    already has `n_decode` decoding sessions and `n_rows` rows, costing `cost(rows)`
-    relative to a one-row round: the rows in order of expected gain (rate**j for a
+    already has `n_decode` decoding sessions and `n_rows` rows, costing `cost(rows,
+    drafted)` relative to a one-row round (dispatch/round_costs.py: a round with draft
+    rows may take another path than one without): the rows in order of expected gain
+    (rate**j for a
     session's j-th), as many of them (at most `budget`) as maximise the round's expected
     tokens per unit of cost, and none unless that beats the round without drafts by
     `margin` (the rates are estimates: a draft row that only just pays on paper costs
@@ -146,10 +150,10 @@ def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: 
         gains.append(-neg_gain)
         if j < caps[i]:
             heapq.heappush(heap, (neg_gain * rates[i], i, j + 1))
-    best_n, best = 0, margin * tokens / cost(n_rows)
+    best_n, best = 0, margin * tokens / cost(n_rows, False)
     for m, gain in enumerate(gains, 1):
         tokens += gain
-        ratio = tokens / cost(n_rows + m)
+        ratio = tokens / cost(n_rows + m, True)
         if ratio > best:
             best_n, best = m, ratio
     ks = [0] * len(rates)

@@ -17,6 +17,7 @@ import pytest
 from eagerlm.dispatch.control_thread import ControlConfig
 from eagerlm.dispatch.dispatcher import Dispatcher, DispatcherConfig
 from eagerlm.dispatch.messages import FinishReason
+from eagerlm.dispatch.round_costs import RoundCosts
 from eagerlm.dispatch.scheduler import SchedulerConfig
 from eagerlm.dispatch.speculation import (
     SpecSession,
@@ -119,6 +120,41 @@ def test_the_accepted_run_is_the_longest_prefix_where_samples_equal_drafts():
     assert accepted_run(np.array([4, 6]), np.array([5])) == 0
 
 
+def test_round_costs_are_learned_from_the_rounds_run():
+    """Prices by (rows, drafted) in one-row rounds: the prior's (the backend's table)
+    until a kind is seen in MIN_ROUNDS rounds, then its measured mean; a kind not seen
+    keeps the prior's shape through the nearest size seen of its kind."""
+    prior = NumpyOps().round_cost
+    costs = RoundCosts(prior)
+    assert [costs(r, d) for r in (1, 4, 9) for d in (False, True)] == [
+        prior(r) for r in (1, 4, 9) for _ in (0, 1)]
+    for _ in range(3):  # not yet enough rounds to trust
+        costs.observe(1, False, 0.010)
+        costs.observe(9, True, 0.020)
+    assert costs(9, True) == prior(9)
+    costs.observe(1, False, 0.010)
+    costs.observe(9, True, 0.020)
+    # a machine where 9 rows with drafts cost 2 one-row rounds, not the table's ~4.9
+    assert costs(1, False) == 1.0 and costs(9, True) == pytest.approx(2.0)
+    assert costs(5, True) == pytest.approx(1.5)  # on the line from one row's 1.0
+    assert costs(13, True) == pytest.approx(2.0 * prior(13) / prior(9))  # the prior's growth
+    assert costs(9, False) == prior(9)  # no plain 9-row round seen: the prior
+    # cheap drafted rounds seen: more drafts than the table alone gives; then drafts that
+    # did not pay are seen, priced up, and chosen less
+    by_table = allocate_drafts([0.8], [8], 1, 1, RoundCosts(prior), 100)[0]
+    cheap = allocate_drafts([0.8], [8], 1, 1, costs, 100)[0]
+    assert cheap > by_table
+    for _ in range(30):
+        costs.observe(9, True, 0.060)
+    assert costs(9, True) == pytest.approx(6.0, rel=0.1)
+    assert allocate_drafts([0.8], [8], 1, 1, costs, 100)[0] < cheap
+    # with no one-row round seen, the unit comes from the kind seen most, through the prior
+    wide = RoundCosts(prior)
+    for _ in range(5):
+        wide.observe(8, False, 0.040)
+    assert wide(8, False) == pytest.approx(prior(8))
+
+
 def test_draft_rows_go_by_expected_gain_while_they_pay_for_themselves():
     # one session at batch 1, each row costing 0.2 of a one-row round: as many drafts as
     # maximise the expected tokens per cost
@@ -135,7 +171,7 @@ def test_draft_rows_go_by_expected_gain_while_they_pay_for_themselves():
     # a session accepting 95% of its drafts gets several, one accepting 70% none (no count
     # of them beats one row by the margin); 8 sessions' rows already cost 4.3 one-row
     # rounds, so none of them gets one even at 95%
-    measured = NumpyOps().round_cost
+    measured = RoundCosts(NumpyOps().round_cost)  # nothing observed yet: the table
     assert allocate_drafts([0.95], [16], 1, 1, measured, 100)[0] >= 4
     assert allocate_drafts([0.7], [16], 1, 1, measured, 100) == [0]
     assert allocate_drafts([0.95] * 8, [16] * 8, 8, 8, measured, 100) == [0] * 8
@@ -164,9 +200,12 @@ def test_output_with_prompt_lookup_equals_the_request_run_alone(model, sync):
     with make(model, sync=sync) as d:
         col = run(d, reqs)
         stats = d.service.stats
+        costs = d.control.round_costs
     for key, prompt, params in reqs:
         assert col.result(key) == alone(model, prompt, params), key
     assert stats.accepted_tokens > 20 and stats.draft_tokens > 100
+    # the plan's prices are learned from the rounds run (those that prefill nothing)
+    assert costs is not None and any(costs.seen(rows, True) for rows in range(2, 64))
 
 
 def test_stop_strings_end_tokens_and_max_tokens_cut_an_accepted_run_at_the_right_token(model):

@@ -116,8 +116,8 @@ def _groups(qtypes: Iterable[GGMLQuantizationType],
     """The groups a model of matrices of `qtypes` needs: each compiled once, in one
     process or the other (the activations' quantizers, which several types share, are a
     group of their own; each type's `dequant` too, for the types in `dequantized`, all
-    by default: `quantized.dequantized_types`; the experts' routing for a mixture of
-    experts, `experts`)."""
+    by default: `quantized.dequantized_types`; for a mixture of experts (`experts`), the
+    routing, the weighted sum and gpt-oss's activation)."""
     qtypes = sorted(set(qtypes), key=int)
     dequantized = set(qtypes if dequantized is None else dequantized)
     groups = [

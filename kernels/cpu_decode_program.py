@@ -208,11 +208,15 @@ def _step_chunk(st: np.ndarray, fp: np.ndarray, base: int, rows: np.ndarray,
         sinks = _floats(st[10], heads) if st[9] else _floats(base, 1)
         _attend_rows(q, out, rows, bases, positions, st[6], token_stride, st[7], fp[0], st[8],
                      sinks, st[9] != 0, c, st[WIDTH - 1])
-    elif op == ACT:
+    elif op == ACT:  # st[8]: cpu_row_ops.gated_kind's code
         width = st[6]
-        row_ops.gated(_rows(base + 4 * (st[1] + c * st[2]), 1, width),
-                      _rows(base + 4 * (st[3] + c * st[4]), 1, width), st[8],
-                      _rows(base + 4 * (st[7] + c * width), 1, width))
+        gate = _rows(base + 4 * (st[1] + c * st[2]), 1, width)
+        up = _rows(base + 4 * (st[3] + c * st[4]), 1, width)
+        out = _rows(base + 4 * (st[7] + c * width), 1, width)
+        if st[8] == row_ops.SILU_OAI:
+            row_ops.gated_oai(gate, up, out)
+        else:
+            row_ops.gated(gate, up, st[8] == row_ops.GELU, out)
     elif op == ROUTE:  # row c's router logits (a float32 router's), experts and weights
         d, n_experts, k = st[3], st[5], st[10]
         logits = _rows(base + 4 * (st[6] + c * n_experts), 1, n_experts)

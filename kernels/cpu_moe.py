@@ -176,14 +176,18 @@ def combine_rows(y: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
         combine_row(y[r * k:(r + 1) * k], weights[r], out[r])
 
 
-KERNELS = (route_rows, combine_rows)  # for kernels/cpu_compile.py
+# for kernels/cpu_compile.py's experts group, with gpt-oss's activation (whose only
+# users are mixtures of experts)
+KERNELS = (route_rows, combine_rows, row_ops.gated_oai)
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's disk cache) the routing and the weighted sum."""
+    """Compile (or load from numba's disk cache) the routing, the weighted sum and the
+    clamped SwiGLU."""
     route(np.zeros((1, 2), np.float32), MoEConfig(2, 1, 1))
-    combine_rows(np.zeros((1, 1), np.float32), np.ones((1, 1), np.float32),
-                 np.zeros((1, 1), np.float32))
+    ones = np.ones((1, 1), np.float32)
+    combine_rows(ones, ones, np.zeros((1, 1), np.float32))
+    row_ops.gated_oai(ones, ones, np.zeros((1, 1), np.float32))
 
 
 def route(logits: np.ndarray, moe: MoEConfig) -> tuple[np.ndarray, np.ndarray]:

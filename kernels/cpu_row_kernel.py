@@ -31,6 +31,7 @@ None where none does (the forward then runs op by op). Float32 matrices are serv
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,6 +106,26 @@ Resolver = Callable[[Any], "RowKernel | None"]
 @functools.cache
 def _rows_f32() -> int:
     return cfunc(ROW_KERNEL, **JIT)(rows_f32).address
+
+
+# Up to this many rows of x, the ops' float32 products (kernels/numpy_ops.py) call the
+# replay's float32 row kernel too, not BLAS: a row then gets the same bits in any batch
+# and replayed or not (BLAS picks its kernel, and its sums' order, by the row count).
+# Past it (long prompts), BLAS's speed: docs/architecture.md, "Batch invariance".
+FIXED_ORDER_ROWS = 64
+
+
+@functools.cache
+def _rows_f32_call() -> Callable[..., None]:
+    return ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 11))(_rows_f32())
+
+
+def float32_rows(x: np.ndarray, w: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
+    """y[:, r0:r1] = x @ w[r0:r1]^T for C-contiguous float32 x `[n, k]`, w `[rows, k]`
+    and y `[n, rows]`, by `rows_f32` (through ctypes, which releases the GIL)."""
+    (n, k), rows = x.shape, w.shape[0]
+    _rows_f32_call()(w.ctypes.data, x.ctypes.data, 0, 0, y.ctypes.data, n, k, rows, 4 * k,
+                     r0, r1)
 
 
 def _float32(w: Any) -> RowKernel | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from eagerlm.kernels.cpu_vector_math import GELU, SILU, SILU_OAI, gated_row
+from eagerlm.kernels.cpu_vector_math import gated_oai_row, gated_row
 from eagerlm.kernels.numba_settings import JIT
 from eagerlm.loader.config import Activation
 
@@ -95,19 +95,31 @@ def row_products(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
 
 
 @njit(**_JIT)
-def gated(gate: np.ndarray, up: np.ndarray, kind: int, out: np.ndarray) -> None:
-    """out = act(gate) * up per row `[n, d]`: by `kind` (kernels/cpu_vector_math.py's
-    SILU, GELU, SILU_OAI) SiLU (SwiGLU), GELU's tanh approximation (GeGLU) or gpt-oss's
-    clamped SwiGLU, eight values at a time through cpu_vector_math's exp (libm's scalar
-    exp took six times as long), each value alone: a row's values are the same bits in any
-    batch, and in the decode replay (kernels/cpu_decode_program.py), which calls this for
-    its rows."""
+def gated(gate: np.ndarray, up: np.ndarray, gelu: bool, out: np.ndarray) -> None:
+    """out = act(gate) * up per row `[n, d]`: SiLU (SwiGLU) or with `gelu` GELU's tanh
+    approximation (GeGLU), eight values at a time through kernels/cpu_vector_math.py's exp
+    (libm's scalar exp took six times as long), each value alone: a row's values are the
+    same bits in any batch, and in the decode replay (kernels/cpu_decode_program.py),
+    which calls this for its rows."""
     for i in range(gate.shape[0]):
-        gated_row(gate[i], up[i], kind, out[i])
+        gated_row(gate[i], up[i], gelu, out[i])
+
+
+@njit(**_JIT)
+def gated_oai(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """`gated` for gpt-oss's clamped SwiGLU (cpu_vector_math's `gated_oai_row`): a kernel
+    of its own, compiled only for a model that has it (kernels/cpu_compile.py's experts
+    group), so that every other model's first load does not compile it."""
+    for i in range(gate.shape[0]):
+        gated_oai_row(gate[i], up[i], out[i])
+
+
+# `gated_kind`'s codes, as the decode replay's ACT step holds them
+SILU, GELU, SILU_OAI = 0, 1, 2
 
 
 def gated_kind(act: Activation) -> int:
-    """`gated`'s kind for a model's activation."""
+    """The code of a model's activation (`gated` for SILU and GELU, `gated_oai`)."""
     return {Activation.SWIGLU: SILU, Activation.GEGLU: GELU,
             Activation.SWIGLU_OAI: SILU_OAI}[act]
 
@@ -124,4 +136,4 @@ def warm_up() -> None:
     for neox in (True, False):
         rope(x.reshape(1, 1, 2), x[:, :1], x[:, :1], 2, neox, np.empty((1, 1, 2), np.float32))
     row_products(x, x, np.empty((1, 1), np.float32))
-    gated(x, x, 0, np.empty_like(x))  # (the kind is a run-time value: one compile)
+    gated(x, x, False, np.empty_like(x))  # (gelu a run-time bool: one compile)

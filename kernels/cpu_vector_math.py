@@ -103,31 +103,37 @@ _GELU_2C = np.float32(2.0 * np.sqrt(2.0 / np.pi))
 _GELU_2C3 = np.float32(2.0 * np.sqrt(2.0 / np.pi) * 0.044715)
 
 
-# the gated activations (`gated_row`'s `kind`): SiLU (SwiGLU), GELU (GeGLU), gpt-oss's
-# clamped SwiGLU (ggml's swiglu_oai: the gate clamped above at 7, up to [-7, 7],
-# gate * sigmoid(1.702 gate) * (up + 1))
-SILU, GELU, SILU_OAI = 0, 1, 2
+# gpt-oss's clamped SwiGLU (ggml's swiglu_oai): the gate clamped above at 7, up to
+# [-7, 7], gate * sigmoid(1.702 gate) * (up + 1)
 _OAI_LIMIT = np.float32(SWIGLU_OAI_LIMIT)
 _OAI_ALPHA = np.float32(SWIGLU_OAI_ALPHA)
 
 
 @njit(inline="always", **JIT_ORDERED)
-def gated_x8(g, u, kind):
-    """act(g) * u on eight lanes: SiLU, g / (1 + e^-g); GELU's tanh approximation,
-    0.5 g (1 + tanh(c (g + 0.044715 g^3))) = g / (1 + e^(-2c (g + 0.044715 g^3))) (the
-    same function, written with the one exp); SILU_OAI on a gate and up already clamped
-    (`gated_row`), g / (1 + e^(-1.702 g)) * (u + 1)."""
-    if kind == SILU_OAI:
-        return g / (np.float32(1.0) + exp_f32x8(np.float32(0.0) - g * _OAI_ALPHA)) * (
-            u + np.float32(1.0))
-    z = g * (_GELU_2C + _GELU_2C3 * (g * g)) if kind == GELU else g
+def gated_x8(g, u, gelu):
+    """act(g) * u on eight lanes: SiLU, g / (1 + e^-g), or with `gelu` GELU's tanh
+    approximation, 0.5 g (1 + tanh(c (g + 0.044715 g^3))) = g / (1 + e^(-2c (g + 0.044715
+    g^3))) (the same function, written with the one exp)."""
+    z = g * (_GELU_2C + _GELU_2C3 * (g * g)) if gelu else g
     return g / (np.float32(1.0) + exp_f32x8(np.float32(0.0) - z)) * u
 
 
 @njit(inline="always", **JIT_ORDERED)
+def gated_row(g, u, gelu, out):
+    """out = act(g) * u over 1-D float32 rows."""
+    d = len(g)
+    whole = d // 8 * 8
+    for j in range(0, whole, 8):
+        store_f32x8(out, j, gated_x8(load_f32x8(g, j), load_f32x8(u, j), gelu))
+    if whole < d:
+        store_tail(out, whole, d, gated_x8(load_tail(g, whole, d), load_tail(u, whole, d),
+                                           gelu))
+
+
+@njit(inline="always", **JIT_ORDERED)
 def _clamped_x8(g, u, start, stop):
-    """g[start:stop] clamped above and u[start:stop] on both sides at SILU_OAI's limit,
-    as two `Float32x8` (lanes past stop 0)."""
+    """g[start:stop] clamped above and u[start:stop] on both sides at the clamped
+    SwiGLU's limit, as two `Float32x8` (lanes past stop 0)."""
     pg = stack_empty(8, np.float32)
     pu = stack_empty(8, np.float32)
     for j in range(8):
@@ -141,23 +147,18 @@ def _clamped_x8(g, u, start, stop):
 
 
 @njit(inline="always", **JIT_ORDERED)
-def gated_row(g, u, kind, out):
-    """out = act(g) * u over 1-D float32 rows (`kind`: SILU, GELU, SILU_OAI)."""
+def gated_oai_row(g, u, out):
+    """out = gpt-oss's clamped SwiGLU of g, u over 1-D float32 rows, eight values at a
+    time: g / (1 + e^(-1.702 g)) * (u + 1) on the clamped values."""
     d = len(g)
-    whole = d // 8 * 8
-    if kind == SILU_OAI:
-        for j in range(0, whole, 8):
-            cg, cu = _clamped_x8(g, u, j, d)
-            store_f32x8(out, j, gated_x8(cg, cu, kind))
-        if whole < d:
-            cg, cu = _clamped_x8(g, u, whole, d)
-            store_tail(out, whole, d, gated_x8(cg, cu, kind))
-        return
-    for j in range(0, whole, 8):
-        store_f32x8(out, j, gated_x8(load_f32x8(g, j), load_f32x8(u, j), kind))
-    if whole < d:
-        store_tail(out, whole, d, gated_x8(load_tail(g, whole, d), load_tail(u, whole, d),
-                                           kind))
+    for j in range(0, d, 8):
+        cg, cu = _clamped_x8(g, u, j, d)
+        v = cg / (np.float32(1.0) + exp_f32x8(np.float32(0.0) - cg * _OAI_ALPHA)) * (
+            cu + np.float32(1.0))
+        if j + 8 <= d:
+            store_f32x8(out, j, v)
+        else:
+            store_tail(out, j, d, v)
 
 
 @njit(inline="always", **JIT_ORDERED)

@@ -20,6 +20,7 @@ from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cpu_attention import DecodeRows
 from eagerlm.kernels.cpu_decode_program import TABLE_READY, DecodeProgram, record
+from eagerlm.kernels.cpu_row_kernel import FIXED_ORDER_ROWS, float32_rows
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, by_output_features, by_rows
 from eagerlm.kernels.quantized import QuantizedMatrix, quantized_linear
 from eagerlm.kernels.sampling import (
@@ -98,9 +99,17 @@ def _attend(s: SeqSlice, layer: int, q: np.ndarray, out: np.ndarray, scale: np.f
 
 def _float_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x @ w^T, its output features split over the cores (BLAS itself runs on one thread:
-    kernels/cpu_threads.py says why)."""
+    kernels/cpu_threads.py says why); up to `FIXED_ORDER_ROWS` rows of float32 x, by the
+    decode replay's own float32 row kernel (each row the same bits in any batch)."""
     (n, in_features), out_features = x.shape, w.shape[0]
     n_values = n * out_features * in_features
+    if (n <= FIXED_ORDER_ROWS and x.dtype == np.float32 and w.dtype == np.float32
+            and w.flags.c_contiguous):
+        xc = np.ascontiguousarray(x)
+        out = np.empty((n, out_features), np.float32)
+        by_output_features(n_values, out_features,
+                           lambda a, b: float32_rows(xc, w, out, a, b))
+        return out
     if n_values < SERIAL_MAX_VALUES:
         return x @ w.T  # one thread, without the output buffer the shares write into
     y = np.empty((n, out_features), np.result_type(x, w))
@@ -342,10 +351,13 @@ class NumpyOps:
         g = np.ascontiguousarray(gate, np.float32)
         u = np.ascontiguousarray(up, np.float32)
         out = np.empty(g.shape, np.float32)
-        kind = row_ops.gated_kind(act)
+        oai, gelu = act is Activation.SWIGLU_OAI, act is Activation.GEGLU
 
         def part(a: int, b: int) -> None:
-            row_ops.gated(g[a:b], u[a:b], kind, out[a:b])
+            if oai:
+                row_ops.gated_oai(g[a:b], u[a:b], out[a:b])
+            else:
+                row_ops.gated(g[a:b], u[a:b], gelu, out[a:b])
         by_rows(len(gate), part)
         return out
 

@@ -8,16 +8,42 @@ policy when it first starts its thread pool.
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import os
 import tempfile
+from collections.abc import Iterable
 
 import numba
 
-# numba caches compiled code in __pycache__ beside the kernel modules, or in the user's
-# cache directory where that is not writable; where neither is (a read-only install with
-# no home), a temporary directory keeps the cache for this machine's later runs.
-if "NUMBA_CACHE_DIR" not in os.environ and not os.access(os.path.dirname(__file__), os.W_OK):
-    numba.config.CACHE_DIR = os.path.join(tempfile.gettempdir(), "eagerlm-numba-cache")
+_KERNELS = os.path.dirname(os.path.abspath(__file__))
+# what compiled code depends on: the kernel modules, and the constants they read
+_SOURCES = (*glob.glob(os.path.join(_KERNELS, "*.py")),
+            os.path.join(os.path.dirname(_KERNELS), "loader", "config.py"))
+
+
+def source_digest(paths: Iterable[str]) -> str:
+    """A digest of the files' names and contents (those that exist)."""
+    h = hashlib.sha256()
+    for path in sorted(paths):
+        if os.path.isfile(path):
+            h.update(os.path.basename(path).encode())
+            with open(path, "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+# numba caches compiled code in a folder named for a digest of the sources, in
+# __pycache__ beside the kernel modules, or in a temporary directory where that is not
+# writable (a read-only install). Why a digest: numba checks a cached kernel against its
+# own file's time stamp only, so a kernel that inlines a function of another module
+# (the decode replay's table inlines the row ops, the routing, the attention rows) kept
+# its old code after that module changed, and an editable install updated by `git pull`
+# computed with it. A user's NUMBA_CACHE_DIR wins (the tests' cold-cache checks set it).
+if "NUMBA_CACHE_DIR" not in os.environ:
+    _root = os.path.join(_KERNELS, "__pycache__") if os.access(_KERNELS, os.W_OK) else \
+        os.path.join(tempfile.gettempdir(), "eagerlm-numba-cache")
+    numba.config.CACHE_DIR = os.path.join(_root, "numba-" + source_digest(_SOURCES))
 
 # numba's OpenMP workers spin after each parallel loop by default, and on a machine with
 # few cores they then starve other threads (BLAS's, the engine's own; a 6-token prefill of

@@ -289,3 +289,27 @@ def test_another_versions_module_of_a_type_leaves_this_ones_compilable(tmp_path,
                                          binding=block_type.binding + "# a newer version\n"))
     assert len(list((tmp_path / "eagerlm_kernels").glob("q8_0_*.py"))) == 2
     assert running.row_kernel_address() > 0
+
+
+def test_the_default_cache_folder_is_named_for_the_kernel_sources(tmp_path):
+    """numba checks a cached kernel against its own file's time stamp only, so a kernel
+    that inlines a function of another module (the decode replay's table inlines the row
+    ops and the routing) kept its old code once that module changed: an editable install
+    updated in place computed with it. Without NUMBA_CACHE_DIR, the cache folder is named
+    for a digest of every kernel module and loader/config.py, which any change moves."""
+    from eagerlm.kernels import numba_settings
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    folder = subprocess.run(
+        [sys.executable, "-c", "import numba, eagerlm.kernels.numba_settings; "
+                               "print(numba.config.CACHE_DIR)"],
+        env=env, check=True, capture_output=True, text=True).stdout.strip()
+    digest = numba_settings.source_digest(numba_settings._SOURCES)
+    assert os.path.basename(folder) == f"numba-{digest}"
+    assert any(p.endswith("cpu_decode_program.py") for p in numba_settings._SOURCES)
+    files = [tmp_path / "a.py", tmp_path / "b.py"]
+    for f in files:
+        f.write_text("x = 1\n")
+    before = numba_settings.source_digest(map(str, files))
+    files[1].write_text("x = 2\n")
+    assert numba_settings.source_digest(map(str, files)) != before

@@ -3,8 +3,9 @@ cores the first time.
 
 A model needs the weight kernels of the types its file holds (kernels/cpu_kernel_registry.py:
 no other type's are even generated), the activations' quantizers they take their input
-from, the row ops, the attention rows, and the decode replay's table (kernels/
-cpu_decode_program.py) with the types' C entries only it calls. numba caches each
+from, the row ops, the attention rows, a mixture of experts' routing (`experts`), and
+the decode replay's table (kernels/cpu_decode_program.py) with the types' C entries only
+it calls. numba caches each
 compiled kernel on disk, so this costs a second or less after the first load; the first
 costs several seconds of CPU, and numba compiles one function at a time in a process (a
 global lock). So when some of the kernels are not in

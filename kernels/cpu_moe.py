@@ -89,8 +89,9 @@ def expert(w: CpuExperts, e: int) -> QuantizedMatrix | np.ndarray:
 
 
 # the gating's code in the compiled kernels (`route_row`)
-GATING_CODES = {ExpertGating.SOFTMAX: 0, ExpertGating.SIGMOID: 1,
-                ExpertGating.SOFTMAX_WEIGHT: 2}
+_SOFTMAX, _SIGMOID, _SOFTMAX_WEIGHT = 0, 1, 2
+GATING_CODES = {ExpertGating.SOFTMAX: _SOFTMAX, ExpertGating.SIGMOID: _SIGMOID,
+                ExpertGating.SOFTMAX_WEIGHT: _SOFTMAX_WEIGHT}
 _ONE = np.float32(1.0)
 
 
@@ -117,9 +118,9 @@ def route_row(scores: np.ndarray, gating: int, n_used: int, normalize: bool, sca
     Ties go to the lower expert index; the k picks cost k passes over the experts, which
     for a router's 8 of 128 is less than a sort."""
     n = scores.shape[0]
-    if gating == 0:
+    if gating == _SOFTMAX:
         _softmax_in_place(scores, n)
-    elif gating == 1:
+    elif gating == _SIGMOID:
         for e in range(n):
             scores[e] = _ONE / (_ONE + np.exp(-scores[e]))
     for s in range(n_used):
@@ -134,7 +135,7 @@ def route_row(scores: np.ndarray, gating: int, n_used: int, normalize: bool, sca
                 best = e
         ids[s] = best
         weights[s] = scores[best]
-    if gating == 2:
+    if gating == _SOFTMAX_WEIGHT:
         _softmax_in_place(weights, n_used)
     if normalize:
         total = np.float32(0.0)

@@ -22,14 +22,16 @@ whole table.
 What is recorded is the one forward of kernels/model.py, against the one `Ops` protocol,
 and each step calls the kernel the ops call (kernels/cpu_row_ops.py's norms and rope,
 kernels/cpu_attention.py's attention items, each weight type's `gemv` through its row
-kernel, the gated activation), so the replay gives the ops' logits: the same bits but for
-float32 products (a fixed-order loop, not BLAS: within float32 rounding;
-tests/test_cpu_decode_program.py). A row's replayed forward is therefore the same bits
-as the ops give it in any batch wherever the ops' are (docs/architecture.md, "Batch
-invariance"). A forward the table cannot express is
-not recorded and runs op by op as before: a matrix without a row kernel, or more rows
-than its kernel takes; float32 experts, or a mixture's shared expert; a tensor-parallel
-group; a batch with prompt rows, or logits wanted for some rows only.
+kernel, the gated activation; float32 products by `cpu_row_kernel.rows_f32`, which the
+ops also call up to `FIXED_ORDER_ROWS` rows), so the replay gives the ops' logits
+(tests/test_cpu_decode_program.py: bit for bit for the mixtures of experts, within
+float32 rounding for the rest, whose softcap, for one, is numpy's tanh in the ops). A
+row's replayed forward is therefore the same bits as the ops give it in any batch
+wherever the ops' are (docs/architecture.md, "Batch invariance"). A forward the table
+cannot express is not recorded and runs op by op as before: a matrix without a row
+kernel, or more rows than its kernel takes; float32 experts, or a mixture's shared
+expert; a tensor-parallel group; a batch with prompt rows, or logits wanted for some
+rows only.
 
 A mixture of experts (quantized experts, read in place from the file's map) is five
 steps: ROUTE (a row's router logits, then kernels/cpu_moe.py's `route_row`, the ids

@@ -417,6 +417,9 @@ class DecodeProgram:
             :, :out.width].copy()
 
 
+_NO_BUF = Buf(0, 1, 0, 0)  # a product's scales and sums where its x is float32
+
+
 def _span(b: Any) -> tuple[int, int]:
     """A `Buf`'s arena range [start, end), or a range itself."""
     if isinstance(b, Buf):
@@ -479,17 +482,23 @@ class RecordingOps:
         y = self.p.alloc(x.n, rows)
         data = w if isinstance(w, np.ndarray) else w.blocks
         self.p.keep.append(data)
-        chunk = max(16, -(-rows // (ROW_CHUNKS_PER_THREAD * self._threads)))
-        inputs = [x]
-        if kernel.quantize:
-            inputs = self._quantized(x, kernel)
-        x_at, scales, sums = (inputs + [Buf(0, 1, 0, 0)] * 2)[:3]
+        chunk = self._chunk(rows)
+        inputs = self._inputs(x, kernel)
+        x_at, scales, sums = (inputs + [_NO_BUF] * 2)[:3]
         self.p.add([GEMV, x_at.off, x.n, x.width, data.ctypes.data, kernel.address, rows,
                     data.strides[0], y.off, self.p.address(bias), chunk, scales.off,
                     sums.off, int(kernel.quantize != 0)], -(-rows // chunk),
                    reads=inputs, writes=[y])
         self.p.values += rows * x.width
         return y
+
+    def _chunk(self, rows: int) -> int:
+        """Output rows a chunk of a product takes."""
+        return max(16, -(-rows // (ROW_CHUNKS_PER_THREAD * self._threads)))
+
+    def _inputs(self, x: Buf, kernel: RowKernel) -> list[Buf]:
+        """What a product by `kernel` reads of x: x, or its 8-bit codes, scales and sums."""
+        return self._quantized(x, kernel) if kernel.quantize else [x]
 
     def _quantized(self, x: Buf, kernel: RowKernel) -> list[Buf]:
         """x's 8-bit codes, scales and sums for `kernel` (in the arena), made by a QUANT
@@ -557,9 +566,9 @@ class RecordingOps:
         n_pairs, rows = ids.n * k, m.shape[1]
         y = p.alloc(n_pairs, rows)
         p.keep.append(m.blocks)
-        chunk = max(16, -(-rows // (ROW_CHUNKS_PER_THREAD * self._threads)))
-        inputs = self._quantized(x, kernel) if kernel.quantize else [x]
-        x_at, scales, sums = (inputs + [Buf(0, 1, 0, 0)] * 2)[:3]
+        chunk = self._chunk(rows)
+        inputs = self._inputs(x, kernel)
+        x_at, scales, sums = (inputs + [_NO_BUF] * 2)[:3]
         p.add([EXPERT, x_at.off, x_at.stride, x.width, 0, m.blocks.ctypes.data,
                kernel.address, rows, m.blocks.strides[1], y.off, chunk, m.blocks.strides[0],
                ids.off, k, int(per_pair), scales.off, scales.stride, sums.off, sums.stride,

@@ -123,9 +123,11 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
     held_types = {info.qtype for info in f.tensors.values()
                   if keeps_blocks(info, weights) and info.qtype in BLOCK_TYPES}
     embedding = f.tensors.get("token_embd.weight")
+    float32 = any(len(info.shape) == 2 and not keeps_blocks(info, weights)
+                  for info in f.tensors.values())  # products by F32's row kernel
     compiling = start_compile(held_types, dequantized_types(
         held_types, None if embedding is None else embedding.qtype),
-        experts=model.config.moe is not None)
+        experts=model.config.moe is not None, float32=float32)
     if on_bytes is not None:
         on_bytes(0, total)
     held = build_weights(f, model.config,

@@ -3,9 +3,9 @@ cores the first time.
 
 A model needs the weight kernels of the types its file holds (kernels/cpu_kernel_registry.py:
 no other type's are even generated), the activations' quantizers they take their input
-from, the row ops, the attention rows, a mixture of experts' routing (`experts`), and
-the decode replay's table (kernels/cpu_decode_program.py) with the types' C entries only
-it calls. numba caches each
+from, the row ops, the attention rows, a mixture of experts' routing (`experts`), F32's
+row kernel where it holds float32 matrices (`float32`), and the decode replay's table
+(kernels/cpu_decode_program.py) with the types' C entries only it calls. numba caches each
 compiled kernel on disk, so this costs a second or less after the first load; the first
 costs several seconds of CPU, and numba compiles one function at a time in a process (a
 global lock). So when some of the kernels are not in
@@ -54,11 +54,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType as Q
 from numba.core.caching import FunctionCache
 
 from eagerlm.kernels import cpu_attention, cpu_decode_program, cpu_moe, cpu_panel_gemm, quantized
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
+from eagerlm.kernels.cpu_row_kernel import warm_up_float32
 from eagerlm.kernels.cpu_threads import core_count
 
 # CPU seconds to compile each group with an empty cache, measured on the quiet machine
@@ -113,12 +115,13 @@ class _Group:
 def _groups(qtypes: Iterable[GGMLQuantizationType],
             dequantized: Iterable[GGMLQuantizationType] | None = None,
             paneled: Iterable[GGMLQuantizationType] | None = None,
-            experts: bool = False) -> list[_Group]:
+            experts: bool = False, float32: bool = False) -> list[_Group]:
     """The groups a model of matrices of `qtypes` needs: each compiled once, in one
     process or the other (the activations' quantizers, which several types share, are a
     group of their own; each type's `dequant` too, for the types in `dequantized`, all
     by default: `quantized.dequantized_types`; for a mixture of experts (`experts`), the
-    routing, the weighted sum and gpt-oss's activation)."""
+    routing, the weighted sum and gpt-oss's activation; for float32 matrices (`float32`),
+    F32's row kernel)."""
     qtypes = sorted(set(qtypes), key=int)
     dequantized = set(qtypes if dequantized is None else dequantized)
     groups = [
@@ -131,6 +134,8 @@ def _groups(qtypes: Iterable[GGMLQuantizationType],
     ]
     if experts:
         groups.append(_Group("experts", cpu_moe.warm_up, lambda: list(cpu_moe.KERNELS)))
+    if float32:
+        groups.append(_Group("F32", warm_up_float32, list, lambda: [kernels(Q.F32).row_kernel]))
     if quantized.activation_kernels(qtypes):
         groups.append(_Group("activations", lambda: quantized.warm_up_activations(qtypes),
                              lambda: quantized.activation_kernels(qtypes)))
@@ -157,23 +162,23 @@ def _warm_up_replay(qtypes: Sequence[GGMLQuantizationType]) -> None:
 
 def compile_kernels(qtypes: Iterable[GGMLQuantizationType],
                     dequantized: Iterable[GGMLQuantizationType] | None = None,
-                    experts: bool = False) -> float:
+                    experts: bool = False, float32: bool = False) -> float:
     """Compile (or load from numba's disk cache) the kernels a model with matrices of
     `qtypes` runs, and nothing else (`dequant` only for the types in `dequantized`, all
     by default); returns the seconds the load waited for. The first forward would
     otherwise pay it. A decode replay's table not in the cache yet compiles in the helper
     process after this returns (the module's docstring)."""
-    return start_compile(qtypes, dequantized, experts).finish()
+    return start_compile(qtypes, dequantized, experts, float32).finish()
 
 
 def start_compile(qtypes: Iterable[GGMLQuantizationType],
                   dequantized: Iterable[GGMLQuantizationType] | None = None,
-                  experts: bool = False) -> KernelCompile:
+                  experts: bool = False, float32: bool = False) -> KernelCompile:
     """`compile_kernels` begun: if two groups or more are cold and there is another core,
     a helper process starts taking them now, while this process does other work (the
     cpu backend copies the weights) before `KernelCompile.finish` takes the rest."""
     qtypes = sorted(set(qtypes), key=int)
-    groups = _groups(qtypes, dequantized, experts=experts)
+    groups = _groups(qtypes, dequantized, experts=experts, float32=float32)
     claims = _Claims([g for g in groups if not g.after and not g.cached()])
     # (the panels before the replay's table: a prompt comes before a decode batch)
     later = sorted((g for g in groups if g.after and not g.cached()),
@@ -369,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # every panel group the loading process may name (it may take panels where this
     # process's default would not: a test forcing them)
     paneled = [q for q in qtypes if quantized.has_panels(q)]
-    groups = {g.name: g for g in _groups(qtypes, paneled=paneled, experts=True)}
+    groups = {g.name: g for g in _groups(qtypes, paneled=paneled, experts=True,
+                                         float32=True)}
     for line in sys.stdin:
         name = line.strip()
         if name not in groups:

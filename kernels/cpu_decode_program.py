@@ -22,21 +22,21 @@ whole table.
 What is recorded is the one forward of kernels/model.py, against the one `Ops` protocol,
 and each step calls the kernel the ops call (kernels/cpu_row_ops.py's norms and rope,
 kernels/cpu_attention.py's attention items, each weight type's `gemv` through its row
-kernel, the gated activation; float32 products by `cpu_row_kernel.rows_f32`, which the
-ops also call up to `FIXED_ORDER_ROWS` rows), so the replay gives the ops' logits
-(tests/test_cpu_decode_program.py: bit for bit for the mixtures of experts, within
-float32 rounding for the rest, whose softcap, for one, is numpy's tanh in the ops). A
-row's replayed forward is therefore the same bits as the ops give it in any batch
-wherever the ops' are (docs/architecture.md, "Batch invariance"). A forward the table
+kernel, the gated activation; float32 products by F32's row kernel, which the ops also
+call up to `FIXED_ORDER_ROWS` rows and for a float32 router in any batch), so the replay
+gives the ops' logits (tests/test_cpu_decode_program.py: bit for bit for the mixtures of
+experts, within float32 rounding for the rest, whose softcap, for one, is numpy's tanh
+in the ops). A row's replayed forward is therefore the same bits as the ops give it in
+any batch wherever the ops' are (docs/architecture.md, "Batch invariance"). A forward the table
 cannot express is not recorded and runs op by op as before: a matrix without a row
 kernel, or more rows than its kernel takes; float32 experts, or a mixture's shared
 expert; a tensor-parallel group; a batch with prompt rows, or logits wanted for some
 rows only.
 
-A mixture of experts (quantized experts, read in place from the file's map) is five
-steps: ROUTE (a row's router logits, then kernels/cpu_moe.py's `route_row`, the ids
-written into the arena as floats), EXPERT for the gate and up products (a chunk is a
-row, one of its k slots and a range of output rows; the expert's blocks are found from
+A mixture of experts (quantized experts, read in place from the file's map) is six
+steps: a GEMV of the router, ROUTE (kernels/cpu_moe.py's `route_row` of a row's logits,
+the ids written into the arena as floats), EXPERT for the gate and up products (a chunk
+is a row, one of its k slots and a range of output rows; the expert's blocks are found from
 the id ROUTE wrote, so the table holds every expert's address at once and reads only the
 chosen ones), the activation over the n * k pairs, EXPERT for the down products (one
 input per pair), and COMBINE (`combine_row`); the router's and each expert's biases
@@ -219,18 +219,11 @@ def _step_chunk(st: np.ndarray, fp: np.ndarray, base: int, rows: np.ndarray,
             row_ops.gated_oai(gate, up, out)
         else:
             row_ops.gated(gate, up, st[8] == row_ops.GELU, out)
-    elif op == ROUTE:  # row c's router logits (a float32 router's), experts and weights
-        d, n_experts, k = st[3], st[5], st[10]
-        logits = _rows(base + 4 * (st[6] + c * n_experts), 1, n_experts)
-        if st[4]:
-            row_ops.row_products(_rows(base + 4 * (st[1] + c * st[2]), 1, d),
-                                 _rows(st[4], n_experts, d), logits)
-            if st[12]:  # its bias (a quantized router's GEMV step adds its own)
-                bias = _floats(st[12], n_experts)
-                for e in range(n_experts):
-                    logits[0, e] += bias[e]
-        route_row(logits[0], st[9], k, st[11] != 0, fp[0], _floats(base + 4 * (st[7] + c * k), k),
-                  _floats(base + 4 * (st[8] + c * k), k))
+    elif op == ROUTE:  # row c's experts and weights, from its router logits
+        n_experts, k = st[2], st[6]
+        route_row(_floats(base + 4 * (st[1] + c * n_experts), n_experts), st[5], k,
+                  st[7] != 0, fp[0], _floats(base + 4 * (st[3] + c * k), k),
+                  _floats(base + 4 * (st[4] + c * k), k))
     elif op == EXPERT:  # a row's product by one of its chosen experts, a range of its rows
         n_used, rows, chunk = st[13], st[7], st[10]
         per_pair = -(-rows // chunk)
@@ -534,17 +527,13 @@ class RecordingOps:
             raise Unsupported("float32 experts")
         _contiguous(x, "a mixture of experts")
         p, n, k = self.p, x.n, moe.n_used
-        logits, ids, weights = p.alloc(n, moe.n_experts), p.alloc(n, k), p.alloc(n, k)
-        router = w.router
-        if isinstance(router, np.ndarray) and router.dtype == np.float32:
-            router_at, bias_at, reads = p.address(router), p.address(w.router_bias), [x]
-            p.values += moe.n_experts * x.width
-        else:  # a quantized router: its logits by its row kernel (as the ops' `by_gemv`)
-            logits = self.linear(x, router, w.router_bias)
-            router_at, bias_at, reads = 0, 0, [logits]
-        p.add([ROUTE, x.off, x.stride, x.width, router_at, moe.n_experts, logits.off, ids.off,
-               weights.off, GATING_CODES[moe.gating], k, int(moe.normalize), bias_at], n,
-              [moe.scale], reads=reads, writes=[logits, ids, weights])
+        ids, weights = p.alloc(n, k), p.alloc(n, k)
+        # the router's logits by its row kernel (F32's, or its type's), as the ops'
+        # `router_logits` take them
+        logits = self.linear(x, w.router, w.router_bias)
+        p.add([ROUTE, logits.off, moe.n_experts, ids.off, weights.off,
+               GATING_CODES[moe.gating], k, int(moe.normalize)], n,
+              [moe.scale], reads=[logits], writes=[ids, weights])
         gate = self._experts(x, w.gate, w.gate_bias, ids, k, per_pair=False)
         up = self._experts(x, w.up, w.up_bias, ids, k, per_pair=False)
         hidden = self.gated_ffn_act(gate, up, act)

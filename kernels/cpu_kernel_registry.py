@@ -99,10 +99,10 @@ def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: 
 
 
 def _floats(qtype: GGMLQuantizationType, name: str, *, prompt_run_rows: int = 0) -> BlockType:
-    """A 16-bit float type, loaded by `cpu_simd.load_<name>` / `load_<name>x8`."""
+    """A float type, loaded by `cpu_simd.load_<name>` / `load_<name>x8`."""
     binding = (f"from eagerlm.kernels.cpu_simd import load_{name} as load_value\n"
                f"from eagerlm.kernels.cpu_simd import load_{name}x8 as load_values\n\n"
-               f"VALUE_BYTES = 2\n")
+               f"VALUE_BYTES = {GGML_QUANT_SIZES[qtype][1]}\n")
     return BlockType(qtype, "cpu_float_loops", binding, 0, False, 8, prompt_run_rows)
 
 
@@ -135,19 +135,26 @@ BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (
     _blocks(Q.Q1_0, 32, offset=1, panels=False),
 )}
 
+# F32 matrices are held as float32 arrays, not as blocks (kernels/cpu_backend.py's
+# `keeps_blocks`): not a block type, but their products of up to `FIXED_ORDER_ROWS` rows
+# run the float loops too (kernels/cpu_row_kernel.py's `float32_rows`), whose register
+# tiles read a row of w once for four rows of x
+FLOAT32 = _floats(Q.F32, "f32")
+
 _built: dict[GGMLQuantizationType, ModuleType] = {}
 _lock = threading.Lock()
 
 
 def kernels(qtype: GGMLQuantizationType) -> ModuleType:
     """The compiled kernels of `qtype` (a module with `gemv` and `dequant`), built and
-    imported on first use; KeyError for a type without a row."""
+    imported on first use; KeyError for a type without a row (F32's is `FLOAT32`)."""
     module = _built.get(qtype)
     if module is None:
         with _lock:
             module = _built.get(qtype)
             if module is None:
-                module = _built[qtype] = _import(BLOCK_TYPES[qtype])
+                module = _built[qtype] = _import(
+                    FLOAT32 if qtype == Q.F32 else BLOCK_TYPES[qtype])
     return module
 
 

@@ -29,6 +29,7 @@ from numba import njit
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.aligned_arrays import aligned
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES
+from eagerlm.kernels.cpu_row_kernel import float32_rows
 from eagerlm.kernels.cpu_threads import by_output_pieces, by_rows
 from eagerlm.kernels.numba_settings import JIT
 from eagerlm.kernels.quantized import GEMV_SERIAL_MAX_VALUES, QuantizedMatrix, gemv_activations
@@ -216,16 +217,20 @@ Gated = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 def router_logits(linear: Linear, x: np.ndarray, w: MoEWeights) -> np.ndarray:
     """The router's logits `[rows, n_experts]`: a float32 router (as llama.cpp's quantizer
-    leaves it) through `row_products`, rows split over the cores, a quantized one through
-    `by_gemv`, so that each row's choice of experts and their weights are the same bits
-    alone or in any batch."""
-    if not isinstance(w.router, np.ndarray) or w.router.dtype != np.float32:
-        return by_gemv(linear, x, w.router, w.router_bias)
+    leaves it) by F32's row kernel in any batch (`float32_rows`, rows split over the
+    cores), a quantized one through `by_gemv`, so that each row's choice of experts and
+    their weights are the same bits alone or in any batch (BLAS picks its sums' order by
+    the row count: the experts' 8-bit activations turned a last-bit difference in a
+    logit into a whole rounding step)."""
+    router = w.router
+    if not (isinstance(router, np.ndarray) and router.dtype == np.float32
+            and router.flags.c_contiguous):
+        return by_gemv(linear, x, router, w.router_bias)
     x = np.ascontiguousarray(x, np.float32)
-    logits = np.empty((len(x), w.router.shape[0]), np.float32)
+    logits = np.empty((len(x), router.shape[0]), np.float32)
 
     def part(start: int, stop: int) -> None:
-        row_ops.row_products(x[start:stop], w.router, logits[start:stop])
+        float32_rows(x[start:stop], router, logits[start:stop], 0, router.shape[0])
     by_rows(len(x), part)
     if w.router_bias is not None:
         logits += w.router_bias

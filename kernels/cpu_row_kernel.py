@@ -26,7 +26,8 @@ which the table runs once per input and quantizer before the products that read 
 
 `row_kernel(w)` says which kernels serve a matrix the backend holds (a `RowKernel`), or
 None where none does (the forward then runs op by op). Float32 matrices are served here
-(`rows_f32`); the quantized types register theirs (`register`, kernels/quantized.py).
+(F32's kernels, kernels/cpu_kernel_registry.py's `FLOAT32`); the quantized types register
+theirs (`register`, kernels/quantized.py).
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numba
 import numpy as np
-from numba import cfunc, types
+from gguf import GGMLQuantizationType
+from numba import types
 from numba.extending import intrinsic
 
-from eagerlm.kernels.numba_settings import JIT
+from eagerlm.kernels.cpu_kernel_registry import kernels
 
 ROW_KERNEL = types.void(*([types.int64] * 11))
 QUANTIZE = types.void(*([types.int64] * 6))
@@ -83,29 +84,7 @@ i8_at = _pointer_at(types.int8)
 u8_at = _pointer_at(types.uint8)
 
 
-def rows_f32(w, x, scales, sums, y, n, k, rows, row_bytes, r0, r1):  # pragma: no cover
-    """The row kernel of a float32 matrix (row_bytes = 4 k; float32 x), compiled on first
-    use (`_rows_f32`): at import it would add most of a second to every start. Each value
-    sums in an order fixed by k alone: a row's products are the same bits in any batch."""
-    wm = numba.carray(f32_at(w), (rows, k))
-    xm = numba.carray(f32_at(x), (n, k))
-    ym = numba.carray(f32_at(y), (n, rows))
-    for r in range(r0, r1):
-        wr = wm[r]
-        for j in range(n):
-            xr = xm[j]
-            s = np.float32(0.0)
-            for i in range(k):
-                s += wr[i] * xr[i]
-            ym[j, r] = s
-
-
 Resolver = Callable[[Any], "RowKernel | None"]
-
-
-@functools.cache
-def _rows_f32() -> int:
-    return cfunc(ROW_KERNEL, **JIT)(rows_f32).address
 
 
 # Up to this many rows of x, the ops' float32 products (kernels/numpy_ops.py) call the
@@ -116,22 +95,36 @@ FIXED_ORDER_ROWS = 64
 
 
 @functools.cache
-def _rows_f32_call() -> Callable[..., None]:
-    return ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 11))(_rows_f32())
+def _float32_kernel() -> int:
+    """F32's row kernel: kernels/cpu_float_loops.py's `gemv` over a float32 matrix's rows
+    as bytes (cpu_kernel_registry.FLOAT32), compiled on first use."""
+    return kernels(GGMLQuantizationType.F32).row_kernel_address()
+
+
+@functools.cache
+def _float32_call() -> Callable[..., None]:
+    return ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 11))(_float32_kernel())
 
 
 def float32_rows(x: np.ndarray, w: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
     """y[:, r0:r1] = x @ w[r0:r1]^T for C-contiguous float32 x `[n, k]`, w `[rows, k]`
-    and y `[n, rows]`, by `rows_f32` (through ctypes, which releases the GIL)."""
+    and y `[n, rows]`, by F32's row kernel (through ctypes, which releases the GIL): each
+    value summed in an order fixed by k alone, the same bits in any batch."""
     (n, k), rows = x.shape, w.shape[0]
-    _rows_f32_call()(w.ctypes.data, x.ctypes.data, 0, 0, y.ctypes.data, n, k, rows, 4 * k,
-                     r0, r1)
+    _float32_call()(w.ctypes.data, x.ctypes.data, 0, 0, y.ctypes.data, n, k, rows, 4 * k,
+                    r0, r1)
+
+
+def warm_up_float32() -> None:
+    """Compile (or load from the cache) F32's row kernel."""
+    float32_rows(np.zeros((1, 8), np.float32), np.zeros((1, 8), np.float32),
+                 np.empty((1, 1), np.float32), 0, 1)
 
 
 def _float32(w: Any) -> RowKernel | None:
     if isinstance(w, np.ndarray) and w.dtype == np.float32 and w.ndim == 2 \
             and w.flags.c_contiguous:
-        return RowKernel(_rows_f32())
+        return RowKernel(_float32_kernel())
     return None
 
 

@@ -79,22 +79,6 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dim: int, neox: bool,
 
 
 @njit(**_JIT)
-def row_products(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-    """out = x @ w^T `[n, out_features]` for a float32 matrix w, one row of x at a time: a
-    value's sum runs in an order fixed by the row's length alone, so a row gets the same
-    bits whatever rows it comes with. BLAS picks its kernel (and its sums' order) by the
-    row count: a mixture of experts' router logits differed in their last bits between a
-    row alone and the same row in a batch, and the experts' 8-bit activations turned that
-    into a whole rounding step."""
-    for r in range(x.shape[0]):
-        for e in range(w.shape[0]):
-            s = np.float32(0.0)
-            for k in range(x.shape[1]):
-                s += x[r, k] * w[e, k]
-            out[r, e] = s
-
-
-@njit(**_JIT)
 def gated(gate: np.ndarray, up: np.ndarray, gelu: bool, out: np.ndarray) -> None:
     """out = act(gate) * up per row `[n, d]`: SiLU (SwiGLU) or with `gelu` GELU's tanh
     approximation (GeGLU), eight values at a time through kernels/cpu_vector_math.py's exp
@@ -124,7 +108,7 @@ def gated_kind(act: Activation) -> int:
             Activation.SWIGLU_OAI: SILU_OAI}[act]
 
 
-KERNELS = (rms_norm, add_rms_norm, rope, row_products, gated)  # for kernels/cpu_compile.py
+KERNELS = (rms_norm, add_rms_norm, rope, gated)  # for kernels/cpu_compile.py
 
 
 def warm_up() -> None:
@@ -135,5 +119,4 @@ def warm_up() -> None:
     add_rms_norm(x, x, w, 1e-6, np.empty_like(x), np.empty_like(x))
     for neox in (True, False):
         rope(x.reshape(1, 1, 2), x[:, :1], x[:, :1], 2, neox, np.empty((1, 1, 2), np.float32))
-    row_products(x, x, np.empty((1, 1), np.float32))
     gated(x, x, False, np.empty_like(x))  # (gelu a run-time bool: one compile)

@@ -655,7 +655,9 @@ def lane_sums8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
 
 @intrinsic
 def load_f32x8(typingctx, array, offset):
-    """8 float32 of a float32 array from item `offset` on."""
+    """8 float32 of an array from item `offset` on: of a float32 array, its items
+    offset .. offset + 7; of a byte array (an F32 matrix's rows as bytes), the values at
+    byte `offset`."""
     def codegen(context, builder, signature, args):
         return builder.load(element_ptr(context, builder, signature.args[0], args[0], args[1],
                                         signature.args[1], _F8), align=4)
@@ -719,6 +721,8 @@ load_u32.__doc__ = "The little-endian uint32 at a byte offset, as int64."
 load_bf16 = _scalar_load(_I16, types.float32, lambda b, v: b.bitcast(
     b.shl(b.zext(v, _I32), ir.Constant(_I32, 16)), _F32))
 load_bf16.__doc__ = "The bfloat16 at a byte offset of a byte array, as float32."
+load_f32 = _scalar_load(_F32, types.float32, lambda b, v: v)
+load_f32.__doc__ = "The float32 at a byte offset of a byte array."
 
 
 @intrinsic

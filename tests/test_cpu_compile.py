@@ -43,14 +43,16 @@ print(json.dumps({"built": sorted(q.name for q in cpu_kernel_registry._built),
 
 
 @pytest.mark.slow
-def test_a_file_of_one_type_compiles_no_other_types_kernels(tmp_path):
-    """A fresh process loading a Q4_0 model (norms F32) builds the Q4_0 kernels and no
-    other type's: no other type's module is even generated."""
-    spec = tiny_spec("llama", d_model=64, weight_type=Q.Q4_0)
-    path = write_synthetic_model(tmp_path / "q4_0.gguf", spec)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.F32], ids=lambda q: q.name)
+def test_a_file_of_one_type_compiles_no_other_types_kernels(tmp_path, qtype):
+    """A fresh process loading a model of Q4_0 (or F32) matrices, its norms F32 vectors,
+    builds that type's kernels and no other type's: no other type's module is even
+    generated (F32's are its float loops, kernels/cpu_kernel_registry.py's `FLOAT32`)."""
+    spec = tiny_spec("llama", d_model=64, weight_type=qtype)
+    path = write_synthetic_model(tmp_path / "model.gguf", spec)
     result = run(_LOAD_A_MODEL, tmp_path / "cache", str(path))
-    assert result["built"] == ["Q4_0"]
-    assert len(result["generated"]) == 1 and "q4_0" in result["generated"][0]
+    assert result["built"] == [qtype.name]
+    assert len(result["generated"]) == 1 and qtype.name.lower() in result["generated"][0]
 
 
 _LOAD_AND_RUN = """

@@ -48,6 +48,7 @@ from eagerlm.kernels.cpu_backend import cpu_transformer, held_bytes
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
 from eagerlm.kernels.cpu_panel_gemm import PANEL, X_CHUNK_BYTES
 from eagerlm.kernels.cpu_quant_loops import MAX_ROWS
+from eagerlm.kernels.cpu_row_kernel import float32_rows
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, CoreWorkers
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.kernels.quantized import (
@@ -416,8 +417,33 @@ def test_every_tile_of_the_float_gemv_gives_a_row_its_bits_alone(qtype):
                       <= bound * (np.abs(x) @ np.abs(values[3:32]).T))
 
 
+def test_float32_products_of_any_batch_give_a_row_its_bits_alone():
+    """F32 matrices stay float32 arrays; up to `FIXED_ORDER_ROWS` rows of x their products
+    take the float loops of the 16-bit types over 4-byte values (`float32_rows`): every
+    count of rows of x up to past two fours, on a range of 29 rows of w starting and
+    ending mid-matrix, gives each row the bits it gets alone, within float32 rounding of
+    the float64 product, and leaves the rows outside the range alone."""
+    rng = np.random.default_rng(6)
+    k = IN_FEATURES + 13
+    w = rng.standard_normal((OUT_FEATURES, k)).astype(np.float32)
+    bound = float_gemv_bound(k)
+    for n in range(1, 11):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        batched = np.full((n, OUT_FEATURES), np.nan, np.float32)
+        float32_rows(x, w, batched, 3, 32)
+        for j in range(n):
+            alone = np.full((1, OUT_FEATURES), np.nan, np.float32)
+            float32_rows(x[j:j + 1], w, alone, 3, 32)
+            np.testing.assert_array_equal(batched[j].view(np.uint32), alone[0].view(np.uint32))
+        assert np.isnan(batched[:, :3]).all() and np.isnan(batched[:, 32:]).all()
+        want = x.astype(np.float64) @ w[3:32].T.astype(np.float64)
+        assert np.all(np.abs(batched[:, 3:32] - want)
+                      <= bound * (np.abs(x) @ np.abs(w[3:32]).T))
+
+
 def test_every_supported_type_but_float32_has_cpu_kernels():
-    """F32 matrices are kept as float32 arrays and multiplied by BLAS."""
+    """F32 matrices are kept as float32 arrays (their products: the test above, and BLAS
+    past `FIXED_ORDER_ROWS` rows), every other type as its blocks."""
     assert set(BLOCK_TYPES) == SUPPORTED_TYPES - {Q.F32}
 
 

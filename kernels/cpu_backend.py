@@ -19,7 +19,7 @@ from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.kernels.quantized import QuantizedMatrix, dequantized_types
 from eagerlm.kernels.weight_memory import available_memory, check_fits
-from eagerlm.loader.gguf_file import TensorInfo
+from eagerlm.loader.gguf_file import GGUFFile, TensorInfo
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.sharding import Shard, ShardedFile
 from eagerlm.loader.weights import build_weights, dequantize
@@ -46,6 +46,12 @@ def maps_in_place(info: TensorInfo, weights: WeightsMode) -> bool:
     return len(info.shape) == 3 and keeps_blocks(info, weights)
 
 
+def _in_place(f: GGUFFile | ShardedFile, info: TensorInfo, weights: WeightsMode) -> bool:
+    """Whether this device reads the tensor in the file's map: `maps_in_place`, unless
+    its share under tensor parallelism is a part of it (a copy: loader/sharding.py)."""
+    return maps_in_place(info, weights) and not (isinstance(f, ShardedFile) and f.is_cut(info))
+
+
 def held_bytes(model: ModelFile, weights: WeightsMode, shard: Shard | None = None) -> int:
     """Bytes the cpu backend holds for the file's weights as its own memory (one device's
     share of them with `shard`): the blocks where it keeps a copy of them, 4 bytes per
@@ -54,7 +60,7 @@ def held_bytes(model: ModelFile, weights: WeightsMode, shard: Shard | None = Non
     f = model.gguf if shard is None else ShardedFile(model.gguf, shard, model.config.head_dim)
     infos = [f.shard_info(name) if isinstance(f, ShardedFile) else info
              for name, info in f.tensors.items()]
-    return sum(0 if maps_in_place(info, weights) else
+    return sum(0 if _in_place(f, info, weights) else
                info.n_bytes if keeps_blocks(info, weights) else 4 * info.n_elements
                for info in infos)
 
@@ -104,13 +110,15 @@ def cpu_transformer(model: ModelFile, on_bytes: Callable[[int, int], None] | Non
     def fetch(info: TensorInfo) -> CpuWeight:
         nonlocal done
         handle: CpuWeight
+        in_place = _in_place(f, info, weights)
         if maps_in_place(info, weights):
-            handle = ExpertMatrices.of(info.qtype, info.shape, f.mapped_bytes(info))
+            handle = ExpertMatrices.of(info.qtype, info.shape, f.mapped_bytes(info),
+                                       mapped=in_place)
         elif keeps_blocks(info, weights):
             handle = QuantizedMatrix.of(info.qtype, info.shape, f.tensor_bytes(info))
         else:
             handle = dequantize(f, info)
-        if not maps_in_place(info, weights):
+        if not in_place:
             f.drop_pages(info)  # a copy: the mapped pages would count twice in the RSS
         done += info.n_bytes
         if on_bytes is not None:

@@ -128,12 +128,14 @@ class Transformer(Generic[A]):
         ops.kv_append(batch, i, k, v)
         o = ops.attention(batch, i, q, scale=cfg.attention_scale, window=cfg.sliding_window[i],
                           sinks=lw.sinks)
-        # (an output bias is added once: loader/sharding.py refuses to split such a model)
+        # (an output bias is added once: the other devices of a group hold zeros for it,
+        # loader/sharding.py)
         return ops.all_reduce(ops.linear(o, lw.wo, lw.bo))
 
     def _ffn(self, ops: Ops[Any], lw: LayerWeights[A], h: A) -> A:
-        if lw.moe is not None:
-            return ops.moe_ffn(h, lw.moe, self.config.moe, self.config.activation)
+        if lw.moe is not None:  # (every device runs its share of each chosen expert)
+            return ops.all_reduce(
+                ops.moe_ffn(h, lw.moe, self.config.moe, self.config.activation))
         gate = ops.linear(h, lw.w_gate)
         up = ops.linear(h, lw.w_up)
         return ops.all_reduce(

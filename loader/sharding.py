@@ -9,6 +9,13 @@ Per layer, each device holds:
   partial attention output is summed over the devices by one all-reduce;
 - FFN: a share of the hidden features: rows of `ffn_gate` / `ffn_up`, columns of
   `ffn_down`, then one all-reduce;
+- a mixture of experts: of every expert, a share of its features as the dense FFN's
+  (rows of its gate / up and their biases, columns of its down), the router whole (every
+  device picks the same experts), one all-reduce of the weighted sum; a shared expert as
+  the dense FFN;
+- gpt-oss's attention sinks: those of its query heads; a bias added after an all-reduced
+  product (gpt-oss's attention output and experts' down biases): device 0's, zeros on
+  the others, so that it counts once;
 - norms, QK-norms, rope factors and the token embedding: whole (replicated);
 - the lm head: a share of the vocabulary (rows of `output`, or of `token_embd` when tied),
   the shares' logits gathered after it; replicated when the vocabulary does not divide.
@@ -48,21 +55,38 @@ from eagerlm.loader.gguf_file import GGUFFile, TensorInfo
 
 T = TypeVar("T")
 
-# What each tensor of a layer is cut by: the range of query heads ("q"), KV heads ("kv")
-# or FFN features ("ffn") the device holds, along rows (axis 0) or columns (axis 1).
+# What each tensor of a layer is cut by, and along which axis of its numpy shape: the
+# range of query heads ("q": head_dim values each; "heads": one value each, gpt-oss's
+# sinks), of KV heads ("kv"), of the dense FFN's features ("ffn"), of every expert's
+# features ("experts": the rows of each expert's gate / up, `[n_experts, out, in]`, the
+# columns of its down) or of the shared expert's ("shared").
 _LAYER_SPLITS: dict[str, tuple[str, int]] = {
     "attn_q.weight": ("q", 0), "attn_q.bias": ("q", 0),
     "attn_k.weight": ("kv", 0), "attn_k.bias": ("kv", 0),
     "attn_v.weight": ("kv", 0), "attn_v.bias": ("kv", 0),
-    "attn_output.weight": ("q", 1),
+    "attn_output.weight": ("q", 1), "attn_sinks.weight": ("heads", 0),
     "ffn_gate.weight": ("ffn", 0), "ffn_up.weight": ("ffn", 0),
     "ffn_down.weight": ("ffn", 1),
+    "ffn_gate_exps.weight": ("experts", 1), "ffn_up_exps.weight": ("experts", 1),
+    "ffn_down_exps.weight": ("experts", 2),
+    "ffn_gate_exps.bias": ("experts", 1), "ffn_up_exps.bias": ("experts", 1),
+    "ffn_gate_shexp.weight": ("shared", 0), "ffn_up_shexp.weight": ("shared", 0),
+    "ffn_down_shexp.weight": ("shared", 1),
 }
-# Held whole on every device. A tensor in neither table is refused: replicating a tensor
-# that feeds an all-reduce would count it N times (a new architecture's tensors need a rule).
+# The down product of each kind of FFN range: its columns are cut on block boundaries
+_DOWNS = {"ffn": "ffn_down.weight", "experts": "ffn_down_exps.weight",
+          "shared": "ffn_down_shexp.weight"}
+# Held whole on every device. A tensor in no table is refused: replicating a tensor that
+# feeds an all-reduce would count it N times (a new architecture's tensors need a rule).
+# The router (and the shared expert's gate) reads the whole hidden state on every device,
+# so every device picks the same experts and runs its share of each.
 _LAYER_WHOLE = frozenset({"attn_norm.weight", "ffn_norm.weight", "attn_q_norm.weight",
                           "attn_k_norm.weight", "post_attention_norm.weight",
-                          "post_ffw_norm.weight"})
+                          "post_ffw_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp.bias",
+                          "ffn_gate_inp_shexp.weight"})
+# Biases added after a product whose output is all-reduced (gpt-oss's): device 0 holds
+# them, the others zeros of the same shape, so the sum counts them once.
+_LAYER_ONCE = frozenset({"attn_output.bias", "ffn_down_exps.bias"})
 _MODEL_WHOLE = frozenset({"token_embd.weight", "output_norm.weight", "rope_freqs.weight"})
 
 
@@ -76,11 +100,13 @@ class UnevenShard(InvalidParameters):
 
 @dataclass(frozen=True)
 class Split:
-    """A tensor's share: elements start .. stop - 1 along `axis` (0 rows, 1 columns)."""
+    """A tensor's share: elements start .. stop - 1 along `axis` of its numpy shape; or,
+    with `zeros`, the whole shape of zeros (a bias another device adds: `_LAYER_ONCE`)."""
 
     axis: int
     start: int
     stop: int
+    zeros: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,20 +121,28 @@ class Shard:
     ffn: tuple[int, int]
     vocab: tuple[int, int]
     vocab_parallel: bool = False  # the lm head is split (else whole on every device)
+    # a mixture's features of each expert, and of its shared expert
+    experts: tuple[int, int] = (0, 0)
+    shared: tuple[int, int] = (0, 0)
 
     @classmethod
     def whole(cls, cfg: ModelConfig) -> Shard:
         """The one device of an unsplit model."""
+        moe = cfg.moe
         return cls(0, 1, (0, cfg.n_heads), (0, cfg.n_kv_heads), (0, cfg.d_ff),
-                   (0, cfg.vocab_size))
+                   (0, cfg.vocab_size), experts=(0, moe.d_ff if moe else 0),
+                   shared=(0, moe.d_ff_shared if moe else 0))
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The config of this device's part: its head counts and FFN width (the forward's
+        """The config of this device's part: its head counts and FFN widths (the forward's
         shapes, its KV cache's layout); the vocabulary stays the model's, which is what its
         gathered logits cover."""
+        moe = cfg.moe and dataclasses.replace(
+            cfg.moe, d_ff=self.experts[1] - self.experts[0],
+            d_ff_shared=self.shared[1] - self.shared[0])
         return dataclasses.replace(cfg, n_heads=self.heads[1] - self.heads[0],
                                    n_kv_heads=self.kv_heads[1] - self.kv_heads[0],
-                                   d_ff=self.ffn[1] - self.ffn[0])
+                                   d_ff=self.ffn[1] - self.ffn[0], moe=moe)
 
     def split(self, name: str, head_dim: int) -> Split | None:
         """How tensor `name` is cut for this device; None when it is held whole. Raises
@@ -121,13 +155,16 @@ class Shard:
             else name
         if part in _LAYER_WHOLE:
             return None
+        if part in _LAYER_ONCE:
+            return None if self.rank == 0 else Split(0, 0, 0, zeros=True)
         rule = _LAYER_SPLITS.get(part)
         if rule is None:
             raise UnevenShard(f"tensor {name!r} has no tensor-parallel sharding rule; this "
                               f"model cannot run over {self.size} devices")
         what, axis = rule
-        lo, hi = {"q": self.heads, "kv": self.kv_heads, "ffn": self.ffn}[what]
-        scale = 1 if what == "ffn" else head_dim
+        lo, hi = {"q": self.heads, "heads": self.heads, "kv": self.kv_heads, "ffn": self.ffn,
+                  "experts": self.experts, "shared": self.shared}[what]
+        scale = head_dim if what in ("q", "kv") else 1
         return Split(axis, lo * scale, hi * scale)
 
 
@@ -153,13 +190,10 @@ def plan_shards(cfg: ModelConfig, tensors: dict[str, TensorInfo], n: int, *,
         raise UnevenShard(f"the model's {cfg.n_kv_heads} KV heads "
                           f"({cfg.architecture}.attention.head_count_kv) can be neither split "
                           f"over nor replicated on {n} devices")
-    # FFN features in units of whole blocks of every layer's ffn_down rows
-    downs = [info for name, info in tensors.items() if name.endswith("ffn_down.weight")]
-    unit = lcm(1, *(_block(info) for info in downs))
-    units = cfg.d_ff // unit
-    if cfg.d_ff % unit or units < n:
-        raise UnevenShard(f"tensor {downs[0].name!r} ({downs[0].qtype.name}, blocks of {unit} "
-                          f"values) has {units} blocks per row, fewer than the {n} devices")
+    moe = cfg.moe
+    ffn = _feature_ranges(tensors, "ffn", cfg.d_ff, n)
+    experts = _feature_ranges(tensors, "experts", moe.d_ff if moe else 0, n)
+    shared = _feature_ranges(tensors, "shared", moe.d_ff_shared if moe else 0, n)
     vocab_split = split_lm_head and cfg.vocab_size % n == 0
     per_vocab = cfg.vocab_size // n
     heads, kv = cfg.n_heads // n, max(1, cfg.n_kv_heads // n)
@@ -167,15 +201,14 @@ def plan_shards(cfg: ModelConfig, tensors: dict[str, TensorInfo], n: int, *,
     for r in range(n):
         kv_first = r * cfg.n_kv_heads // n  # replicated KV heads: the one its queries read
         shards.append(Shard(
-            r, n, (r * heads, (r + 1) * heads), (kv_first, kv_first + kv),
-            (r * units // n * unit, (r + 1) * units // n * unit),
+            r, n, (r * heads, (r + 1) * heads), (kv_first, kv_first + kv), ffn[r],
             (r * per_vocab, (r + 1) * per_vocab) if vocab_split else (0, cfg.vocab_size),
-            vocab_split))
+            vocab_split, experts[r], shared[r]))
     for info in tensors.values():  # every tensor has a rule; column splits on block bounds
         for s in shards:
             cut = s.split(info.name, cfg.head_dim)
-            if cut is not None and cut.axis == 1 and (cut.start % _block(info)
-                                                      or cut.stop % _block(info)):
+            if cut is not None and cut.axis == len(info.shape) - 1 and (
+                    cut.start % _block(info) or cut.stop % _block(info)):
                 raise UnevenShard(
                     f"tensor {info.name!r} ({info.qtype.name}, blocks of {_block(info)} "
                     f"values) cannot be split over {n} devices on block boundaries: device "
@@ -183,12 +216,29 @@ def plan_shards(cfg: ModelConfig, tensors: dict[str, TensorInfo], n: int, *,
     return shards
 
 
+def _feature_ranges(tensors: dict[str, TensorInfo], kind: str, width: int,
+                    n: int) -> list[tuple[int, int]]:
+    """Each device's range of an FFN's `width` features (`kind`: the dense FFN, every
+    expert, the shared expert), in units of whole blocks of every layer's down product's
+    rows, as equal as they can be; the whole range on every device for a model without
+    such an FFN (a mixture's dense width)."""
+    downs = [info for name, info in tensors.items() if name.endswith(_DOWNS[kind])]
+    if not downs:
+        return [(0, width)] * n
+    unit = lcm(1, *(_block(info) for info in downs))
+    units = width // unit
+    if width % unit or units < n:
+        raise UnevenShard(f"tensor {downs[0].name!r} ({downs[0].qtype.name}, blocks of {unit} "
+                          f"values) has {units} blocks per row, fewer than the {n} devices")
+    return [(r * units // n * unit, (r + 1) * units // n * unit) for r in range(n)]
+
+
 def shard_info(info: TensorInfo, cut: Split | None) -> TensorInfo:
     """The header entry of a tensor's share (offset 0: it is read by `shard_bytes`)."""
-    if cut is None:
+    if cut is None or cut.zeros:
         return info
     shape = list(info.shape)
-    shape[len(shape) - 1 if len(shape) == 1 else cut.axis] = cut.stop - cut.start
+    shape[cut.axis] = cut.stop - cut.start
     block, type_size = GGML_QUANT_SIZES[info.qtype]
     n = int(np.prod(shape))
     return dataclasses.replace(info, shape=tuple(shape), n_bytes=n // block * type_size)
@@ -196,17 +246,21 @@ def shard_info(info: TensorInfo, cut: Split | None) -> TensorInfo:
 
 def shard_bytes(raw: np.ndarray, info: TensorInfo, cut: Split | None) -> np.ndarray:
     """A tensor's share of its raw bytes (`raw` as the file stores it), whole blocks: a
-    view for rows, a copy of each row's blocks for columns."""
+    view for a range of the first axis, else a copy (each row's blocks for columns, each
+    expert's rows for a range of an expert tensor's middle axis); zeros for `cut.zeros`
+    (zero bytes are zeros in every ggml type)."""
     if cut is None:
         return raw
+    if cut.zeros:
+        return np.zeros_like(raw)
     block, type_size = GGML_QUANT_SIZES[info.qtype]
-    if len(info.shape) == 1:
-        return raw[cut.start // block * type_size:cut.stop // block * type_size]
-    rows = raw.reshape(info.shape[0], -1)
-    if cut.axis == 0:
-        return rows[cut.start:cut.stop].reshape(-1)
-    return np.ascontiguousarray(
-        rows[:, cut.start // block * type_size:cut.stop // block * type_size]).reshape(-1)
+    *outer, last = info.shape
+    values = raw.reshape(*outer, last // block * type_size)  # the last axis as bytes
+    if cut.axis == len(info.shape) - 1:
+        part = values[..., cut.start // block * type_size:cut.stop // block * type_size]
+    else:
+        part = values[(slice(None),) * cut.axis + (slice(cut.start, cut.stop),)]
+    return np.ascontiguousarray(part).reshape(-1)
 
 
 class ShardedFile:
@@ -226,6 +280,20 @@ class ShardedFile:
 
     def shard_info(self, name: str) -> TensorInfo:
         return shard_info(self.file.tensor_info(name), self._cuts[name])
+
+    def is_cut(self, tensor: str | TensorInfo) -> bool:
+        """Whether the device holds less than the file's tensor (or zeros for it): its
+        bytes are then a copy, not the file's map."""
+        return self._cuts[tensor if isinstance(tensor, str) else tensor.name] is not None
+
+    def mapped_bytes(self, tensor: str | TensorInfo) -> np.ndarray:
+        """The device's share of a tensor the backend reads in place (GGUFFile's
+        `mapped_bytes`): the map itself when the share is the whole tensor, else a copy
+        (`tensor_bytes`: a range of each expert's rows is not one range of the file)."""
+        name = tensor if isinstance(tensor, str) else tensor.name
+        if self._cuts[name] is None:
+            return self.file.mapped_bytes(name)
+        return self.tensor_bytes(name)
 
     def tensor_bytes(self, tensor: str | TensorInfo) -> np.ndarray:
         """The device's share of a tensor's bytes, by name or by its (share's) entry."""

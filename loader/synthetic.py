@@ -168,6 +168,7 @@ class SyntheticSpec:
     n_experts_used: int = 0
     d_ff_expert: int = 0
     expert_type: GGMLQuantizationType | None = None  # of the expert tensors; default weight_type
+    d_ff_shared: int = 0  # a shared expert of this width beside the routed ones
     # the byte-level BPE pre-tokenizer in place of the architecture's ("tekken" makes a
     # llama model a Mistral file)
     pre: str | None = None
@@ -434,6 +435,8 @@ def _add_model_metadata(w: GGUFWriter, spec: SyntheticSpec) -> None:
         w.add_expert_used_count(spec.n_experts_used)
         if arch != "llama":  # llama's experts are feed_forward_length wide
             w.add_expert_feed_forward_length(spec.d_ff_expert or spec.d_ff)
+        if spec.d_ff_shared:
+            w.add_expert_shared_feed_forward_length(spec.d_ff_shared)
 
 
 def write_synthetic_model(path: str | os.PathLike[str], spec: SyntheticSpec) -> Path:

@@ -27,6 +27,11 @@ SPECS = {
     "qwen2": tiny_spec("qwen2", n_layers=1, tied_embeddings=True),
     "qwen3": tiny_spec("qwen3", n_layers=1, n_kv_heads=1),
     "gemma3": tiny_spec("gemma3", n_layers=2, tied_embeddings=True, final_logit_softcap=30.0),
+    # mixtures: every expert's features split (whole 32-value units on each of 4
+    # devices: the cuda expert products' unit), the router whole; gpt-oss's sinks by
+    # head, its output biases on device 0 alone (loader/sharding.py)
+    "qwen3moe": tiny_spec("qwen3moe", n_layers=1, d_ff_expert=128),
+    "gpt-oss": tiny_spec("gpt-oss", n_layers=2, d_ff_expert=128),
 }
 PROMPT = [1, 17, 300, 42, 42, 7]
 

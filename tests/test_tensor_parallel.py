@@ -8,6 +8,7 @@ for the shards of quantized blocks, a float64 numpy sum for the host all-reduce.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -38,6 +39,12 @@ SPECS = {  # as test_forward.py's: qwen3 with one KV head (replicated on every d
     "qwen3": tiny_spec("qwen3", n_kv_heads=1),
     "gemma3": tiny_spec("gemma3", n_layers=6, sliding_window=4, tied_embeddings=True,
                         final_logit_softcap=30.0),
+    # mixtures: each expert's features split (8 of 2 chosen, 32 wide), the router whole;
+    # gpt-oss with its sinks split by head and its output biases on device 0 alone
+    "qwen3moe": tiny_spec("qwen3moe"),
+    "gpt-oss": tiny_spec("gpt-oss"),
+    # Mixtral-style llama (its experts d_ff wide) with a shared expert beside them
+    "llama-moe": tiny_spec("llama", n_experts=4, n_experts_used=2, d_ff_shared=64),
 }
 PROMPT = [1, 17, 300, 42, 42, 7, 99, 256, 3, 511, 128, 64]
 DECODED = [5, 9, 33, 480]
@@ -82,16 +89,62 @@ def test_logits_over_two_and_four_cpu_devices_equal_one_devices_within_float32_r
         _assert_close(ref, _run(model, n))
 
 
-@pytest.mark.parametrize("spec, tensor", [
-    (tiny_spec("qwen3moe"), "ffn_gate_inp"), (tiny_spec("gpt-oss"), "attn_output.bias"),
-    (tiny_spec("phi3"), "attn_qkv")], ids=["qwen3moe", "gpt-oss", "phi3"])
-def test_a_family_without_sharding_rules_is_refused_naming_a_tensor(tmp_path, spec, tensor):
-    """Mixtures of experts, gpt-oss's biases and sinks, phi3's fused tensors: no rule
-    splits them yet, so such a model is refused for more than one device."""
-    model = _model(tmp_path, spec)
-    with pytest.raises(UnevenShard, match=tensor):
+def test_a_family_without_sharding_rules_is_refused_naming_a_tensor(tmp_path):
+    """phi3's fused tensors (query, key and value in one matrix, gate and up in another):
+    no rule splits them yet, so such a model is refused for more than one device."""
+    model = _model(tmp_path, tiny_spec("phi3"))
+    with pytest.raises(UnevenShard, match="attn_qkv"):
         plan_shards(model.config, model.gguf.tensors, 2)
     assert len(plan_shards(model.config, model.gguf.tensors, 1)) == 1
+
+
+def test_each_device_holds_its_share_of_every_expert_and_device_0_the_output_biases(
+        tmp_path):
+    """gpt-oss over 2 devices (4 experts of 64 features, 4 heads): each device holds
+    features 32 r .. 32 r + 31 of every expert (gate and up rows with their biases, down
+    columns), half the heads' sinks, the router whole; the biases added after an
+    all-reduce (attention output, experts' down) are device 0's, zeros on device 1."""
+    model = _model(tmp_path, SPECS["gpt-oss"])
+    full = model.gguf
+    group = cpu_group(model, 2, weights="float")
+    try:
+        for r, tf in enumerate(group.transformers):
+            lw, moe = tf.weights.layers[0], tf.config.moe
+            assert moe is not None and moe.d_ff == 32
+            cols = slice(32 * r, 32 * (r + 1))
+            gate = full.tensor_bytes("blk.0.ffn_gate_exps.weight").view(np.float32)
+            np.testing.assert_array_equal(lw.moe.gate, gate.reshape(4, 64, -1)[:, cols])
+            down = full.tensor_bytes("blk.0.ffn_down_exps.weight").view(np.float32)
+            np.testing.assert_array_equal(lw.moe.down, down.reshape(4, -1, 64)[:, :, cols])
+            up_bias = full.tensor_bytes("blk.0.ffn_up_exps.bias").view(np.float32)
+            np.testing.assert_array_equal(lw.moe.up_bias, up_bias.reshape(4, 64)[:, cols])
+            router = full.tensor_bytes("blk.0.ffn_gate_inp.weight").view(np.float32)
+            np.testing.assert_array_equal(lw.moe.router.reshape(-1), router)
+            sinks = full.tensor_bytes("blk.0.attn_sinks.weight").view(np.float32)
+            np.testing.assert_array_equal(lw.sinks, sinks[2 * r:2 * (r + 1)])
+            for bias, name in ((lw.bo, "attn_output.bias"),
+                               (lw.moe.down_bias, "ffn_down_exps.bias")):
+                whole = full.tensor_bytes(f"blk.0.{name}").view(np.float32)
+                want = whole if r == 0 else np.zeros_like(whole)
+                np.testing.assert_array_equal(np.asarray(bias).reshape(-1), want)
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.MXFP4], ids=lambda q: q.name)
+def test_quantized_experts_split_over_devices_give_the_one_devices_logits(tmp_path, qtype):
+    """A mixture's quantized experts (mapped in place on one device; each device's share
+    a copy of whole blocks) give the split model the one device's logits to the 8-bit
+    noise rule of the dense test below. 512 features per expert: one Q4_K superblock a
+    device, eight MXFP4 / Q8_0 blocks."""
+    spec = tiny_spec("qwen3moe", weight_type=qtype, embedding_type=Q.Q8_0, d_model=256,
+                     n_heads=8, n_kv_heads=2, head_dim=64, d_ff_expert=512)
+    model = _model(tmp_path, spec)
+    one, two = (np.concatenate(_run(model, n)) for n in (1, 2))
+    exact = np.concatenate(_run(model, 1, weights="float"))
+    assert np.abs(two - exact).mean() <= 1.5 * np.abs(one - exact).mean()
+    assert (two.argmax(-1) == exact.argmax(-1)).mean() >= (
+        (one.argmax(-1) == exact.argmax(-1)).mean() - 0.05)
 
 
 def test_each_device_holds_its_share_of_the_heads_the_ffn_and_the_vocabulary(tmp_path):
@@ -138,6 +191,16 @@ def test_every_weight_type_is_split_on_block_boundaries_without_dequantizing(qty
         assert part.size == part_info.n_bytes  # whole blocks, the same bytes
         got = block_reference.dequantize(part.reshape(part_info.shape[0], -1), qtype)
         want = full[cut.start:cut.stop] if cut.axis == 0 else full[:, cut.start:cut.stop]
+        np.testing.assert_array_equal(got.reshape(want.shape), want)
+    # the same bytes as 3 experts of 2 rows: a range of each expert's rows, of its columns
+    experts = dataclasses.replace(info, name="blk.0.ffn_down_exps.weight", shape=(3, 2, cols))
+    by_expert = full.reshape(3, 2, cols)
+    for cut, want in ((Split(1, 1, 2), by_expert[:, 1:2]),
+                      (Split(2, cols // 4, cols // 2), by_expert[:, :, cols // 4:cols // 2])):
+        part, part_info = shard_bytes(raw, experts, cut), shard_info(experts, cut)
+        assert part.size == part_info.n_bytes and part_info.shape == want.shape
+        got = block_reference.dequantize(part.reshape(-1, part.size // want[..., 0].size),
+                                         qtype)
         np.testing.assert_array_equal(got.reshape(want.shape), want)
 
 

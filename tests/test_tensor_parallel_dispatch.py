@@ -394,6 +394,39 @@ def test_engine_open_with_tensor_parallel_2_serves_end_to_end(model, model_path)
     assert list(done.token_ids) == alone(model, prompt, params)[0]
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_a_mixture_of_experts_over_two_devices_serves_end_to_end(tmp_path, arch):
+    """A mixture split within its experts (loader/sharding.py) through the front door:
+    each request's greedy tokens are those of the sequential loop over the same two
+    devices, and their pages go back to every device's pool."""
+    path = write_synthetic_model(tmp_path / f"{arch}.gguf",
+                                 tiny_spec(arch, context_length=160))
+    m = ModelFile.open(path)
+    group = cpu_group(m, 2)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = ["the cat sat on the mat", "a b c d e f g", "one two three"]
+    try:
+        want = [alone((m, group), m.tokenizer.encode(p), params)[0] for p in prompts]
+    finally:
+        group.close()
+
+    async def main():
+        async with Engine.open(path, tensor_parallel=2, page_size=PAGE,
+                               kv_budget_bytes=1 << 22) as e:
+            assert e.loaded.group is not None and e.loaded.group.size == 2
+            async with anyio.create_task_group() as tg:
+                got: dict[int, list[int]] = {}
+
+                async def one(i: int) -> None:
+                    got[i] = list((await e.complete(prompts[i], params)).token_ids)
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+            assert e.failure is None
+            return [got[i] for i in range(len(prompts))]
+
+    assert anyio.run(main) == want
+
+
 def test_the_front_ends_take_tensor_parallel_and_refuse_what_cannot_run(model_path):
     args = build_parser().parse_args(["generate", "-m", str(model_path), "-tp", "2", "-p", "hi"])
     assert args.tensor_parallel == 2

@@ -18,6 +18,7 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 
 from eagerlm.kernels.batch import ForwardBatch
+from eagerlm.kernels.cpu_backend import held_bytes
 from eagerlm.kernels.host_collective import HostGroup
 from eagerlm.kernels.tensor_parallel import TensorParallelModel, cpu_group
 from eagerlm.loader.model_file import ModelFile
@@ -129,6 +130,27 @@ def test_each_device_holds_its_share_of_every_expert_and_device_0_the_output_bia
                 np.testing.assert_array_equal(np.asarray(bias).reshape(-1), want)
     finally:
         group.close()
+
+
+def test_a_devices_share_of_the_experts_is_held_not_mapped(tmp_path):
+    """One device reads a mixture's quantized experts in place (the page cache's, not
+    counted as held); a device's share of them is a copy, counted in what it holds (the
+    memory check before the load): every tensor's share at its blocks' size (4 bytes a
+    value for the float32 vectors)."""
+    model = _model(tmp_path, tiny_spec("qwen3moe", weight_type=Q.Q8_0, d_ff_expert=64))
+    tensors = model.gguf.tensors
+    experts = sum(i.n_bytes for i in tensors.values() if len(i.shape) == 3)
+    assert held_bytes(model, "quantized") == sum(
+        4 * i.n_elements if i.qtype == Q.F32 else i.n_bytes
+        for i in tensors.values() if len(i.shape) < 3)
+    shares = []
+    for s in plan_shards(model.config, tensors, 2):
+        parts = [shard_info(i, s.split(name, model.config.head_dim))
+                 for name, i in tensors.items()]
+        shares.append(sum(p.n_bytes for p in parts if len(p.shape) == 3))
+        assert held_bytes(model, "quantized", s) == sum(
+            4 * p.n_elements if p.qtype == Q.F32 else p.n_bytes for p in parts)
+    assert sum(shares) == experts
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.MXFP4], ids=lambda q: q.name)

@@ -135,13 +135,20 @@ def measure_eagerlm(path: str, prompt_tokens: int, gen_tokens: int,
 
 
 def tensor_bytes(path: str) -> tuple[int, int]:
-    """(bytes of the file's tensor data, of it read per token by llama.cpp)."""
-    f = ModelFile.open(path).gguf
-    total = sum(info.n_bytes for info in f.tensors.values())
+    """(bytes of the file's tensor data, of it read per decode token): a mixture's experts
+    scaled by the share a token picks (k of n), the token embedding one row where the lm
+    head is a tensor of its own."""
+    model = ModelFile.open(path)
+    tensors, moe = model.gguf.tensors, model.config.moe
+    total = sum(info.n_bytes for info in tensors.values())
     read = total
-    if "output.weight" in f.tensors and "token_embd.weight" in f.tensors:
-        embd = f.tensors["token_embd.weight"]
-        read -= embd.n_bytes - embd.n_bytes // embd.shape[-1]
+    if moe is not None:
+        experts = sum(info.n_bytes for info in tensors.values() if len(info.shape) == 3)
+        read -= experts - experts * moe.n_used // moe.n_experts
+    if "output.weight" in tensors and "token_embd.weight" in tensors:
+        embd = tensors["token_embd.weight"]  # (rows, columns): one row a token
+        read -= embd.n_bytes - embd.n_bytes // embd.shape[0]
+    model.close()
     return total, read
 
 

@@ -57,6 +57,7 @@ from benchmarks.bench_cpu_decode import (
     _child_env,
     copy_bandwidth_gb_s,
     run_child,
+    tensor_bytes,
 )
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.synthetic import SHAPES, write_synthetic_model
@@ -97,20 +98,11 @@ print(json.dumps(out))
 
 
 def active_bytes(path: str) -> tuple[int, int, int]:
-    """(bytes of the file's tensors, of them a decode token reads, of them experts): the
-    experts' share scaled by k / n, the token embedding one row (when the lm head is a
-    tensor of its own)."""
+    """(bytes of the file's tensors, of them a decode token reads: `tensor_bytes`, of
+    them experts)."""
+    total, read = tensor_bytes(path)
     model = ModelFile.open(path)
-    moe = model.config.moe
-    tensors = model.gguf.tensors
-    total = sum(t.n_bytes for t in tensors.values())
-    experts = sum(t.n_bytes for t in tensors.values() if len(t.shape) == 3)
-    read = total - experts
-    if moe is not None:
-        read += experts * moe.n_used // moe.n_experts
-    if "output.weight" in tensors:
-        embd = tensors["token_embd.weight"]
-        read -= embd.n_bytes - embd.n_bytes // embd.shape[0]
+    experts = sum(t.n_bytes for t in model.gguf.tensors.values() if len(t.shape) == 3)
     model.close()
     return total, read, experts
 

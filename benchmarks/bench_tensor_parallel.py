@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gguf import GGMLQuantizationType as Q
 
+from benchmarks.bench_cpu_decode import tensor_bytes
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.tensor_parallel import cpu_group
 from eagerlm.loader.model_file import ModelFile
@@ -115,8 +116,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = ModelFile.open(model_path(args.model, Path(tmp)))
-        weight_bytes = sum(i.n_bytes for i in model.gguf.tensors.values())
+        path = model_path(args.model, Path(tmp))
+        model = ModelFile.open(path)
+        weight_bytes = tensor_bytes(path)[1]  # read per decode token (experts: k of n)
         bw = bandwidth()
         configs = {"tp1": dict(size=1), "tp2": dict(size=2),
                    "tp2-whole-head": dict(size=2, split_lm_head=False)}
@@ -131,7 +133,7 @@ def main() -> None:
                             decode(group, batch, args.prompt_tokens, args.steps))
                 finally:
                     group.close()
-        print(f"model {args.model}: {weight_bytes / 1e6:.0f} MB of tensors; copy bandwidth "
+        print(f"model {args.model}: {weight_bytes / 1e6:.0f} MB read per token; copy bandwidth "
               f"{bw / 1e9:.1f} GB/s, batch-1 roofline {bw / weight_bytes:.1f} tok/s")
         for (name, batch), runs in results.items():
             tok = [r["tok_s"] for r in runs]

@@ -75,6 +75,22 @@ def _run(model: ModelFile, n: int, **kw) -> list[np.ndarray]:
         group.close()
 
 
+def _assert_split_within_8_bit_noise(model: ModelFile) -> None:
+    """Split on block boundaries, the blocks multiply as on one device; but the quantized
+    kernels round their inputs to 8 bits (kernels/cpu_activations.py), and the all-reduce
+    adds the devices' partial sums in another order, a last-bit difference that the next
+    layer's rounding can turn into a whole step. So the model's logits over two devices
+    must be as close to the float path's (the same file dequantized to float32, gguf-py's
+    values) as the one-device quantized model's are: the mean distance within 1.5x, the
+    top token kept as often to one row in 20 (tests/test_cpu_quantized.py's 8-bit noise
+    rule)."""
+    one, two = (np.concatenate(_run(model, n)) for n in (1, 2))
+    exact = np.concatenate(_run(model, 1, weights="float"))
+    assert np.abs(two - exact).mean() <= 1.5 * np.abs(one - exact).mean()
+    assert (two.argmax(-1) == exact.argmax(-1)).mean() >= (
+        (one.argmax(-1) == exact.argmax(-1)).mean() - 0.05)
+
+
 def _assert_close(ref: list[np.ndarray], got: list[np.ndarray]) -> None:
     # float32 rounding: the devices' partial sums are added in another order
     for a, b in zip(ref, got, strict=True):
@@ -157,16 +173,11 @@ def test_a_devices_share_of_the_experts_is_held_not_mapped(tmp_path):
 def test_quantized_experts_split_over_devices_give_the_one_devices_logits(tmp_path, qtype):
     """A mixture's quantized experts (mapped in place on one device; each device's share
     a copy of whole blocks) give the split model the one device's logits to the 8-bit
-    noise rule of the dense test below. 512 features per expert: one Q4_K superblock a
-    device, eight MXFP4 / Q8_0 blocks."""
+    noise rule (`_assert_split_within_8_bit_noise`). 512 features per expert: one Q4_K
+    superblock a device, eight MXFP4 / Q8_0 blocks."""
     spec = tiny_spec("qwen3moe", weight_type=qtype, embedding_type=Q.Q8_0, d_model=256,
                      n_heads=8, n_kv_heads=2, head_dim=64, d_ff_expert=512)
-    model = _model(tmp_path, spec)
-    one, two = (np.concatenate(_run(model, n)) for n in (1, 2))
-    exact = np.concatenate(_run(model, 1, weights="float"))
-    assert np.abs(two - exact).mean() <= 1.5 * np.abs(one - exact).mean()
-    assert (two.argmax(-1) == exact.argmax(-1)).mean() >= (
-        (one.argmax(-1) == exact.argmax(-1)).mean() - 0.05)
+    _assert_split_within_8_bit_noise(_model(tmp_path, spec))
 
 
 def test_each_device_holds_its_share_of_the_heads_the_ffn_and_the_vocabulary(tmp_path):
@@ -267,23 +278,13 @@ def test_the_lm_head_kept_whole_gives_the_logits_of_the_split_one(tmp_path):
 
 
 def test_quantized_blocks_split_over_devices_give_the_one_devices_logits(tmp_path):
-    """Split on block boundaries, the blocks multiply as on one device; but the quantized
-    kernels round their inputs to 8 bits (kernels/cpu_activations.py), and the all-reduce
-    adds the devices' partial sums in another order, a last-bit difference that the next
-    layer's rounding can turn into a whole step. So the split model's logits must be as
-    close to the float path's (the same file dequantized to float32, gguf-py's values) as
-    the one-device quantized model's are: the mean distance within 1.5x, the top token
-    kept as often to one row in 20 (tests/test_cpu_quantized.py's 8-bit noise rule)."""
+    """Q4_K blocks split over two devices give the one device's logits to the 8-bit noise
+    rule (`_assert_split_within_8_bit_noise`)."""
     # Q4_K rows are 256-value superblocks: 8 heads of 64 give each of 2 devices 256
     # columns of attn_output, and d_ff 512 gives 256 of ffn_down
     spec = tiny_spec("qwen3", weight_type=Q.Q4_K, embedding_type=Q.Q8_0, d_model=256,
                      n_heads=8, n_kv_heads=2, head_dim=64, d_ff=512)
-    model = _model(tmp_path, spec)
-    one, two = (np.concatenate(_run(model, n)) for n in (1, 2))
-    exact = np.concatenate(_run(model, 1, weights="float"))
-    assert np.abs(two - exact).mean() <= 1.5 * np.abs(one - exact).mean()
-    assert (two.argmax(-1) == exact.argmax(-1)).mean() >= (
-        (one.argmax(-1) == exact.argmax(-1)).mean() - 0.05)
+    _assert_split_within_8_bit_noise(_model(tmp_path, spec))
 
 
 def test_a_device_that_fails_ends_the_forward_on_every_device_without_a_hang(tmp_path):

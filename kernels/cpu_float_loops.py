@@ -1,11 +1,11 @@
-"""The matmul loops of the 16-bit float weight types (F16, BF16), written once over a
-value loader.
+"""The matmul loops of the float weight types, written once over a value loader: F16 and
+BF16, and F32 matrices' products of up to `FIXED_ORDER_ROWS` rows (kernels/cpu_row_kernel.py).
 
 A template, as kernels/cpu_quant_loops.py is (see there why): kernels/cpu_kernel_registry.py
 copies everything below the `-- loops --` line into one generated module per type, after
 lines binding `load_values(row, byte_offset)` (8 values as a `Float32x8`) and
-`load_value(row, byte_offset)` (one, float32). Weights stay 2 bytes a value and are
-converted in registers (F16C's `vcvtph2ps` for F16, a 16-bit shift for BF16); the
+`load_value(row, byte_offset)` (one, float32). Weights stay 2 bytes a value (F32's 4) and
+are converted in registers (F16C's `vcvtph2ps` for F16, a 16-bit shift for BF16); the
 activations stay float32, so these products round only as float32 sums do.
 
 - `gemv(w, x, y, r0, r1)`: y[j, r] = dot(row r of w, x[j]) for rows r0 .. r1 - 1 of w and

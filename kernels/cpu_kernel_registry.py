@@ -3,8 +3,8 @@ module each row becomes.
 
 A row names the loops a type runs (kernels/cpu_quant_loops.py for the block types, over
 the type's decoder in kernels/cpu_block_decoders.py; kernels/cpu_float_loops.py for F16
-and BF16, over a value loader) and the constants that specialise them. Adding a type is
-its decoder plus one row here.
+and BF16, over a value loader, and for F32's products of a few rows: `FLOAT32`) and the
+constants that specialise them. Adding a type is its decoder plus one row here.
 
 `kernels(qtype)` returns the type's module of compiled kernels (`gemv`, `dequant`, and
 `row_kernel_address()`, `gemv` as the decode replay calls it: kernels/cpu_row_kernel.py),

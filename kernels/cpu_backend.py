@@ -47,9 +47,11 @@ def maps_in_place(info: TensorInfo, weights: WeightsMode) -> bool:
 
 
 def _in_place(f: GGUFFile | ShardedFile, info: TensorInfo, weights: WeightsMode) -> bool:
-    """Whether this device reads the tensor in the file's map: `maps_in_place`, unless
-    its share under tensor parallelism is a part of it (a copy: loader/sharding.py)."""
-    return maps_in_place(info, weights) and not (isinstance(f, ShardedFile) and f.is_cut(info))
+    """Whether this device reads the tensor in the file's map: `maps_in_place`, and under
+    tensor parallelism a share that is a view of the file (`ShardedFile.in_place`: every
+    expert's gate / up rows; a share of each expert's down columns is a copy)."""
+    return maps_in_place(info, weights) and (not isinstance(f, ShardedFile)
+                                             or f.in_place(info))
 
 
 def held_bytes(model: ModelFile, weights: WeightsMode, shard: Shard | None = None) -> int:

@@ -49,8 +49,10 @@ WEIGHTS_SUM_MIN = np.float32(6.103515625e-5)
 @dataclass(frozen=True, eq=False)
 class ExpertMatrices:
     """A 3-D expert tensor held as the file's blocks: `shape` (n_experts, out, in),
-    `blocks` uint8 `[n_experts, out, row bytes]`, C-contiguous, a view of the file's map
-    (`mapped`: the cpu backend maps experts, it does not copy them)."""
+    `blocks` uint8 `[n_experts, out, row bytes]`, each expert's rows C-contiguous, a view
+    of the file's map (`mapped`: the cpu backend maps experts, it does not copy them;
+    under tensor parallelism a device's range of each expert's rows, a view whose experts
+    lie further apart than its rows, or a copy of its share of each expert's columns)."""
 
     qtype: GGMLQuantizationType
     shape: tuple[int, int, int]
@@ -60,7 +62,9 @@ class ExpertMatrices:
     @classmethod
     def of(cls, qtype: GGMLQuantizationType, shape: tuple[int, ...],
            raw: np.ndarray, *, mapped: bool = True) -> ExpertMatrices:
-        """The tensor over `raw`, its bytes as the file stores them (not copied)."""
+        """The tensor over `raw`, its bytes as the file stores them, or already
+        `[n_experts, out, row bytes]` (a device's share of each expert's rows): not
+        copied."""
         n, rows, cols = shape
         block, type_size = GGML_QUANT_SIZES[qtype]
         if cols % block:

@@ -281,19 +281,29 @@ class ShardedFile:
     def shard_info(self, name: str) -> TensorInfo:
         return shard_info(self.file.tensor_info(name), self._cuts[name])
 
-    def is_cut(self, tensor: str | TensorInfo) -> bool:
-        """Whether the device holds less than the file's tensor (or zeros for it): its
-        bytes are then a copy, not the file's map."""
-        return self._cuts[tensor if isinstance(tensor, str) else tensor.name] is not None
+    def in_place(self, tensor: str | TensorInfo) -> bool:
+        """Whether the device's share of a tensor is a view of the file's bytes: the whole
+        tensor, or a range of an expert tensor's middle axis (a range of each expert's
+        rows: one stretch of each expert's bytes). Any other share is a copy."""
+        name = tensor if isinstance(tensor, str) else tensor.name
+        cut = self._cuts[name]
+        return cut is None or (len(self.file.tensor_info(name).shape) == 3
+                               and cut.axis == 1 and not cut.zeros)
 
     def mapped_bytes(self, tensor: str | TensorInfo) -> np.ndarray:
         """The device's share of a tensor the backend reads in place (GGUFFile's
-        `mapped_bytes`): the map itself when the share is the whole tensor, else a copy
-        (`tensor_bytes`: a range of each expert's rows is not one range of the file)."""
+        `mapped_bytes`): the map itself, `[n_experts, rows, row bytes]` for a range of
+        each expert's rows (`in_place`), else a copy (`tensor_bytes`)."""
         name = tensor if isinstance(tensor, str) else tensor.name
-        if self._cuts[name] is None:
-            return self.file.mapped_bytes(name)
-        return self.tensor_bytes(name)
+        cut, raw = self._cuts[name], self.file.mapped_bytes(name)
+        if cut is None:
+            return raw
+        if not self.in_place(name):
+            return self.tensor_bytes(name)
+        info = self.file.tensor_info(name)
+        n, rows, cols = info.shape
+        block, type_size = GGML_QUANT_SIZES[info.qtype]
+        return raw.reshape(n, rows, cols // block * type_size)[:, cut.start:cut.stop]
 
     def tensor_bytes(self, tensor: str | TensorInfo) -> np.ndarray:
         """The device's share of a tensor's bytes, by name or by its (share's) entry."""

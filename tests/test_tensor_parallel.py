@@ -148,25 +148,40 @@ def test_each_device_holds_its_share_of_every_expert_and_device_0_the_output_bia
         group.close()
 
 
-def test_a_devices_share_of_the_experts_is_held_not_mapped(tmp_path):
+def test_a_devices_share_of_every_experts_rows_is_read_in_place(tmp_path):
     """One device reads a mixture's quantized experts in place (the page cache's, not
-    counted as held); a device's share of them is a copy, counted in what it holds (the
-    memory check before the load): every tensor's share at its blocks' size (4 bytes a
-    value for the float32 vectors)."""
+    counted as held). A device's share of each expert's gate / up rows is one stretch of
+    each expert's bytes: a view of the file's map as well; its share of each expert's
+    down columns is a copy, counted in what it holds (the memory check before the load),
+    as every other tensor's share is."""
     model = _model(tmp_path, tiny_spec("qwen3moe", weight_type=Q.Q8_0, d_ff_expert=64))
     tensors = model.gguf.tensors
-    experts = sum(i.n_bytes for i in tensors.values() if len(i.shape) == 3)
-    assert held_bytes(model, "quantized") == sum(
-        4 * i.n_elements if i.qtype == Q.F32 else i.n_bytes
-        for i in tensors.values() if len(i.shape) < 3)
-    shares = []
+
+    def held(parts) -> int:
+        return sum(4 * p.n_elements if p.qtype == Q.F32 else p.n_bytes for p in parts)
+    assert held_bytes(model, "quantized") == held(
+        i for i in tensors.values() if len(i.shape) < 3)
+    downs = []
     for s in plan_shards(model.config, tensors, 2):
-        parts = [shard_info(i, s.split(name, model.config.head_dim))
-                 for name, i in tensors.items()]
-        shares.append(sum(p.n_bytes for p in parts if len(p.shape) == 3))
-        assert held_bytes(model, "quantized", s) == sum(
-            4 * p.n_elements if p.qtype == Q.F32 else p.n_bytes for p in parts)
-    assert sum(shares) == experts
+        parts = {name: shard_info(i, s.split(name, model.config.head_dim))
+                 for name, i in tensors.items()}
+        downs.append(held(p for n, p in parts.items() if "down_exps" in n))
+        assert held_bytes(model, "quantized", s) == held(
+            p for n, p in parts.items() if "gate_exps" not in n and "up_exps" not in n)
+    assert sum(downs) == sum(i.n_bytes for n, i in tensors.items() if "down_exps" in n)
+    group = cpu_group(model, 2)
+    try:
+        for r, tf in enumerate(group.transformers):
+            moe = tf.weights.layers[0].moe
+            assert moe.gate.mapped and moe.up.mapped and not moe.down.mapped
+            mapped = model.gguf.mapped_bytes("blk.0.ffn_gate_exps.weight")
+            assert np.shares_memory(moe.gate.blocks, mapped)  # the map's bytes, not a copy
+            assert not np.shares_memory(
+                moe.down.blocks, model.gguf.mapped_bytes("blk.0.ffn_down_exps.weight"))
+            gate = model.gguf.tensor_bytes("blk.0.ffn_gate_exps.weight").reshape(8, 64, -1)
+            np.testing.assert_array_equal(moe.gate.blocks, gate[:, 32 * r:32 * (r + 1)])
+    finally:
+        group.close()
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.MXFP4], ids=lambda q: q.name)

@@ -30,8 +30,11 @@ in the ops). A row's replayed forward is therefore the same bits as the ops give
 any batch wherever the ops' are (docs/architecture.md, "Batch invariance"). A forward the table
 cannot express is not recorded and runs op by op as before: a matrix without a row
 kernel, or more rows than its kernel takes; float32 experts, or a mixture's shared
-expert; a tensor-parallel group; a batch with prompt rows, or logits wanted for some
-rows only.
+expert; a batch with prompt rows, or logits wanted for some rows only. A device of a
+tensor-parallel group records its share of the forward the same way, its all-reduces
+cutting the table (`DecodeProgram.reduce`): the table runs up to one, the host
+collective sums its rows in the arena, the table goes on; a split lm head's logits are
+gathered after the last step.
 
 A mixture of experts (quantized experts, read in place from the file's map) is six
 steps: a GEMV of the router, ROUTE (kernels/cpu_moe.py's `route_row` of a row's logits,
@@ -343,6 +346,10 @@ class DecodeProgram:
     logits: Buf | None = None
     layout: tuple[int, int] = (0, 0)  # (n_layers, kv_dim) of the caches it was recorded on
     values: int = 0  # multiply-adds of the products, per row
+    # a tensor-parallel device's all-reduces: (the step before which it runs, its rows),
+    # and whether the logits are its share of the vocabulary, gathered at the end
+    reduces: list[tuple[int, Buf]] = field(default_factory=list)
+    gather: bool = False
     # the arena ranges the steps since the last wait read and write (`add`)
     _read: list[tuple[int, int]] = field(default_factory=list)
     _written: list[tuple[int, int]] = field(default_factory=list)
@@ -379,9 +386,17 @@ class DecodeProgram:
         self.steps.append(row + [0] * (WIDTH - 1 - len(row)) + [int(chunks)])
         self.fparams.append([float(v) for v in floats] + [0.0] * (2 - len(floats)))
 
+    def reduce(self, x: Buf) -> None:
+        """Sum x over the devices of the group once the steps so far are done (`run`
+        returns to Python for it); the steps after it start after a wait."""
+        _contiguous(x, "an all-reduce")
+        self.reduces.append((len(self.steps), x))
+        self._read, self._written = [], []
+
     def finish(self) -> None:
-        if self.steps:
-            self.steps[-1][GO_ON] = 0  # every step done before the call returns
+        for end in [at for at, _ in self.reduces] + [len(self.steps)]:
+            if end:
+                self.steps[end - 1][GO_ON] = 0  # every step done before a call returns
         self._steps = np.array(self.steps, np.int64).reshape(-1, WIDTH)
         self._fparams = np.array(self.fparams, np.float64).reshape(-1, 2)
 
@@ -399,15 +414,23 @@ class DecodeProgram:
             f32[cos_at:cos_at + cos.size] = cos.reshape(-1)
             f32[sin_at:sin_at + sin.size] = sin.reshape(-1)
         counters = np.zeros(2 * len(self._steps), np.int64)
-        args = (self._steps, self._fparams, f32, decode.rows, decode.bases, decode.positions,
-                decode.token_stride, counters, _SCHED_YIELD)
-        if self.values * self.n < SERIAL_MAX_VALUES:
-            _run(*args)
-        else:
-            core_workers().run(lambda i, parts: _run(*args))
+        start = 0
+        for end, x in [*self.reduces, (len(self._steps), None)]:
+            args = (self._steps[start:end], self._fparams[start:end], f32, decode.rows,
+                    decode.bases, decode.positions, decode.token_stride,
+                    counters[2 * start:2 * end], _SCHED_YIELD)
+            if self.values * self.n < SERIAL_MAX_VALUES:
+                _run(*args)
+            else:
+                core_workers().run(lambda i, parts, args=args: _run(*args))
+            if x is not None:  # a tensor-parallel device: the other devices' sums
+                rows = f32[x.off:x.off + x.n * x.width].reshape(x.n, x.width)
+                rows[...] = ops.all_reduce(rows)
+            start = end
         out = self.logits
-        return f32[out.off:out.off + out.n * out.stride].reshape(out.n, out.stride)[
+        logits = f32[out.off:out.off + out.n * out.stride].reshape(out.n, out.stride)[
             :, :out.width].copy()
+        return ops.all_gather(logits) if self.gather else logits
 
 
 _NO_BUF = Buf(0, 1, 0, 0)  # a product's scales and sums where its x is float32
@@ -433,10 +456,12 @@ class RecordingOps:
     """The forward's ops (kernels/model.py's `Ops`), recording a `DecodeProgram` instead
     of computing (see the module docstring)."""
 
-    def __init__(self, program: DecodeProgram, decode: DecodeRows, threads: int) -> None:
+    def __init__(self, program: DecodeProgram, decode: DecodeRows, threads: int,
+                 group: bool = False) -> None:
         self.p = program
         self._decode = decode
         self._threads = threads
+        self._group = group  # recording a device of a tensor-parallel group
         self._codes: dict[tuple[int, int], list[Buf]] = {}  # `_quantized`
 
     def embed(self, table: Any, ids: Any, scale: float) -> Buf:
@@ -567,11 +592,16 @@ class RecordingOps:
         return y
 
     def all_reduce(self, x: Buf) -> Buf:
-        """The identity: a device alone (NumpyOps.replay records no tensor-parallel
-        group's forward)."""
+        """The identity on a device alone; on a device of a tensor-parallel group, x summed
+        over the group between two runs of the table (`DecodeProgram.reduce`)."""
+        if self._group:
+            self.p.reduce(x)
         return x
 
     def all_gather(self, x: Buf) -> Buf:
+        """A share of the vocabulary's logits: gathered after the table
+        (`DecodeProgram.gather`; what follows, a softcap, is per value)."""
+        self.p.gather = self._group
         return x
 
     def softcap(self, x: Buf, cap: float) -> Buf:
@@ -620,13 +650,15 @@ class RecordingOps:
         return out
 
 
-def record(transformer: Any, batch: ForwardBatch, decode: DecodeRows) -> DecodeProgram | None:
+def record(transformer: Any, batch: ForwardBatch, decode: DecodeRows,
+           group: bool = False) -> DecodeProgram | None:
     """The table of `transformer`'s forward of `batch` (n decode rows), or None where the
-    forward does something the table cannot express."""
+    forward does something the table cannot express; with `group`, a device's of a
+    tensor-parallel group (its collectives between runs of the table)."""
     program = DecodeProgram(len(batch.tokens), layout=(decode.n_layers, decode.kv_dim))
     try:
         program.logits = transformer.run(
-            batch, RecordingOps(program, decode, core_workers().parts))
+            batch, RecordingOps(program, decode, core_workers().parts, group))
     except Unsupported:
         return None
     program.finish()

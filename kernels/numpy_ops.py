@@ -463,13 +463,14 @@ class NumpyOps:
         """A batch of n rows whose logits are all wanted (every session one new row, or
         a speculative round's verification rows: a session's rows, each at its own
         position, attend as rows alone do) from the recording of the first such forward
-        (kernels/cpu_decode_program.py: one compiled call instead of ~16 per layer); None
-        for any other batch, a tensor-parallel group, ops whose class changes one of these ops'
-        arithmetic (a test's reference, which the recording would bypass), a model the
-        recording cannot express, or while the table's kernel is still compiling in the
-        background (`TABLE_READY`, kernels/cpu_compile.py)."""
-        if (self.collective is not None or not self._own_ops()
-                or not TABLE_READY.is_set()):
+        (kernels/cpu_decode_program.py: one compiled call instead of ~16 per layer; on a
+        device of a tensor-parallel group, one between each two of its collectives); None
+        for any other batch, ops whose class changes one of these ops' arithmetic (a
+        test's reference, which the recording would bypass), a model the recording cannot
+        express, or while the table's kernel is still compiling in the background
+        (`TABLE_READY`, kernels/cpu_compile.py). The devices of a group decide alike: the
+        same batch, the same model's shares."""
+        if not self._own_ops() or not TABLE_READY.is_set():
             return None
         decode = DecodeRows.of(batch)
         n = len(batch.tokens)
@@ -479,7 +480,8 @@ class NumpyOps:
             return None
         key = (id(transformer), n)
         if key not in self._programs or self._owners.get(key) is not transformer:
-            self._programs[key] = record(transformer, batch, decode)
+            self._programs[key] = record(transformer, batch, decode,
+                                         group=self.collective is not None)
             self._owners[key] = transformer
         program = self._programs[key]
         if program is None or program.layout != (decode.n_layers, decode.kv_dim):

@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_backend import held_bytes
 from eagerlm.kernels.host_collective import HostGroup
+from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.kernels.tensor_parallel import TensorParallelModel, cpu_group
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.loader.sharding import Split, UnevenShard, plan_shards, shard_bytes, shard_info
@@ -104,6 +105,37 @@ def test_logits_over_two_and_four_cpu_devices_equal_one_devices_within_float32_r
     ref = _run(model, 1)
     for n in (2, 4):
         _assert_close(ref, _run(model, n))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "qwen3moe-q8_0"])
+def test_each_devices_decode_steps_replay_its_share_between_the_collectives(
+        tmp_path, arch, monkeypatch):
+    """A device of a group replays its decode steps, and rows whose logits are all wanted
+    (kernels/cpu_decode_program.py): its table cut at each all-reduce, two a layer, its
+    share of the logits gathered after.
+    The logits are the op-by-op forward's: the same bits, but for gemma3's softcap
+    (numpy's tanh op by op, within float32 rounding; as on one device). The mixture's
+    experts are Q8_0: float32 experts are not replayed."""
+    spec = tiny_spec("qwen3moe", weight_type=Q.Q8_0, d_ff_expert=64) \
+        if arch == "qwen3moe-q8_0" else SPECS[arch]
+    model = _model(tmp_path, spec)
+    group = cpu_group(model, 2)
+    try:
+        replayed = _logits(group)
+        for tf in group.transformers:  # the prompt's 12 rows (all logits) and a step's 1
+            programs = {p.n: p for p in tf.ops._programs.values() if p is not None}
+            assert sorted(programs) == [1, len(PROMPT)]
+            for program in programs.values():
+                assert program.gather and len(program.reduces) == 2 * model.config.n_layers
+    finally:
+        group.close()
+    monkeypatch.setattr(NumpyOps, "replay", lambda self, transformer, batch: None)
+    by_ops = _run(model, 2)
+    for a, b in zip(replayed, by_ops, strict=True):
+        if arch == "gemma3":
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(b).max())
+        else:
+            np.testing.assert_array_equal(a, b)
 
 
 def test_a_family_without_sharding_rules_is_refused_naming_a_tensor(tmp_path):

@@ -427,7 +427,10 @@ class ControlThread(OwnedThread):
         host_out = self._tokens_host[slot].array.view(np.int32)[:n_copy]
         rec_rows = [(s, g) for s, g, _ in sampled_rows]
         n_prefill = plan.n_tokens - plan.n_decode - plan.n_draft
-        timing = None if n_prefill or trace.device_start is None else (
+        # timed for the learned round costs: rounds that prefill nothing and run no draft
+        # model (its forwards would price prompt lookup's draft rows, which do not pay
+        # them: after a draft model's rounds, prompt lookup stopped drafting)
+        timing = None if n_prefill or draft is not None or trace.device_start is None else (
             trace.device_start, done, plan.n_decode + plan.n_draft, plan.n_draft > 0)
         self._records[slot] = _RoundRecord(rec_rows, host_out, copied, spec, timing=timing)
         trace.launch_end = time.perf_counter()

@@ -8,8 +8,9 @@ forward of 8 rows of the demo model costs 2.7 one-row forwards where the table, 
 AMD EPYC, says 4.3. And a forward's cost is not a round's: eight sessions' one-row
 rounds and a round with draft rows do not take the same path (pricing drafts by
 forwards lost 23% at 8 requests there). So the control thread times each round it
-harvests that prefills nothing (device start to device end: the forward, the sampling,
-the acceptance) and tells `RoundCosts`, which keeps a decayed mean per (rows, drafted)
+harvests that prefills nothing and runs no draft model (device start to device end: the
+forward, the sampling, the acceptance; a draft model's forwards are not what a prompt
+lookup's draft rows cost) and tells `RoundCosts`, which keeps a decayed mean per (rows, drafted)
 and prices a round by it:
 
 - a (rows, drafted) seen in `MIN_ROUNDS` rounds or more: its mean, in units of a one-row
@@ -65,8 +66,12 @@ class RoundCosts:
         self._count[key] = n + 1
         self._points = None
 
+    def rounds(self, rows: int, drafted: bool) -> int:
+        """How many rounds of the kind it was told of."""
+        return self._count.get((rows, drafted), 0)
+
     def seen(self, rows: int, drafted: bool) -> bool:
-        return self._count.get((rows, drafted), 0) >= self.min_rounds
+        return self.rounds(rows, drafted) >= self.min_rounds
 
     def __call__(self, rows: int, drafted: bool = False) -> float:
         """The price, looked up once derived: a plan asks for every candidate round

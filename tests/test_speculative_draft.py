@@ -225,6 +225,10 @@ def test_the_engine_speculates_as_its_settings_and_each_request_say(model, tmp_p
             while stats.rounds < dispatcher.control.round_id:  # rounds still in flight
                 time.sleep(0.01)
             assert (stats.draft_tokens > before) == (params.speculative != "off")
+            if params is greedy:  # the draft model's rounds teach no round costs: they
+                costs = dispatcher.control.round_costs  # would price prompt lookup out
+                assert costs is not None
+                assert not any(costs.rounds(r, True) for r in range(64))
         # vLLM's names for the counters (parsed by prometheus-client)
         out = PrometheusText()
         write_vllm_metrics(out, engine.engine.metrics, "m", engine.engine.vllm_gauges())

@@ -253,14 +253,17 @@ def shard_bytes(raw: np.ndarray, info: TensorInfo, cut: Split | None) -> np.ndar
         return raw
     if cut.zeros:
         return np.zeros_like(raw)
+    return np.ascontiguousarray(_share_view(raw, info, cut)).reshape(-1)
+
+
+def _share_view(raw: np.ndarray, info: TensorInfo, cut: Split) -> np.ndarray:
+    """The share as a view of `raw`, shaped as the tensor with its last axis in bytes."""
     block, type_size = GGML_QUANT_SIZES[info.qtype]
     *outer, last = info.shape
-    values = raw.reshape(*outer, last // block * type_size)  # the last axis as bytes
+    values = raw.reshape(*outer, last // block * type_size)
     if cut.axis == len(info.shape) - 1:
-        part = values[..., cut.start // block * type_size:cut.stop // block * type_size]
-    else:
-        part = values[(slice(None),) * cut.axis + (slice(cut.start, cut.stop),)]
-    return np.ascontiguousarray(part).reshape(-1)
+        return values[..., cut.start // block * type_size:cut.stop // block * type_size]
+    return values[(slice(None),) * cut.axis + (slice(cut.start, cut.stop),)]
 
 
 class ShardedFile:
@@ -295,15 +298,12 @@ class ShardedFile:
         `mapped_bytes`): the map itself, `[n_experts, rows, row bytes]` for a range of
         each expert's rows (`in_place`), else a copy (`tensor_bytes`)."""
         name = tensor if isinstance(tensor, str) else tensor.name
-        cut, raw = self._cuts[name], self.file.mapped_bytes(name)
+        cut = self._cuts[name]
         if cut is None:
-            return raw
+            return self.file.mapped_bytes(name)
         if not self.in_place(name):
             return self.tensor_bytes(name)
-        info = self.file.tensor_info(name)
-        n, rows, cols = info.shape
-        block, type_size = GGML_QUANT_SIZES[info.qtype]
-        return raw.reshape(n, rows, cols // block * type_size)[:, cut.start:cut.stop]
+        return _share_view(self.file.mapped_bytes(name), self.file.tensor_info(name), cut)
 
     def tensor_bytes(self, tensor: str | TensorInfo) -> np.ndarray:
         """The device's share of a tensor's bytes, by name or by its (share's) entry."""

@@ -24,9 +24,10 @@ and its `dequant` is another, compiled only for the types a forward dequantizes
 (`quantized.dequantized_types`).
 
 The decode replay's table (kernels/cpu_decode_program.py) and the prompts' 8-bit panels
-(kernels/cpu_panel_gemm.py, each type's `pack_panels`) are only optimizations: the
-forward runs op by op without the first, with the same results, and prompts take the
-float32 tiles without the second (whose `dequant` the load compiles). So when they are
+(kernels/cpu_panel_gemm.py; each type's `pack_panels` and `panel_product`) are only
+optimizations: the forward runs op by op without the first, with the same results,
+and prompts take the float32 tiles (or runs) without the second (whose `dequant` the load
+compiles). So when they are
 not in the cache yet, the load does not wait for them (the helper compiles the panels
 first, then the table; `quantized.PANELS_READY` is set once the panels are loaded
 here, as `TABLE_READY` for the table below); nor for the types' C entries
@@ -57,7 +58,7 @@ from gguf import GGMLQuantizationType
 from gguf import GGMLQuantizationType as Q
 from numba.core.caching import FunctionCache
 
-from eagerlm.kernels import cpu_attention, cpu_decode_program, cpu_moe, cpu_panel_gemm, quantized
+from eagerlm.kernels import cpu_attention, cpu_decode_program, cpu_moe, quantized
 from eagerlm.kernels import cpu_row_ops as row_ops
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
 from eagerlm.kernels.cpu_row_kernel import warm_up_float32
@@ -73,7 +74,7 @@ _COLD_SECONDS = {"row_ops": 1.7, "attention": 3.7, "activations": 0.8}
 _TYPE_COLD_SECONDS = 1.4  # a type's `gemv`
 _DEQUANT_COLD_SECONDS = 0.35  # a type's `dequant`
 _DEQUANT = ".dequant"  # the suffix of a type's `dequant` group
-_PANELS = ".panels"  # the suffix of a type's `pack_panels` group
+_PANELS = ".panels"  # the suffix of a type's panels group (`pack_panels`, `panel_product`)
 
 
 @dataclass(frozen=True)
@@ -143,11 +144,9 @@ def _groups(qtypes: Iterable[GGMLQuantizationType],
                       lambda q=q: [kernels(q).gemv]) for q in qtypes]
     paneled = sorted(quantized.panel_types(qtypes) if paneled is None else paneled, key=int)
     ready = quantized.PANELS_READY
-    if paneled:
-        groups.append(_Group("panel_product", quantized.warm_up_panel_product,
-                             lambda: [cpu_panel_gemm.panel_product], after=True, ready=ready))
-    groups += [_Group(q.name + _PANELS, lambda q=q: quantized.warm_up_pack_panels([q]),
-                      lambda q=q: [kernels(q).pack_panels], after=True, ready=ready)
+    groups += [_Group(q.name + _PANELS, lambda q=q: quantized.warm_up_panels([q]),
+                      lambda q=q: [kernels(q).pack_panels, kernels(q).panel_product],
+                      after=True, ready=ready)
                for q in paneled]
     return groups + [_Group(q.name + _DEQUANT, lambda q=q: quantized.warm_up_dequant([q]),
                             lambda q=q: [kernels(q).dequant])

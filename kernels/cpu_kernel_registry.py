@@ -78,24 +78,29 @@ class BlockType:
     # llama.cpp's own distance from the exact logits (KL; every other type 0.4-1.05x), so
     # its prompts keep float32 tiles (tests/test_types_vs_llama_cpp.py, 2026-11-28)
     panels: bool = True
+    # whether its codes are signed (-128..127): their panels cost AVX2 an instruction more
+    # per product (kernels/cpu_panel_gemm.py), so a signed type with runs keeps them there
+    signed: bool = False
 
 
-def _blocks(qtype: GGMLQuantizationType, sub: int, *, offset: int = 0, has_min: bool = False,
-            signed: bool = False, prompt_run_rows: int = 0, panels: bool = True) -> BlockType:
-    """A block type, decoded by `cpu_block_decoders.decode_<type>`: codes (0..127, or
-    -128..127 if `signed`) q per value and a scale sc per `sub` values, plus a minimum mn
-    per `sub` values if `has_min`: value = sc * (q - offset) + mn. The 256-value
-    superblock types' scales are integers times the block's float scales (d * isc,
-    -dmin * imn)."""
+def _blocks(qtype: GGMLQuantizationType, sub: int, code_max: int = 127, *, offset: int = 0,
+            has_min: bool = False, signed: bool = False, prompt_run_rows: int = 0,
+            panels: bool = True) -> BlockType:
+    """A block type, decoded by `cpu_block_decoders.decode_<type>`: codes (0..code_max, at
+    most 127, or -128..127 if `signed`) q per value and a scale sc per `sub` values, plus
+    a minimum mn per `sub` values if `has_min`: value = sc * (q - offset) + mn. The
+    256-value superblock types' scales are integers times the block's float scales
+    (d * isc, -dmin * imn). `code_max` sets how many of AVX2's int16 pair sums the
+    prompts' panels add before widening them (kernels/cpu_panel_gemm.py)."""
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     superblocks = block == 256
     binding = (f"from eagerlm.kernels.cpu_block_decoders import decode_{qtype.name.lower()} "
                f"as decode_block\n\n"
                f"BLOCK, BLOCK_BYTES, SUB, HAS_MIN, CODE_OFFSET, SIGNED_CODES = "
                f"{block}, {block_bytes}, {sub}, {has_min}, {offset}, {signed}\n"
-               f"INT_SCALES = {superblocks}\n")
+               f"INT_SCALES, CODE_MAX = {superblocks}, {code_max}\n")
     return BlockType(qtype, "cpu_quant_loops", binding, sub, superblocks, 24, prompt_run_rows,
-                     panels)
+                     panels, signed)
 
 
 def _floats(qtype: GGMLQuantizationType, name: str, *, prompt_run_rows: int = 0) -> BlockType:
@@ -109,30 +114,30 @@ def _floats(qtype: GGMLQuantizationType, name: str, *, prompt_run_rows: int = 0)
 BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {t.qtype: t for t in (
     _floats(Q.F16, "f16", prompt_run_rows=16),
     _floats(Q.BF16, "bf16"),
-    _blocks(Q.Q4_0, 32, offset=8),
-    _blocks(Q.Q4_1, 32, has_min=True),
-    _blocks(Q.Q5_0, 32, offset=16),
-    _blocks(Q.Q5_1, 32, has_min=True),
+    _blocks(Q.Q4_0, 32, 15, offset=8),
+    _blocks(Q.Q4_1, 32, 15, has_min=True),
+    _blocks(Q.Q5_0, 32, 31, offset=16),
+    _blocks(Q.Q5_1, 32, 31, has_min=True),
     _blocks(Q.Q8_0, 32, signed=True),
-    _blocks(Q.Q2_K, 16, has_min=True, prompt_run_rows=16),
-    _blocks(Q.Q3_K, 16, offset=4, prompt_run_rows=16),
-    _blocks(Q.Q4_K, 32, has_min=True, prompt_run_rows=16),
-    _blocks(Q.Q5_K, 32, has_min=True, prompt_run_rows=16),
-    _blocks(Q.Q6_K, 16, offset=32, prompt_run_rows=16),
-    _blocks(Q.IQ1_S, 32, offset=9, prompt_run_rows=32),
-    _blocks(Q.IQ1_M, 16, offset=9, prompt_run_rows=32),
-    _blocks(Q.IQ2_XXS, 32, offset=43, prompt_run_rows=32),
-    _blocks(Q.IQ2_XS, 16, offset=43, prompt_run_rows=32),
-    _blocks(Q.IQ2_S, 16, offset=43, prompt_run_rows=32),
-    _blocks(Q.IQ3_XXS, 32, offset=62, prompt_run_rows=32),
-    _blocks(Q.IQ3_S, 32, offset=15, prompt_run_rows=32),
+    _blocks(Q.Q2_K, 16, 3, has_min=True, prompt_run_rows=16),
+    _blocks(Q.Q3_K, 16, 7, offset=4, prompt_run_rows=16),
+    _blocks(Q.Q4_K, 32, 15, has_min=True, prompt_run_rows=16),
+    _blocks(Q.Q5_K, 32, 31, has_min=True, prompt_run_rows=16),
+    _blocks(Q.Q6_K, 16, 63, offset=32, prompt_run_rows=16),
+    _blocks(Q.IQ1_S, 32, 18, offset=9, prompt_run_rows=32),
+    _blocks(Q.IQ1_M, 16, 18, offset=9, prompt_run_rows=32),
+    _blocks(Q.IQ2_XXS, 32, 86, offset=43, prompt_run_rows=32),
+    _blocks(Q.IQ2_XS, 16, 86, offset=43, prompt_run_rows=32),
+    _blocks(Q.IQ2_S, 16, 86, offset=43, prompt_run_rows=32),
+    _blocks(Q.IQ3_XXS, 32, 124, offset=62, prompt_run_rows=32),
+    _blocks(Q.IQ3_S, 32, 30, offset=15, prompt_run_rows=32),
     _blocks(Q.IQ4_NL, 32, signed=True),
     _blocks(Q.IQ4_XS, 32, signed=True, prompt_run_rows=64),
-    _blocks(Q.TQ1_0, 32, offset=1, prompt_run_rows=16),
-    _blocks(Q.TQ2_0, 32, offset=1, prompt_run_rows=16),
-    _blocks(Q.MXFP4, 32, offset=12),
-    _blocks(Q.NVFP4, 16, offset=12),
-    _blocks(Q.Q1_0, 32, offset=1, panels=False),
+    _blocks(Q.TQ1_0, 32, 2, offset=1, prompt_run_rows=16),
+    _blocks(Q.TQ2_0, 32, 3, offset=1, prompt_run_rows=16),
+    _blocks(Q.MXFP4, 32, 24, offset=12),
+    _blocks(Q.NVFP4, 16, 24, offset=12),
+    _blocks(Q.Q1_0, 32, 2, offset=1, panels=False),
 )}
 
 # F32 matrices are held as float32 arrays, not as blocks (kernels/cpu_backend.py's

@@ -1,5 +1,5 @@
 """Prompts as 8-bit integer products over weight panels: the many-rows matmul of every
-block type on machines with 512-bit VNNI (`vpdpbusd` on zmm registers).
+block type, on machines with 512-bit VNNI (`vpdpbusd` on zmm registers) or AVX2.
 
 `gemv` (kernels/cpu_quant_loops.py) multiplies one weight row at a time: per 32 values
 of a row and a row of x it spends one or two integer multiplies and a dozen instructions
@@ -20,44 +20,73 @@ work per group is shared by sixteen outputs. This module does the same for every
 - x comes as kernels/cpu_activations.py's 8-bit codes, per 32 values a scale, per `sub`
   values the scale's copy and d * the codes' sum: llama.cpp's Q8_0 activations, the
   error bound the tests already hold `gemv` to.
-- `panel_product` multiplies: per group, for `ROW_BLOCK` rows of x and the panel's 32
-  rows, `sub / 4` steps of two weight loads and eight `vpdpbusd` (each the broadcast 4
-  bytes of one row of x times the 64 bytes of sixteen rows: 64 multiply-adds), then per
-  row of x and half-panel one conversion to float, one multiply (weight scale times x
-  scale) and two multiply-adds (the scaled sum, the offset times x's sum): ~43
-  multiply-adds an instruction for 32-value groups, against BLAS's 16. Measured on the
-  Xeon (docs/performance.md): ~200 G multiply-adds a second on one core, 2.7x BLAS.
+- Each type's `panel_product` (kernels/cpu_quant_loops.py, the one loop over a tile's
+  panels and rows of x) multiplies by `group_mac`: per group, for `ROW_BLOCK` rows of x
+  and the panel's 32 rows, `sub / 4` steps of two weight loads and eight `vpdpbusd`
+  (each the broadcast 4 bytes of one row of x times the 64 bytes of sixteen rows: 64
+  multiply-adds), then per row of x and half-panel one conversion to float, one multiply
+  (weight scale times x scale) and two multiply-adds (the scaled sum, the offset times
+  x's sum): ~43 multiply-adds an instruction for 32-value groups, against BLAS's 16.
+  Measured on the Xeon (docs/performance.md): ~200 G multiply-adds a second on one
+  core, 2.7x BLAS.
 
 The micro-kernel is LLVM IR written here (`group_mac`), its accumulators a tuple of
 16-lane vectors that stays in registers: numba has no 512-bit vectors of its own, and
 LLVM's register allocator then sees the whole block. `ROW_BLOCK` 4 by two 16-row
 vectors measured fastest of 4-8 rows by one to four vectors (docs/performance.md).
-Where the machine has no 512-bit VNNI the same IR multiplies by generic vector code
-(`_dpbusd_generic`: slow, for the tests on any machine); kernels/quantized.py takes this
-path only where `PANELS_NATIVE`.
+
+AVX2 has no `vpdpbusd`: its `vpmaddubsw` multiplies the same bytes into int16 pair sums
+that saturate, and `vpmaddwd` by ones widens them. The pair sums of codes up to 127 fit,
+and those of small codes fit several steps' worth, added in int16 before one widening
+(`int16_steps`: 8 steps for 4-bit codes, 2 for Q6_K's, 1 for the IQ grids'); codes past
+127 (the signed types', plus 128) multiply as their magnitudes times x with their signs
+(`vpsignb`) and take 128 times x's sum back. The int32 sums are the same integers as
+`vpdpbusd`'s, so the products are the same bits on both. The same IR in generic vector
+code runs where neither is there (the tests' path, slow; kernels/quantized.py takes the
+panels only where `PANELS_NATIVE`).
 """
 
 from __future__ import annotations
 
-import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic, register_model
 
 from eagerlm.kernels.cpu_simd import VectorModel, VectorType, element_ptr, host_features, splat
-from eagerlm.kernels.numba_settings import JIT_ORDERED
 
 PANEL = 32  # weight rows interleaved: two 16-lane vectors
-ROW_BLOCK = 4  # rows of x multiplied together with one panel
 # rows of x whose codes one pass over a tile's panels keeps in the core's L2 (the
 # panels themselves are 32 * k bytes each)
 X_CHUNK_BYTES = 1 << 18
-# `vpdpbusd` on 512-bit registers
-PANELS_NATIVE = {"avx512vnni", "avx512bw"} <= host_features()
 
-_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+def _panel_isa(features: set[str]) -> str:
+    """How the micro-kernel multiplies bytes on a machine with `features`: one 512-bit
+    `vpdpbusd` ("avx512vnni"), AVX2's `vpmaddubsw` + `vpmaddwd` on 256-bit halves ("avx2";
+    AVX-VNNI machines too), or generic vector code ("generic": the tests' path on any
+    machine, not fast)."""
+    if {"avx512vnni", "avx512bw"} <= features:
+        return "avx512vnni"
+    return "avx2" if "avx2" in features else "generic"
+
+
+PANEL_ISA = _panel_isa(host_features())
+PANELS_NATIVE = PANEL_ISA != "generic"
+# rows of x multiplied together with one panel: 4 by two 16-row vectors measured fastest
+# of 4-8 rows by one to four vectors on 512-bit registers; AVX2 has 16 registers of 256
+# bits, which 2 rows' accumulators (four registers a row) and a step's weights fill
+ROW_BLOCK = 4 if PANEL_ISA == "avx512vnni" else 2
+# The x codes are -127..127 (kernels/cpu_activations.py); `vpmaddubsw` saturates its int16
+# pair sums, which two products of a code up to 127 and x stay within (2 * 127 * 127).
+INT16_MAX = 32767
+X_MAX = 127
+
+_I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                               ir.FloatType())
 _VI = ir.VectorType(_I32, 16)
 _VF = ir.VectorType(_F32, 16)
+_VB = ir.VectorType(_I8, 64)
+_VW = ir.VectorType(_I16, 32)
 
 
 class Float32x16Type(VectorType):
@@ -69,25 +98,98 @@ float32x16 = Float32x16Type()
 register_model(Float32x16Type)(VectorModel)
 
 
-def _dpbusd_generic(builder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
-    """`vpdpbusd` in generic IR: lane i of acc plus the four products of bytes 4i .. 4i + 3
-    of `unsigned` (zero-extended) and `signed` (sign-extended)."""
-    b64 = ir.VectorType(_I8, 64)
-    w64 = ir.VectorType(_I32, 64)
-    products = builder.mul(builder.zext(builder.bitcast(unsigned, b64), w64),
-                           builder.sext(builder.bitcast(signed, b64), w64))
-    for j in range(4):
-        lanes = ir.Constant(ir.VectorType(_I32, 16), [4 * i + j for i in range(16)])
-        acc = builder.add(acc, builder.shuffle_vector(products, products, lanes))
-    return acc
+def int16_steps(code_max: int, steps: int) -> int:
+    """How many steps' `vpmaddubsw` pair sums (of codes up to `code_max` unsigned) an int16
+    lane holds before it must widen: the largest power of two dividing a group's `steps`
+    that keeps their total within int16; 0 for codes past 127 (the signed types' codes
+    plus 128), which take their magnitudes and signs instead (`_bytes_times_x`)."""
+    if code_max > 127:
+        return 0
+    n = 1
+    while 2 * n <= steps and 2 * n * 2 * code_max * X_MAX <= INT16_MAX:
+        n *= 2
+    return n
 
 
 def _dpbusd(builder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
-    if not PANELS_NATIVE:
-        return _dpbusd_generic(builder, acc, unsigned, signed)
+    """`vpdpbusd`: lane i of acc plus the four products of bytes 4i .. 4i + 3 of
+    `unsigned` (zero-extended) and `signed` (sign-extended), no int16 in between."""
     fn = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512",
                                           fnty=ir.FunctionType(_VI, [_VI] * 3))
     return builder.call(fn, [acc, unsigned, signed])
+
+
+def _halves(builder, fn, a: ir.Value, b: ir.Value) -> ir.Value:
+    """A 256-bit x86 intrinsic `fn` of two 512-bit operands, one half at a time."""
+    count = a.type.count // 2
+    parts = [builder.call(fn, [builder.shuffle_vector(v, v, ir.Constant(
+        ir.VectorType(_I32, count), list(range(h * count, h * count + count)))) for v in (a, b)])
+        for h in range(2)]
+    total = 2 * parts[0].type.count
+    return builder.shuffle_vector(parts[0], parts[1],
+                                  ir.Constant(ir.VectorType(_I32, total), list(range(total))))
+
+
+def _avx2(builder, name: str, result: ir.VectorType, operand: ir.VectorType):
+    return builder.module.declare_intrinsic(
+        f"llvm.x86.avx2.{name}", fnty=ir.FunctionType(result, [operand, operand]))
+
+
+def _pair_sums(builder, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+    """`vpmaddubsw` of 64 bytes: adjacent products of `unsigned` (zero-extended) and
+    `signed` summed into 32 int16 lanes (saturating on x86; the callers keep them within)."""
+    b32, w16 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16)
+    if PANEL_ISA == "avx2":
+        return _halves(builder, _avx2(builder, "pmadd.ub.sw", w16, b32), unsigned, signed)
+    w32 = ir.VectorType(_I16, 64)
+    products = builder.mul(builder.zext(unsigned, w32), builder.sext(signed, w32))
+    even, odd = (ir.Constant(ir.VectorType(_I32, 32), list(range(j, 64, 2))) for j in (0, 1))
+    return builder.add(builder.shuffle_vector(products, products, even),
+                       builder.shuffle_vector(products, products, odd))
+
+
+def _widen(builder, pairs: ir.Value) -> ir.Value:
+    """`vpmaddwd` by ones: 32 int16 lanes summed in adjacent pairs into 16 int32 lanes."""
+    w16, d8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    if PANEL_ISA == "avx2":
+        ones = ir.Constant(_VW, [1] * 32)
+        return _halves(builder, _avx2(builder, "pmadd.wd", d8, w16), pairs, ones)
+    wide = builder.sext(pairs, ir.VectorType(_I32, 32))
+    even, odd = (ir.Constant(ir.VectorType(_I32, 16), list(range(j, 32, 2))) for j in (0, 1))
+    return builder.add(builder.shuffle_vector(wide, wide, even),
+                       builder.shuffle_vector(wide, wide, odd))
+
+
+def _sign(builder, a: ir.Value, b: ir.Value) -> ir.Value:
+    """`vpsignb`: the bytes of a negated where b's are negative, zeroed where b's are 0."""
+    b32 = ir.VectorType(_I8, 32)
+    if PANEL_ISA == "avx2":
+        return _halves(builder, _avx2(builder, "psign.b", b32, b32), a, b)
+    zero = ir.Constant(_VB, None)
+    negated = builder.select(builder.icmp_signed("<", b, zero), builder.sub(zero, a), a)
+    return builder.select(builder.icmp_signed("==", b, zero), zero, negated)
+
+
+def _bytes_times_x(builder, codes: ir.Value, magnitudes: ir.Value | None,
+                   x: ir.Value) -> ir.Value:
+    """The int16 pair sums of 64 code bytes times x's 4 bytes (broadcast) for `vpmaddubsw`.
+    Codes past 127 would saturate them: those (`magnitudes` given: |codes - 128|) multiply
+    x carrying their signs instead, which sums to (codes - 128) * x; the caller adds
+    128 * x's sum back (`_x_sum_times_128`)."""
+    x = builder.bitcast(x, _VB)
+    if magnitudes is None:
+        return _pair_sums(builder, builder.bitcast(codes, _VB), x)
+    return _pair_sums(builder, magnitudes, _sign(builder, x, codes))
+
+
+def _x_sum_times_128(builder, x_bytes: ir.Value) -> ir.Value:
+    """128 * the sum of a group's x codes (`<sub x i8>`), in every lane of a `<16 x i32>`."""
+    wide = builder.sext(x_bytes, ir.VectorType(_I32, x_bytes.type.count))
+    reduce = builder.module.declare_intrinsic(
+        f"llvm.vector.reduce.add.v{x_bytes.type.count}i32",
+        fnty=ir.FunctionType(_I32, [wide.type]))
+    total = builder.shl(builder.call(reduce, [wide]), ir.Constant(_I32, 7))
+    return splat(builder, total, _VI)
 
 
 def _literal(value) -> int | None:
@@ -108,16 +210,22 @@ def zero_accs(typingctx, n):
 
 
 @intrinsic
-def group_mac(typingctx, accs, rows, steps, codes, c0, xq, x0, x_stride, scales, offsets, s0,
-              xd, xs, g0, g_stride):
+def group_mac(typingctx, accs, rows, steps, int16, codes, c0, xq, x0, x_stride, scales, offsets,
+              s0, xd, xs, g0, g_stride):
     """One group of values of `rows` (a constant) rows of x times one panel, added to
     `accs` (row i's two half-panels at 2i, 2i + 1): `steps` (a constant: the group's
-    values / 4) of `vpdpbusd` of words c0 + step * PANEL (+ 16) of `codes` with 4 bytes of
-    row i of x at x0 + i * x_stride + 4 * step of `xq`; then each half-panel's sum as
-    float32 times its scales (from s0 of `scales`) times x's scale (xd[g0 + i * g_stride]),
-    plus its offsets times x's sum (xs[...])."""
-    n_rows, n_steps = _literal(rows), _literal(steps)
-    if n_rows is None or n_steps is None:
+    values / 4) of 16 x 4 codes, words c0 + step * PANEL (+ 16) of `codes`, times 4
+    bytes of row i of x at x0 + i * x_stride + 4 * step of `xq`, summed in int32; then
+    each half-panel's sum as float32 times its scales (from s0 of `scales`) times x's
+    scale (xd[g0 + i * g_stride]), plus its offsets times x's sum (xs[...]).
+
+    With 512-bit VNNI each step is one `vpdpbusd` per half-panel. Elsewhere it is
+    `vpmaddubsw`'s int16 pair sums, `int16` (a constant: `int16_steps`) steps of them
+    added before one `vpmaddwd` widens them; `int16` 0 for codes past 127, whose
+    magnitudes multiply x with their signs (`_bytes_times_x`). Either way the int32 sums
+    are the same integers, so the products are the same bits on every machine."""
+    n_rows, n_steps, n_int16 = _literal(rows), _literal(steps), _literal(int16)
+    if n_rows is None or n_steps is None or n_int16 is None:
         return None
 
     def codegen(context, builder, signature, args):
@@ -132,35 +240,57 @@ def group_mac(typingctx, accs, rows, steps, codes, c0, xq, x0, x_stride, scales,
 
         def const(n):
             return ir.Constant(_I64, n)
-        c_at, x_at, x_step, s_at, g_at, g_step = (index(i) for i in (4, 6, 7, 10, 13, 14))
+
+        def x_at(i, byte):
+            return builder.add(builder.add(x0, builder.mul(x_step, const(i))), const(byte))
+        c_at, x0, x_step, s_at, g_at, g_step = (index(i) for i in (5, 7, 8, 11, 14, 15))
+        vnni = PANEL_ISA == "avx512vnni"
+        chunk = max(1, n_int16)
+        flip = splat(builder, ir.Constant(_I8, 0x80), _VB)
         sums = [[ir.Constant(_VI, None)] * 2 for _ in range(n_rows)]
+        pairs = [[None] * 2 for _ in range(n_rows)]
         for step in range(n_steps):
-            w = [builder.load(at(3, builder.add(c_at, const(step * PANEL + 16 * h)), _VI),
+            w = [builder.load(at(4, builder.add(c_at, const(step * PANEL + 16 * h)), _VI),
                               align=4) for h in range(2)]
+            magnitudes = [None, None]
+            if not vnni and not n_int16:  # the signed codes, -128..127, and |them|
+                w = [builder.xor(builder.bitcast(v, _VB), flip) for v in w]
+                magnitudes = [_sign(builder, v, v) for v in w]
             for i in range(n_rows):
-                offset = builder.add(builder.add(x_at, builder.mul(x_step, const(i))),
-                                     const(4 * step))
-                x = splat(builder, builder.load(at(5, offset, _I32), align=1), _VI)
-                sums[i] = [_dpbusd(builder, sums[i][h], w[h], x) for h in range(2)]
+                x = splat(builder, builder.load(at(6, x_at(i, 4 * step), _I32), align=1), _VI)
+                for h in range(2):
+                    if vnni:
+                        sums[i][h] = _dpbusd(builder, sums[i][h], w[h], x)
+                        continue
+                    p = _bytes_times_x(builder, w[h], magnitudes[h], x)
+                    pairs[i][h] = p if step % chunk == 0 else builder.add(pairs[i][h], p)
+                    if (step + 1) % chunk == 0:
+                        sums[i][h] = builder.add(sums[i][h], _widen(builder, pairs[i][h]))
+        if not vnni and not n_int16:
+            group = ir.VectorType(_I8, 4 * n_steps)
+            for i in range(n_rows):
+                shift = _x_sum_times_128(builder, builder.load(at(6, x_at(i, 0), group),
+                                                               align=1))
+                sums[i] = [builder.add(v, shift) for v in sums[i]]
         muladd = builder.module.declare_intrinsic("llvm.fmuladd.v16f32",
                                                   fnty=ir.FunctionType(_VF, [_VF] * 3))
-        scale = [builder.load(at(8, builder.add(s_at, const(16 * h)), _VF), align=4)
+        scale = [builder.load(at(9, builder.add(s_at, const(16 * h)), _VF), align=4)
                  for h in range(2)]
-        offset = [builder.load(at(9, builder.add(s_at, const(16 * h)), _VF), align=4)
+        offset = [builder.load(at(10, builder.add(s_at, const(16 * h)), _VF), align=4)
                   for h in range(2)]
         out = []
         for i in range(n_rows):
             g = builder.add(g_at, builder.mul(g_step, const(i)))
-            x_scale = splat(builder, builder.load(at(11, g, _F32)), _VF)
-            x_sum = splat(builder, builder.load(at(12, g, _F32)), _VF)
+            x_scale = splat(builder, builder.load(at(12, g, _F32)), _VF)
+            x_sum = splat(builder, builder.load(at(13, g, _F32)), _VF)
             for h in range(2):
                 acc = builder.extract_value(args[0], 2 * i + h)
                 acc = builder.call(muladd, [builder.sitofp(sums[i][h], _VF),
                                             builder.fmul(scale[h], x_scale), acc])
                 out.append(builder.call(muladd, [offset[h], x_sum, acc]))
         return context.make_tuple(builder, signature.return_type, out)
-    return accs(accs, rows, steps, codes, c0, xq, x0, x_stride, scales, offsets, s0, xd, xs,
-                g0, g_stride), codegen
+    return accs(accs, rows, steps, int16, codes, c0, xq, x0, x_stride, scales, offsets, s0, xd,
+                xs, g0, g_stride), codegen
 
 
 @intrinsic
@@ -251,51 +381,3 @@ def store_panel_words(typingctx, q, q_at, q_stride, codes, c_at, flip):
             builder.store(builder.xor(vectors[j], mask), ptr, align=4)
         return context.get_dummy_value()
     return types.void(q, q_at, q_stride, codes, c_at, flip), codegen
-
-
-_ACCS = 2 * ROW_BLOCK
-
-
-@njit(**JIT_ORDERED)
-def panel_product(codes, scales, offsets, k, n_panels, xq, xd, xs, y, col0, n_cols):
-    """y[j, col0 + c] = dot(row c of the tile, row j of x) for the tile's n_cols rows (in
-    `n_panels` panels of rows of k values, `pack_panels`' layout) and every row of y; x
-    as `quantize_activations`' codes xq, scales xd and sums xs per `sub` values (16 or
-    32: the panels' group), with rows up to a multiple of `ROW_BLOCK` (zeros past y's)."""
-    n_x, padded = xq.shape
-    n_y, width = y.shape
-    groups_x = xd.shape[1]
-    sub16 = groups_x * 16 == padded
-    sub = 16 if sub16 else 32
-    groups = k // sub
-    chunk = max(ROW_BLOCK, X_CHUNK_BYTES // padded // ROW_BLOCK * ROW_BLOCK)
-    xq_flat, xd_flat, xs_flat = xq.reshape(-1), xd.reshape(-1), xs.reshape(-1)
-    y_flat = y.reshape(-1)
-    tail = np.empty(ROW_BLOCK * PANEL, np.float32)
-    for first in range(0, n_x, chunk):
-        for p in range(n_panels):
-            c_base = p * PANEL * (k // 4)
-            s_base = p * PANEL * groups
-            cols = min(PANEL, n_cols - p * PANEL)
-            for j in range(first, min(n_x, first + chunk), ROW_BLOCK):
-                accs = zero_accs(_ACCS)
-                if sub16:
-                    for g in range(groups):
-                        accs = group_mac(accs, ROW_BLOCK, 4, codes, c_base + 4 * g * PANEL,
-                                         xq_flat, j * padded + 16 * g, padded, scales, offsets,
-                                         s_base + g * PANEL, xd_flat, xs_flat,
-                                         j * groups_x + g, groups_x)
-                else:
-                    for g in range(groups):
-                        accs = group_mac(accs, ROW_BLOCK, 8, codes, c_base + 8 * g * PANEL,
-                                         xq_flat, j * padded + 32 * g, padded, scales, offsets,
-                                         s_base + g * PANEL, xd_flat, xs_flat,
-                                         j * groups_x + g, groups_x)
-                column = col0 + p * PANEL
-                if cols == PANEL and j + ROW_BLOCK <= n_y:
-                    store_accs(accs, ROW_BLOCK, y_flat, j * width + column, width)
-                else:
-                    store_accs(accs, ROW_BLOCK, tail, 0, PANEL)
-                    for i in range(min(ROW_BLOCK, n_y - j)):
-                        for c in range(cols):
-                            y[j + i, column + c] = tail[i * PANEL + c]

@@ -7,7 +7,8 @@ names the loops use (here bound to Q8_0, so that this file imports and lints as 
 - `decode_block(row, o, q, sc, mn)`: the type's decoder (kernels/cpu_block_decoders.py):
   the block at byte `o` of a row as codes `q[0:BLOCK]`, a scale per `SUB` values `sc`
   and, where `HAS_MIN`, a minimum per `SUB` values `mn`:
-  value = sc * (q - CODE_OFFSET) + mn, codes 0..127 (or -128..127 where `SIGNED_CODES`);
+  value = sc * (q - CODE_OFFSET) + mn, codes 0..CODE_MAX (at most 127; -128..127 where
+  `SIGNED_CODES`);
 - `BLOCK`, `BLOCK_BYTES`: values and bytes per block; `SUB`: 16 or 32.
 
 Why generated modules and not one kernel taking its decoder as an argument: numba compiles
@@ -42,7 +43,7 @@ from __future__ import annotations
 from eagerlm.kernels.cpu_block_decoders import decode_q8_0 as decode_block
 
 BLOCK, BLOCK_BYTES, SUB, HAS_MIN, CODE_OFFSET, SIGNED_CODES = 32, 34, 32, False, 0, True
-INT_SCALES = False
+INT_SCALES, CODE_MAX = False, 127
 
 # -- loops: copied into each generated module --------------------------------------------------
 import numpy as np  # noqa: E402
@@ -320,13 +321,26 @@ else:  # per-group float scales
 
 
 # -- panels: the prompts' 8-bit weight tiles (kernels/cpu_panel_gemm.py) -----------------------
-from eagerlm.kernels.cpu_panel_gemm import PANEL, store_panel_words  # noqa: E402
+from eagerlm.kernels.cpu_panel_gemm import (  # noqa: E402
+    PANEL,
+    ROW_BLOCK,
+    X_CHUNK_BYTES,
+    group_mac,
+    int16_steps,
+    store_accs,
+    store_panel_words,
+    zero_accs,
+)
 
 _FLIP = 0x80808080 if SIGNED_CODES else 0  # signed codes as unsigned bytes: + 128
 _CODE_SHIFT = np.float32(CODE_OFFSET + (128 if SIGNED_CODES else 0))
 _WORDS = BLOCK // 4  # 4-code words per block
 _PANEL_CODES = PANEL * BLOCK  # a block of a panel's rows, decoded
 _PANEL_GROUPS = PANEL * NSUB
+_STEPS = SUB // 4  # 4-code words per group
+# the panels' codes reach 255 for the signed types (plus 128), CODE_MAX otherwise
+_INT16_STEPS = int16_steps(255 if SIGNED_CODES else CODE_MAX, _STEPS)
+_ACCS = 2 * ROW_BLOCK
 
 
 @njit(**JIT_ORDERED)
@@ -380,6 +394,43 @@ def pack_panels(w, r0, r1, codes, scales, offsets):
                     scale = sc[t * NSUB + s]
                     scales[at + s * PANEL + t] = scale
                     offsets[at + s * PANEL + t] = mn[t * NSUB + s] - scale * _CODE_SHIFT
+
+
+@njit(**JIT_ORDERED)
+def panel_product(codes, scales, offsets, k, n_panels, xq, xd, xs, y, col0, n_cols):
+    """y[j, col0 + c] = dot(row c of the tile, row j of x) for the tile's n_cols rows (in
+    `n_panels` panels of rows of k values, `pack_panels`' layout) and every row of y; x
+    as `quantize_activations`' codes xq, scales xd and sums xs per `SUB` values, with rows
+    up to a multiple of `ROW_BLOCK` (zeros past y's). Rows of x in chunks that stay in
+    the core's L2 while the tile's panels pass (`X_CHUNK_BYTES`)."""
+    n_x, padded = xq.shape
+    n_y, width = y.shape
+    groups_x = xd.shape[1]
+    groups = k // SUB
+    chunk = max(ROW_BLOCK, X_CHUNK_BYTES // padded // ROW_BLOCK * ROW_BLOCK)
+    xq_flat, xd_flat, xs_flat = xq.reshape(-1), xd.reshape(-1), xs.reshape(-1)
+    y_flat = y.reshape(-1)
+    tail = np.empty(ROW_BLOCK * PANEL, np.float32)
+    for first in range(0, n_x, chunk):
+        for p in range(n_panels):
+            c_base = p * PANEL * (k // 4)
+            s_base = p * PANEL * groups
+            cols = min(PANEL, n_cols - p * PANEL)
+            for j in range(first, min(n_x, first + chunk), ROW_BLOCK):
+                accs = zero_accs(_ACCS)
+                for g in range(groups):
+                    accs = group_mac(accs, ROW_BLOCK, _STEPS, _INT16_STEPS, codes,
+                                     c_base + _STEPS * g * PANEL, xq_flat, j * padded + SUB * g,
+                                     padded, scales, offsets, s_base + g * PANEL, xd_flat,
+                                     xs_flat, j * groups_x + g, groups_x)
+                column = col0 + p * PANEL
+                if cols == PANEL and j + ROW_BLOCK <= n_y:
+                    store_accs(accs, ROW_BLOCK, y_flat, j * width + column, width)
+                else:
+                    store_accs(accs, ROW_BLOCK, tail, 0, PANEL)
+                    for i in range(min(ROW_BLOCK, n_y - j)):
+                        for c in range(cols):
+                            y[j + i, column + c] = tail[i * PANEL + c]
 
 
 # -- the row kernel: `gemv` behind kernels/cpu_row_kernel.py's C signature ----------------------

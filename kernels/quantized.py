@@ -51,7 +51,7 @@ from eagerlm.kernels.cpu_activations import (
     quantizer_function,
 )
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
-from eagerlm.kernels.cpu_panel_gemm import PANEL, PANELS_NATIVE, ROW_BLOCK, panel_product
+from eagerlm.kernels.cpu_panel_gemm import PANEL, PANEL_ISA, PANELS_NATIVE, ROW_BLOCK
 from eagerlm.kernels.cpu_row_kernel import RowKernel, register
 from eagerlm.kernels.cpu_simd import HOST_AVX512
 from eagerlm.kernels.cpu_threads import by_output_features, by_output_pieces, core_workers
@@ -64,8 +64,10 @@ from eagerlm.kernels.cpu_threads import by_output_features, by_output_pieces, co
 # 2026-11-28).
 PROMPT_RUNS = not HOST_AVX512
 # Prompts of the block types take 8-bit panels (kernels/cpu_panel_gemm.py) where the
-# machine has 512-bit VNNI: 1.5-2.5x the tiles' and the runs' rates there (docs/
-# performance.md, 2026-11-28).
+# machine has 512-bit VNNI (1.5-2.5x the tiles' and the runs' rates there) or AVX2
+# (1.14-2.2x the runs' and tiles' on one core of the Xeon compiling for Haswell, every
+# type but IQ4_XS, whose signed codes cost the panels an instruction more per product
+# and whose runs are long: `prompt_panels`; docs/performance.md, 2026-11-29).
 PROMPT_PANELS = PANELS_NATIVE
 # Cleared while the panels' kernels compile in kernels/cpu_compile.py's helper process
 # after a load on a cold cache, set once they are loaded here: until then prompts take
@@ -74,6 +76,11 @@ PROMPT_PANELS = PANELS_NATIVE
 # seconds more for them.
 PANELS_READY = threading.Event()
 PANELS_READY.set()
+# pieces of a product per core for the panels: 8 rather than by_output_pieces' 3, so that a
+# core slowed by other work (a shared host's) leaves less of the product to wait for at
+# the end: 128 rows by an 8192 x 3072 Q4_K matrix on two cores 29 -> 23-25 ms there
+# (docs/performance.md)
+PANEL_PIECES = 8
 # codes per panel tile: 1 MiB, 32 * k bytes a panel (a tile's rows times every row of x)
 PANEL_TILE_BYTES = 1 << 20
 # weights per tile: 2 MiB of float32 (128K-4M measured, docs/performance.md: 2816-value
@@ -156,7 +163,8 @@ def quantized_linear(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
         acts = quantize_activations(x, sub)
         part = partial(_panels, w, acts, y, core_workers().local)
         by_output_pieces(n * out_features * in_features, -(-out_features // PANEL),
-                         lambda a, b: part(a * PANEL, min(out_features, b * PANEL)))
+                         lambda a, b: part(a * PANEL, min(out_features, b * PANEL)),
+                         per_core=PANEL_PIECES)
         return y
     by_output_features(n * out_features * in_features, out_features,
                        partial(_tiles, x, w, y, core_workers().local))
@@ -182,9 +190,17 @@ def takes_gemv(qtype: GGMLQuantizationType, n_rows: int) -> bool:
 
 
 def prompt_panels(qtype: GGMLQuantizationType) -> bool:
-    """Whether more than `gemv_rows` rows of x take 8-bit panels: `PROMPT_PANELS`, a type
-    that has them (`has_panels`) and the kernels ready (`PANELS_READY`)."""
-    return PROMPT_PANELS and has_panels(qtype) and PANELS_READY.is_set()
+    """Whether more than `gemv_rows` rows of x take 8-bit panels: a type whose prompts
+    take them on this machine (`panel_types`) with the kernels ready (`PANELS_READY`)."""
+    return _takes_panels(qtype) and PANELS_READY.is_set()
+
+
+def _takes_panels(qtype: GGMLQuantizationType) -> bool:
+    """`PROMPT_PANELS` and a type that has them (`has_panels`), but for a signed type with
+    runs on an AVX2 machine (IQ4_XS: its runs measured faster there)."""
+    if PANEL_ISA == "avx2" and BLOCK_TYPES[qtype].signed and prompt_runs(qtype):
+        return False
+    return PROMPT_PANELS and has_panels(qtype)
 
 
 def has_panels(qtype: GGMLQuantizationType) -> bool:
@@ -219,7 +235,7 @@ def _panels(w: QuantizedMatrix, acts: tuple[np.ndarray, ...], y: np.ndarray,
             local: threading.local, start: int, stop: int) -> None:
     """Output features start .. stop - 1: `PANEL_TILE_BYTES` of 8-bit panels at a time
     packed from the blocks into this thread's buffers (the type's `pack_panels`), times
-    every row of x by `panel_product` (kernels/cpu_panel_gemm.py)."""
+    every row of x by its `panel_product` (kernels/cpu_panel_gemm.py)."""
     in_features = w.shape[1]
     groups = in_features // BLOCK_TYPES[w.qtype].activation_group
     tile_rows = max(PANEL, PANEL_TILE_BYTES // in_features // PANEL * PANEL)
@@ -231,7 +247,7 @@ def _panels(w: QuantizedMatrix, acts: tuple[np.ndarray, ...], y: np.ndarray,
                                   aligned_empty(tile_rows * groups, np.float32),
                                   aligned_empty(tile_rows * groups, np.float32))
     codes, scales, offsets = buffers
-    pack, product = w.kernels.pack_panels, panel_product
+    pack, product = w.kernels.pack_panels, w.kernels.panel_product
     for s in range(start, stop, tile_rows):
         rows = min(tile_rows, stop - s)
         pack(w.blocks, s, s + rows, codes, scales, offsets)
@@ -291,9 +307,9 @@ def dequantized_types(qtypes: Iterable[GGMLQuantizationType],
 
 
 def panel_types(qtypes: Iterable[GGMLQuantizationType]) -> set[GGMLQuantizationType]:
-    """The types of `qtypes` whose prompts take 8-bit panels on this machine
-    (`PROMPT_PANELS`, `has_panels`)."""
-    return {q for q in qtypes if PROMPT_PANELS and has_panels(q)}
+    """The types of `qtypes` whose prompts take 8-bit panels on this machine, once their
+    kernels are ready (`prompt_panels`)."""
+    return {q for q in qtypes if _takes_panels(q)}
 
 
 def warm_up(qtypes: Iterable[GGMLQuantizationType]) -> None:
@@ -309,25 +325,21 @@ def warm_up_dequant(qtypes: Iterable[GGMLQuantizationType]) -> None:
         _tiny(qtype).dequantize()
 
 
-def warm_up_pack_panels(qtypes: Iterable[GGMLQuantizationType]) -> None:
-    """The `pack_panels` of `qtypes` (their prompts' panels, `prompt_panels`)."""
+def warm_up_panels(qtypes: Iterable[GGMLQuantizationType]) -> None:
+    """The `pack_panels` and `panel_product` of `qtypes` (their prompts' panels,
+    `prompt_panels`), on a tiny matrix and zeros."""
     for qtype in sorted(set(qtypes), key=int):
         w = _tiny(qtype)
-        groups = w.shape[1] // BLOCK_TYPES[qtype].activation_group
-        w.kernels.pack_panels(w.blocks, 0, 1, np.empty(PANEL * w.shape[1] // 4, np.uint32),
-                              np.empty(PANEL * groups, np.float32),
-                              np.empty(PANEL * groups, np.float32))
-
-
-def warm_up_panel_product() -> None:
-    """`panel_product` (every type's panels), on zeros."""
-    k = PAD
-    acts = activation_arrays(ROW_BLOCK, k, 32, superblocks=False)
-    for a in acts:
-        a[...] = 0
-    panel_product(np.zeros(PANEL * k // 4, np.uint32), np.zeros(PANEL * k // 32, np.float32),
-                  np.zeros(PANEL * k // 32, np.float32), k, 1, *acts,
-                  np.empty((1, PANEL), np.float32), 0, PANEL)
+        k = w.shape[1]
+        groups = k // BLOCK_TYPES[qtype].activation_group
+        codes, scales, offsets = (np.empty(PANEL * k // 4, np.uint32),
+                                  np.empty(PANEL * groups, np.float32),
+                                  np.empty(PANEL * groups, np.float32))
+        w.kernels.pack_panels(w.blocks, 0, 1, codes, scales, offsets)
+        acts = quantize_activations(np.zeros((ROW_BLOCK, k), np.float32),
+                                    BLOCK_TYPES[qtype].activation_group)
+        w.kernels.panel_product(codes, scales, offsets, k, 1, *acts,
+                                np.empty((1, PANEL), np.float32), 0, 1)
 
 
 def warm_up_gemv(qtypes: Iterable[GGMLQuantizationType]) -> None:

@@ -45,8 +45,7 @@ def _decode_replay_table() -> None:
     # likewise the prompts' panels where the machine takes them: a load on a cold cache
     # has its prompts take the tiles until the helper has compiled them
     if quantized.PROMPT_PANELS:
-        quantized.warm_up_panel_product()
-        quantized.warm_up_pack_panels(q for q in BLOCK_TYPES if quantized.has_panels(q))
+        quantized.warm_up_panels(q for q in BLOCK_TYPES if quantized.has_panels(q))
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,9 @@ kernels/cpu_simd.py names x86 instructions where the machine has them and falls 
 generic LLVM IR elsewhere: the unscaled 8-bit dot products are one `vpdpbusd` on AVX-512
 VNNI (or AVX-VNNI) machines, `vpmaddubsw` + `vpmaddwd` on AVX2 ones, generic IR on the
 rest; the table lookups `vpshufb` or generic IR; the prompts' 8-bit panels
-(kernels/cpu_panel_gemm.py) 512-bit `vpdpbusd` or generic IR. The integer sums are
+(kernels/cpu_panel_gemm.py) 512-bit `vpdpbusd`, AVX2's `vpmaddubsw` + `vpmaddwd` (their int16
+pair sums added over several steps where the codes are small, the codes past 127 as
+magnitudes and signs), or generic IR. The integer sums are
 exact on every path (no pair sum of the callers' codes saturates int16) and the
 float32 work around them is written in one order (numba_settings.JIT_ORDERED), so the
 products, and the tokens a model gives, are the same bits on every machine with fused
@@ -35,8 +37,10 @@ from eagerlm.kernels.quantized import quantized_linear
 from tests.test_cpu_quantized import assert_within_derived_bounds, random_matrix
 
 # a signed and an unsigned 32-value type (`dot_signed`, `dot_unsigned`), one by table
-# (`lut16`), a superblock type (`dot_unsigned_scaled`), a float type
-TYPES = (Q.Q8_0, Q.Q4_0, Q.IQ4_NL, Q.Q4_K, Q.F16)
+# (`lut16`), two superblock types (`dot_unsigned_scaled`), a float type; for the panels,
+# codes past 127 (Q8_0, IQ4_NL), and pair sums added in int16 over 8 steps (Q4_0, Q4_K)
+# and over 2 (Q6_K)
+TYPES = (Q.Q8_0, Q.Q4_0, Q.IQ4_NL, Q.Q4_K, Q.Q6_K, Q.F16)
 FLOAT_TYPES = (Q.F16,)
 ROWS, COLS = 48, 512
 # what an older x86-64 has: the AVX2 generation (no AVX-512, no VNNI: the same bits as
@@ -53,7 +57,7 @@ import sys
 import numpy as np
 from eagerlm.kernels import quantized
 from eagerlm.kernels.quantized import quantized_linear
-quantized.PROMPT_PANELS = True
+quantized.PROMPT_PANELS, quantized.PROMPT_RUNS = True, False
 from tests.test_cpu_instruction_sets import every_half, inputs
 out = {"halves": every_half()}
 for qtype, w, xs in inputs():
@@ -105,6 +109,7 @@ def test_an_older_cpus_kernels_agree_with_this_machines(cpu, tmp_path, monkeypat
     theirs = np.load(out)
     assert len(theirs.files) == 3 * len(TYPES) - len(FLOAT_TYPES) + 1
     monkeypatch.setattr(quantized, "PROMPT_PANELS", True)
+    monkeypatch.setattr(quantized, "PROMPT_RUNS", False)
     # numpy's float16 conversion, the independent reference: the same bits but for the
     # NaNs, NaNs either way (F16C's conversion quiets a signalling NaN, numpy's does not)
     halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)

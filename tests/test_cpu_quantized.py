@@ -46,7 +46,7 @@ from eagerlm.kernels.cpu_activations import (
 )
 from eagerlm.kernels.cpu_backend import cpu_transformer, held_bytes
 from eagerlm.kernels.cpu_kernel_registry import BLOCK_TYPES, kernels
-from eagerlm.kernels.cpu_panel_gemm import PANEL, X_CHUNK_BYTES
+from eagerlm.kernels.cpu_panel_gemm import INT16_MAX, PANEL, X_CHUNK_BYTES, X_MAX, int16_steps
 from eagerlm.kernels.cpu_quant_loops import MAX_ROWS
 from eagerlm.kernels.cpu_row_kernel import float32_rows
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, CoreWorkers
@@ -257,6 +257,7 @@ def test_each_types_panels_equal_float64_dequantize_then_matmul(qtype, monkeypat
     panel (so each core's share takes several), the last panel part-filled (37 rows);
     rows of three blocks, not a whole 256 values of x's padded codes."""
     monkeypatch.setattr(quantized, "PROMPT_PANELS", True)
+    monkeypatch.setattr(quantized, "PROMPT_RUNS", False)  # (IQ4_XS keeps them on AVX2)
     monkeypatch.setattr(quantized, "PANEL_TILE_BYTES", PANEL * IN_FEATURES)
     rng = np.random.default_rng(int(qtype) + 7)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
@@ -273,11 +274,46 @@ def test_each_types_panels_equal_float64_dequantize_then_matmul(qtype, monkeypat
 
 
 @pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda q: q.name)
+def test_each_types_panel_codes_stay_within_its_code_max(qtype):
+    """AVX2's panels add a type's int16 pair sums over as many steps as its registry row's
+    `code_max` allows (`int16_steps`): a code past it could saturate them there, and only
+    there. Random bytes as blocks (every index, nibble and bit pattern: the decoders read
+    any) packed into panels: the unsigned types' codes stay within their `code_max`."""
+    module = kernels(qtype)
+    if module.SIGNED_CODES:
+        pytest.skip("signed codes: magnitudes and signs on AVX2, whatever their range")
+    rows, cols = 64, 4 * GGML_QUANT_SIZES[qtype][0]
+    blocks = np.random.default_rng(int(qtype)).integers(
+        0, 256, (rows, cols // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]),
+        dtype=np.uint8)
+    groups = cols // BLOCK_TYPES[qtype].activation_group
+    codes = np.empty(rows * cols // 4, np.uint32)
+    module.pack_panels(blocks, 0, rows, codes, np.empty(rows * groups, np.float32),
+                       np.empty(rows * groups, np.float32))
+    assert codes.view(np.uint8).max() <= module.CODE_MAX
+
+
+def test_int16_steps_are_the_most_that_fit_int16():
+    """A group's `steps` of pair sums (two codes up to `code_max` times two x codes up to
+    127 each) added in int16: the largest power of two dividing them that fits, or 0
+    for codes past 127 (the magnitude-and-sign path)."""
+    for steps in (4, 8):
+        for code_max in range(128):
+            n = int16_steps(code_max, steps)
+            assert n >= 1 and steps % n == 0
+            assert n * 2 * code_max * X_MAX <= INT16_MAX
+            assert 2 * n > steps or 2 * n * 2 * code_max * X_MAX > INT16_MAX
+        assert int16_steps(255, steps) == 0
+    assert [int16_steps(c, 8) for c in (15, 31, 63, 86, 127)] == [8, 4, 2, 1, 1]
+
+
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda q: q.name)
 def test_a_prompt_row_gives_the_same_bits_in_any_prompt(qtype, monkeypatch):
     """Each row of x goes through the panels alone, in one order: a prompt's row gives the
     same bits whatever the other rows, however many (a row block's padding, a second
     pass over the panels)."""
     monkeypatch.setattr(quantized, "PROMPT_PANELS", True)
+    monkeypatch.setattr(quantized, "PROMPT_RUNS", False)
     rng = np.random.default_rng(int(qtype) + 8)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
     x = rng.standard_normal((X_CHUNK_BYTES // IN_FEATURES + 5, IN_FEATURES)).astype(np.float32)

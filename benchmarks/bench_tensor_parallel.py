@@ -7,9 +7,9 @@ its per-device control threads are phase 2 of the work, docs/tensor_parallel.md)
 - decode tokens/s at batch 1 and at batch 8 (8 sessions decoded in one batch), greedy, after
   a prompt of `--prompt-tokens` per session;
 - per device: the share of the decode time spent in its collectives, split into waiting
-  at the first barrier for the other device (the bubble: their imbalance) and the rest
-  (its share of the sums and the second barrier), from kernels/host_collective.py's
-  `CollectiveStats`;
+  for the other device to arrive (the bubble: their imbalance) and the rest (the
+  all-reduce's sum; the gather's copy and second barrier), from
+  kernels/host_collective.py's `CollectiveStats`;
 - the lm head split by vocabulary (the default) and kept whole on every device (the
   other arm of loader/sharding.py's choice).
 

@@ -31,10 +31,10 @@ any batch wherever the ops' are (docs/architecture.md, "Batch invariance"). A fo
 cannot express is not recorded and runs op by op as before: a matrix without a row
 kernel, or more rows than its kernel takes; float32 experts, or a mixture's shared
 expert; a batch with prompt rows, or logits wanted for some rows only. A device of a
-tensor-parallel group records its share of the forward the same way, its all-reduces
-cutting the table (`DecodeProgram.reduce`): the table runs up to one, the host
-collective sums its rows in the arena, the table goes on; a split lm head's logits are
-gathered after the last step.
+tensor-parallel group records its share of the forward the same way, each all-reduce a
+REDUCE step (kernels/host_collective.py's `exchange_sum` on the rows in the arena: the
+devices meet in compiled code, the table never returning to Python for it); a split lm
+head's logits are gathered after the last step.
 
 A mixture of experts (quantized experts, read in place from the file's map) is six
 steps: a GEMV of the router, ROUTE (kernels/cpu_moe.py's `route_row` of a row's logits,
@@ -56,7 +56,6 @@ input quantized once by a QUANT step (through its quantizer's address too).
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,38 +72,17 @@ from eagerlm.kernels.aligned_arrays import CACHE_LINE, aligned_empty
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_attention import DecodeRows, _attend_rows
 from eagerlm.kernels.cpu_moe import GATING_CODES, ExpertMatrices, combine_row, route_row
-from eagerlm.kernels.cpu_row_kernel import RowKernel, f32_at, row_kernel
+from eagerlm.kernels.cpu_row_kernel import RowKernel, f32_at, i64_at, row_kernel
+from eagerlm.kernels.cpu_sync import SCHED_YIELD, atomic_add, spin_until
 from eagerlm.kernels.cpu_threads import SERIAL_MAX_VALUES, core_workers
+from eagerlm.kernels.host_collective import Exchange, HostCollective, exchange_sum
 from eagerlm.kernels.numba_settings import JIT as _JIT
 from eagerlm.loader.config import Activation, RopeStyle
 
 # fastmath without the no-NaN / no-inf promises, as kernels/cpu_row_ops.py
 _JIT = {**_JIT, "fastmath": {"reassoc", "contract", "nsz", "arcp"}}
 
-# -- the atomics and the call through an address ------------------------------------------
-
-
-@intrinsic
-def _atomic_add(typingctx, counters, index, value):
-    """counters[index] += value, atomically; the value before."""
-    sig = types.int64(counters, index, value)
-
-    def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", builder.gep(array.data, [args[1]]), args[2],
-                                  "seq_cst")
-    return sig, codegen
-
-
-@intrinsic
-def _atomic_load(typingctx, counters, index):
-    sig = types.int64(counters, index)
-
-    def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.load_atomic(builder.gep(array.data, [args[1]]), "seq_cst", 8)
-    return sig, codegen
-
+# -- the call through an address ---------------------------------------------------------
 
 def _call_codegen(n_args: int) -> Any:
     """A call of the C function at the first argument's address (void, `n_args` int64
@@ -126,21 +104,10 @@ def _call_quantize(typingctx, fn, x, codes, scales, sums, n, k):
     return types.void(*([types.int64] * 7)), _call_codegen(6)
 
 
-@intrinsic
-def _call_void(typingctx, fn):
-    return types.void(types.int64), _call_codegen(0)
-
-
-# the C library's sched_yield, passed to the table at each call (an address is this
-# process's: it must not be compiled in, numba caches the code)
-_SCHED_YIELD = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value or 0
-SPINS = 2000
-
-
 # -- the steps -------------------------------------------------------------------------
 
-NORM, ADD_NORM, GEMV, ROPE, APPEND, ATTN, ACT, SOFTCAP, QUANT, ROUTE, EXPERT, COMBINE = \
-    range(1, 13)
+NORM, ADD_NORM, GEMV, ROPE, APPEND, ATTN, ACT, SOFTCAP, QUANT, ROUTE, EXPERT, COMBINE, \
+    REDUCE = range(1, 14)
 WIDTH = 24  # int64 fields per step; the last is the step's chunk count
 GO_ON = WIDTH - 2  # the field saying the next step may start before this one ends
 # the KV caches, as an arena range: what APPEND writes and ATTN reads
@@ -161,7 +128,8 @@ def _rows(address: int, n: int, d: int) -> np.ndarray:
 
 @njit(**_JIT)
 def _step_chunk(st: np.ndarray, fp: np.ndarray, base: int, rows: np.ndarray,
-                bases: np.ndarray, positions: np.ndarray, token_stride: int, c: int) -> None:
+                bases: np.ndarray, positions: np.ndarray, token_stride: int, c: int,
+                sched_yield: int) -> None:
     """Chunk c of step `st` (its floats `fp`), the arena at address `base`: every operand
     is rows at an address (arena offsets are in floats)."""
     op = st[0]
@@ -253,6 +221,10 @@ def _step_chunk(st: np.ndarray, fp: np.ndarray, base: int, rows: np.ndarray,
         cap = np.float32(fp[0])
         for j in range(st[3]):
             x[j] = np.tanh(x[j] / cap) * cap
+    elif op == REDUCE:  # x summed over the tensor-parallel group, in place
+        size, capacity = st[6], st[7]
+        exchange_sum(_floats(st[3], 2 * size * capacity), numba.carray(i64_at(st[4]), (st[8],)),
+                     st[5], size, capacity, _floats(base + 4 * st[1], st[2]), sched_yield)
     else:  # QUANT: row c of x `[n, k]` as 8-bit codes, scales and sums (one row of each)
         k, padded = st[3], st[8]
         _call_quantize(st[7], base + 4 * (st[1] + c * k), base + 4 * st[4] + c * padded,
@@ -266,30 +238,25 @@ def _run(steps: np.ndarray, fparams: np.ndarray, f32: np.ndarray, rows: np.ndarr
     """Every step in order, on one of the threads that run the table together (each
     calls this once, the GIL released): the chunks of a step it claims (counters: a claim
     and a done count per step, zero at the start), then, unless the step lets the next
-    one start at once (`GO_ON`), a wait until all steps so far are done: a spin
-    of `SPINS` checks (a step's last chunk is usually microseconds away), then a
-    `sched_yield` (the C library's, at that address) per check, so that on a machine
-    busier than its cores a waiting thread does not keep the one it waits for off a
-    core."""
+    one start at once (`GO_ON`), a wait until all steps so far are done
+    (kernels/cpu_sync.py's `spin_until`: `sched_yield` is the C library's, at that
+    address)."""
     base = np.int64(f32.ctypes.data)
     first_open = 0  # the first step not known to be done
     for s in range(steps.shape[0]):
         st = steps[s]
         total = st[WIDTH - 1]
         while True:
-            c = _atomic_add(counters, 2 * s, 1)
+            c = atomic_add(counters, 2 * s, 1)
             if c >= total:
                 break
-            _step_chunk(st, fparams[s], base, rows, bases, positions, token_stride, c)
-            _atomic_add(counters, 2 * s + 1, 1)
+            _step_chunk(st, fparams[s], base, rows, bases, positions, token_stride, c,
+                        sched_yield)
+            atomic_add(counters, 2 * s + 1, 1)
         if st[GO_ON]:  # the next step reads nothing this one writes (and vice versa)
             continue
         for t in range(first_open, s + 1):
-            spins = 0
-            while _atomic_load(counters, 2 * t + 1) < steps[t, WIDTH - 1]:
-                spins += 1
-                if spins > SPINS:  # the others are not running: give them the core
-                    _call_void(sched_yield)
+            spin_until(counters, 2 * t + 1, steps[t, WIDTH - 1], -1, sched_yield)
         first_open = s + 1
 
 
@@ -346,9 +313,9 @@ class DecodeProgram:
     logits: Buf | None = None
     layout: tuple[int, int] = (0, 0)  # (n_layers, kv_dim) of the caches it was recorded on
     values: int = 0  # multiply-adds of the products, per row
-    # a tensor-parallel device's all-reduces: (the step before which it runs, its rows),
-    # and whether the logits are its share of the vocabulary, gathered at the end
-    reduces: list[tuple[int, Buf]] = field(default_factory=list)
+    # a tensor-parallel device's group exchange (its REDUCE steps'), and whether the
+    # logits are its share of the vocabulary, gathered at the end
+    exchange: Exchange | None = None
     gather: bool = False
     # the arena ranges the steps since the last wait read and write (`add`)
     _read: list[tuple[int, int]] = field(default_factory=list)
@@ -386,17 +353,9 @@ class DecodeProgram:
         self.steps.append(row + [0] * (WIDTH - 1 - len(row)) + [int(chunks)])
         self.fparams.append([float(v) for v in floats] + [0.0] * (2 - len(floats)))
 
-    def reduce(self, x: Buf) -> None:
-        """Sum x over the devices of the group once the steps so far are done (`run`
-        returns to Python for it); the steps after it start after a wait."""
-        _contiguous(x, "an all-reduce")
-        self.reduces.append((len(self.steps), x))
-        self._read, self._written = [], []
-
     def finish(self) -> None:
-        for end in [at for at, _ in self.reduces] + [len(self.steps)]:
-            if end:
-                self.steps[end - 1][GO_ON] = 0  # every step done before a call returns
+        if self.steps:
+            self.steps[-1][GO_ON] = 0  # every step done before a call returns
         self._steps = np.array(self.steps, np.int64).reshape(-1, WIDTH)
         self._fparams = np.array(self.fparams, np.float64).reshape(-1, 2)
 
@@ -414,19 +373,14 @@ class DecodeProgram:
             f32[cos_at:cos_at + cos.size] = cos.reshape(-1)
             f32[sin_at:sin_at + sin.size] = sin.reshape(-1)
         counters = np.zeros(2 * len(self._steps), np.int64)
-        start = 0
-        for end, x in [*self.reduces, (len(self._steps), None)]:
-            args = (self._steps[start:end], self._fparams[start:end], f32, decode.rows,
-                    decode.bases, decode.positions, decode.token_stride,
-                    counters[2 * start:2 * end], _SCHED_YIELD)
-            if self.values * self.n < SERIAL_MAX_VALUES:
-                _run(*args)
-            else:
-                core_workers().run(lambda i, parts, args=args: _run(*args))
-            if x is not None:  # a tensor-parallel device: the other devices' sums
-                rows = f32[x.off:x.off + x.n * x.width].reshape(x.n, x.width)
-                rows[...] = ops.all_reduce(rows)
-            start = end
+        args = (self._steps, self._fparams, f32, decode.rows, decode.bases, decode.positions,
+                decode.token_stride, counters, SCHED_YIELD)
+        if self.values * self.n < SERIAL_MAX_VALUES:
+            _run(*args)
+        else:
+            core_workers().run(lambda i, parts: _run(*args))
+        if self.exchange is not None and self.exchange.aborted:
+            raise threading.BrokenBarrierError  # a device of the group failed
         out = self.logits
         logits = f32[out.off:out.off + out.n * out.stride].reshape(out.n, out.stride)[
             :, :out.width].copy()
@@ -457,11 +411,11 @@ class RecordingOps:
     of computing (see the module docstring)."""
 
     def __init__(self, program: DecodeProgram, decode: DecodeRows, threads: int,
-                 group: bool = False) -> None:
+                 collective: HostCollective | None = None) -> None:
         self.p = program
         self._decode = decode
         self._threads = threads
-        self._group = group  # recording a device of a tensor-parallel group
+        self._collective = collective  # recording a device of a tensor-parallel group
         self._codes: dict[tuple[int, int], list[Buf]] = {}  # `_quantized`
 
     def embed(self, table: Any, ids: Any, scale: float) -> Buf:
@@ -593,15 +547,25 @@ class RecordingOps:
 
     def all_reduce(self, x: Buf) -> Buf:
         """The identity on a device alone; on a device of a tensor-parallel group, x summed
-        over the group between two runs of the table (`DecodeProgram.reduce`)."""
-        if self._group:
-            self.p.reduce(x)
+        over the group in place by a REDUCE step (kernels/host_collective.py's
+        `exchange_sum`, as the ops' all-reduce: the devices meet in the same sequence
+        whether each replays or runs op by op)."""
+        collective = self._collective
+        if collective is None:
+            return x
+        _contiguous(x, "an all-reduce")
+        p = self.p
+        ex = p.exchange = collective.group.exchange
+        p.keep += [ex.data, ex.control]
+        p.add([REDUCE, x.off, x.n * x.width, ex.data.ctypes.data, ex.control.ctypes.data,
+               collective.rank, ex.size, ex.capacity, ex.control.size], 1,
+              reads=[x], writes=[x])
         return x
 
     def all_gather(self, x: Buf) -> Buf:
         """A share of the vocabulary's logits: gathered after the table
         (`DecodeProgram.gather`; what follows, a softcap, is per value)."""
-        self.p.gather = self._group
+        self.p.gather = self._collective is not None
         return x
 
     def softcap(self, x: Buf, cap: float) -> Buf:
@@ -651,14 +615,14 @@ class RecordingOps:
 
 
 def record(transformer: Any, batch: ForwardBatch, decode: DecodeRows,
-           group: bool = False) -> DecodeProgram | None:
+           collective: HostCollective | None = None) -> DecodeProgram | None:
     """The table of `transformer`'s forward of `batch` (n decode rows), or None where the
-    forward does something the table cannot express; with `group`, a device's of a
-    tensor-parallel group (its collectives between runs of the table)."""
+    forward does something the table cannot express; with `collective`, a device's of a
+    tensor-parallel group (its all-reduces steps of the table)."""
     program = DecodeProgram(len(batch.tokens), layout=(decode.n_layers, decode.kv_dim))
     try:
         program.logits = transformer.run(
-            batch, RecordingOps(program, decode, core_workers().parts, group))
+            batch, RecordingOps(program, decode, core_workers().parts, collective))
     except Unsupported:
         return None
     program.finish()
@@ -680,4 +644,4 @@ def warm_up() -> None:
     row_kernel(np.zeros((1, 1), np.float32))
     ints = np.zeros(1, np.int64)
     _run(np.zeros((0, WIDTH), np.int64), np.zeros((0, 2)), np.zeros(1, np.float32), ints,
-         ints, ints, 0, np.zeros(0, np.int64), _SCHED_YIELD)
+         ints, ints, 0, np.zeros(0, np.int64), SCHED_YIELD)

@@ -73,8 +73,9 @@ def _panel_isa(features: set[str]) -> str:
 PANEL_ISA = _panel_isa(host_features())
 PANELS_NATIVE = PANEL_ISA != "generic"
 # rows of x multiplied together with one panel: 4 by two 16-row vectors measured fastest
-# of 4-8 rows by one to four vectors on 512-bit registers; AVX2 has 16 registers of 256
-# bits, which 2 rows' accumulators (four registers a row) and a step's weights fill
+# of 4-8 rows by one to four vectors on 512-bit registers; on AVX2 (16 registers of 256
+# bits: four a row of x for its sums, four for a step's weights) 2 of 1-4 rows, for Q4_K,
+# Q6_K and Q8_0 (docs/performance.md)
 ROW_BLOCK = 4 if PANEL_ISA == "avx512vnni" else 2
 # The x codes are -127..127 (kernels/cpu_activations.py); `vpmaddubsw` saturates its int16
 # pair sums, which two products of a code up to 127 and x stay within (2 * 127 * 127).

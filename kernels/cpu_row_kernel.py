@@ -80,6 +80,7 @@ def _pointer_at(element: types.Type) -> Any:
 
 f32_at = _pointer_at(types.float32)
 i32_at = _pointer_at(types.int32)
+i64_at = _pointer_at(types.int64)
 i8_at = _pointer_at(types.int8)
 u8_at = _pointer_at(types.uint8)
 

@@ -480,8 +480,7 @@ class NumpyOps:
             return None
         key = (id(transformer), n)
         if key not in self._programs or self._owners.get(key) is not transformer:
-            self._programs[key] = record(transformer, batch, decode,
-                                         group=self.collective is not None)
+            self._programs[key] = record(transformer, batch, decode, self.collective)
             self._owners[key] = transformer
         program = self._programs[key]
         if program is None or program.layout != (decode.n_layers, decode.kv_dim):

@@ -19,7 +19,9 @@ from gguf import GGMLQuantizationType as Q
 
 from eagerlm.kernels.batch import ForwardBatch
 from eagerlm.kernels.cpu_backend import held_bytes
-from eagerlm.kernels.host_collective import HostGroup
+from eagerlm.kernels.cpu_compile import wait_for_later_kernels
+from eagerlm.kernels.cpu_decode_program import REDUCE
+from eagerlm.kernels.host_collective import Exchange, HostGroup
 from eagerlm.kernels.numpy_ops import NumpyOps
 from eagerlm.kernels.tensor_parallel import TensorParallelModel, cpu_group
 from eagerlm.loader.model_file import ModelFile
@@ -108,11 +110,11 @@ def test_logits_over_two_and_four_cpu_devices_equal_one_devices_within_float32_r
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3", "qwen3moe-q8_0"])
-def test_each_devices_decode_steps_replay_its_share_between_the_collectives(
+def test_each_devices_decode_steps_replay_its_share_with_the_all_reduces_in_the_table(
         tmp_path, arch, monkeypatch):
     """A device of a group replays its decode steps, and rows whose logits are all wanted
-    (kernels/cpu_decode_program.py): its table cut at each all-reduce, two a layer, its
-    share of the logits gathered after.
+    (kernels/cpu_decode_program.py): each all-reduce a REDUCE step of its table, two a
+    layer, its share of the logits gathered after.
     The logits are the op-by-op forward's: the same bits, but for gemma3's softcap
     (numpy's tanh op by op, within float32 rounding; as on one device). The mixture's
     experts are Q8_0: float32 experts are not replayed."""
@@ -120,13 +122,16 @@ def test_each_devices_decode_steps_replay_its_share_between_the_collectives(
         if arch == "qwen3moe-q8_0" else SPECS[arch]
     model = _model(tmp_path, spec)
     group = cpu_group(model, 2)
+    # (a cold cache: the table's kernels for these types compile after the load)
+    assert wait_for_later_kernels(600)
     try:
         replayed = _logits(group)
         for tf in group.transformers:  # the prompt's 12 rows (all logits) and a step's 1
             programs = {p.n: p for p in tf.ops._programs.values() if p is not None}
             assert sorted(programs) == [1, len(PROMPT)]
             for program in programs.values():
-                assert program.gather and len(program.reduces) == 2 * model.config.n_layers
+                reduces = sum(step[0] == REDUCE for step in program.steps)
+                assert program.gather and reduces == 2 * model.config.n_layers
     finally:
         group.close()
     monkeypatch.setattr(NumpyOps, "replay", lambda self, transformer, batch: None)
@@ -376,3 +381,67 @@ def test_the_host_all_reduce_is_the_sum_with_the_same_bits_on_every_device():
     for r in range(4):
         np.testing.assert_array_equal(got[r], got[0])
         np.testing.assert_array_equal(gathered[r], np.concatenate([p[:, :5] for p in parts], 1))
+
+
+def _exchange_sums(exchange: Exchange, parts: list[list[np.ndarray]],
+                   delays: np.ndarray) -> list[list[np.ndarray]]:
+    """Each device r sums parts[r][i] for every i in turn over `exchange` (a thread a
+    device, sleeping delays[r, i] seconds before its i-th)."""
+    got: list[list[np.ndarray]] = [[] for _ in parts]
+
+    def device(r: int) -> None:
+        for i, part in enumerate(parts[r]):
+            time.sleep(delays[r, i])
+            x = part.copy()
+            exchange.sum(r, x)
+            got[r].append(x)
+
+    threads = [threading.Thread(target=device, args=(r,)) for r in range(len(parts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got
+
+
+def test_the_exchanges_all_reduces_are_rank_order_sums_in_any_arrival_order():
+    """The all-reduce the replay's REDUCE steps and the ops share (`Exchange`): 30 in a
+    row over 4 devices arriving in random orders, sizes from 1 value to several times a
+    slot (`capacity`: the sum goes in pieces, the two slot sets alternating): every
+    device gets numpy's float32 sum in rank order ((p0 + p1) + p2) + p3, the same bits."""
+    rng = np.random.default_rng(5)
+    size, capacity = 4, 64
+    sizes = rng.integers(1, 5 * capacity, 30)
+    parts = [[rng.standard_normal(n).astype(np.float32) for n in sizes] for _ in range(size)]
+    exchange = Exchange(size, capacity)
+    got = _exchange_sums(exchange, parts, rng.uniform(0, 2e-3, (size, len(sizes))))
+    for i in range(len(sizes)):
+        want = parts[0][i].copy()
+        for r in range(1, size):
+            want += parts[r][i]
+        for r in range(size):
+            np.testing.assert_array_equal(got[r][i].view(np.uint32), want.view(np.uint32))
+    assert [exchange.counts(r)[0] for r in range(size)] == [int(sum(-(-sizes // capacity)))] * 4
+
+
+def test_a_device_waiting_in_the_exchange_raises_once_the_group_is_aborted():
+    """A device whose peer never comes (it failed) waits in the exchange until the group
+    is aborted, then raises BrokenBarrierError, as every later all-reduce does."""
+    group = HostGroup(2)
+    raised: list[BaseException] = []
+
+    def device_0() -> None:
+        try:
+            group.member(0).all_reduce(np.ones(8, np.float32))
+        except threading.BrokenBarrierError as e:
+            raised.append(e)
+
+    t = threading.Thread(target=device_0)
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive() and not raised  # waiting for device 1
+    group.abort()
+    t.join(10)
+    assert not t.is_alive() and len(raised) == 1
+    with pytest.raises(threading.BrokenBarrierError):
+        group.member(1).all_reduce(np.ones(8, np.float32))

@@ -44,6 +44,7 @@ from gguf import GGMLQuantizationType as Q
 
 from benchmarks.bench_cpu_decode import tensor_bytes
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
+from eagerlm.kernels.host_collective import CollectiveStats
 from eagerlm.kernels.tensor_parallel import cpu_group
 from eagerlm.loader.model_file import ModelFile
 from eagerlm.vmm.kv_layout import ContiguousKV
@@ -88,9 +89,10 @@ def decode(group, batch: int, prompt: int, steps: int) -> dict:
         ids = rng.integers(0, vocab, prompt).astype(np.int32)
         group.forward([ForwardBatch.single(ids, 0, kvs[r][s]) for r in range(group.size)])
     tokens = rng.integers(0, vocab, batch).astype(np.int32)
-    stats = [tf.ops.collective.stats if tf.ops.collective else None
-             for tf in group.transformers]
-    before = [dataclasses.replace(s) if s else None for s in stats]
+    def stats() -> list[CollectiveStats | None]:  # (snapshots)
+        return [tf.ops.collective.stats if tf.ops.collective else None
+                for tf in group.transformers]
+    before = stats()
     t0 = time.perf_counter()
     for step in range(steps):
         batches = [ForwardBatch(tokens, [SeqSlice(i, 1, prompt + step, kvs[r][i])
@@ -100,7 +102,7 @@ def decode(group, batch: int, prompt: int, steps: int) -> dict:
         tokens = logits.argmax(axis=1).astype(np.int32)
     dt = time.perf_counter() - t0
     out = {"tok_s": batch * steps / dt, "devices": []}
-    for s, b in zip(stats, before, strict=True):
+    for s, b in zip(stats(), before, strict=True):
         if s is not None and b is not None:
             out["devices"].append({"calls": (s.calls - b.calls) / steps,
                                    "wait": (s.wait_s - b.wait_s) / dt,

@@ -13,14 +13,16 @@ matrix: the file's bytes, `[rows, row_bytes]`, so it takes what the file takes. 
   x, nothing dequantized to memory; the output rows are cut in pieces that the cores take
   in turn (kernels/cpu_threads.py's `by_output_pieces`), or run on the calling thread
   under `GEMV_SERIAL_MAX_VALUES` multiply-adds.
-  Beyond that (prefill, big batches), on machines with 512-bit VNNI every block type but
-  Q1_0 takes 8-bit panels (`prompt_panels`, kernels/cpu_panel_gemm.py): x quantized per
-  32 values once, `PANEL_TILE_BYTES` of panels at a time packed from the blocks by the
-  type's `pack_panels` into a reused buffer per core, times every row of x; the cores
-  take pieces of whole panels in turn. Elsewhere the types with a `prompt_run_rows` (the
-  superblock types) still take `gemv` on machines without AVX-512, in runs of that many
-  rows of x (`prompt_runs`); the others (on AVX-512 machines every type the panels do
-  not take), dequantize
+  Beyond that (prefill, big batches), on machines with 512-bit VNNI or AVX2 every block
+  type but Q1_0 (and, on AVX2, the signed types where they have a faster path:
+  `SIGNED_PANELS`) takes 8-bit panels (`prompt_panels`, kernels/cpu_panel_gemm.py): x
+  quantized per 32 values once, `PANEL_TILE_BYTES` of
+  panels at a time packed from the blocks by the type's `pack_panels` into a reused
+  buffer per core, times every row of x by its `panel_product`; the cores take pieces of
+  whole panels in turn. Elsewhere the types with a `prompt_run_rows` (the superblock
+  types, F16) still take `gemv` on machines without AVX-512, in runs of that many rows of
+  x (`prompt_runs`); the others (on AVX-512 machines every type the panels do not take),
+  dequantize
   `TILE_ELEMENTS` worth of weight rows at a time into a reused float32 buffer and multiply
   it by BLAS, one share of the output rows per core: a tile per core is all the extra
   memory. Which is faster was measured per type and machine (docs/performance.md).
@@ -66,9 +68,15 @@ PROMPT_RUNS = not HOST_AVX512
 # Prompts of the block types take 8-bit panels (kernels/cpu_panel_gemm.py) where the
 # machine has 512-bit VNNI (1.5-2.5x the tiles' and the runs' rates there) or AVX2
 # (1.14-2.2x the runs' and tiles' on one core of the Xeon compiling for Haswell, every
-# type but IQ4_XS, whose signed codes cost the panels an instruction more per product
-# and whose runs are long: `prompt_panels`; docs/performance.md, 2026-11-29).
+# type but IQ4_XS, whose signed codes cost the panels more per product and whose runs
+# are long; 1.7-2.5x the 512-bit tiles for the unsigned types compiling for an AVX-512
+# machine without VNNI, where the signed types keep the tiles: `prompt_panels`;
+# docs/performance.md, 2026-11-29).
 PROMPT_PANELS = PANELS_NATIVE
+# whether the signed types' prompts take the panels wherever the others' do: not on the
+# AVX2 panels (magnitudes and signs, and 128 times x's sums back) where they have a
+# faster path (`_takes_panels`)
+SIGNED_PANELS = PANEL_ISA != "avx2"
 # Cleared while the panels' kernels compile in kernels/cpu_compile.py's helper process
 # after a load on a cold cache, set once they are loaded here: until then prompts take
 # the float32 tiles (whose `dequant` the load compiles for these types too), as decode
@@ -196,9 +204,12 @@ def prompt_panels(qtype: GGMLQuantizationType) -> bool:
 
 
 def _takes_panels(qtype: GGMLQuantizationType) -> bool:
-    """`PROMPT_PANELS` and a type that has them (`has_panels`), but for a signed type with
-    runs on an AVX2 machine (IQ4_XS: its runs measured faster there)."""
-    if PANEL_ISA == "avx2" and BLOCK_TYPES[qtype].signed and prompt_runs(qtype):
+    """`PROMPT_PANELS` and a type that has them (`has_panels`), but for a signed type on
+    the AVX2 panels where it has a faster path: its runs (IQ4_XS, 0.81x), or the 512-bit
+    tiles of an AVX-512 machine without VNNI (Q8_0 and IQ4_XS 0.69-0.72x there; the
+    unsigned types 1.7-2.5x; docs/performance.md)."""
+    if BLOCK_TYPES[qtype].signed and not SIGNED_PANELS and (
+            HOST_AVX512 or prompt_runs(qtype)):
         return False
     return PROMPT_PANELS and has_panels(qtype)
 

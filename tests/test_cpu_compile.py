@@ -65,7 +65,7 @@ from eagerlm.loader.model_file import ModelFile
 from eagerlm.vmm.kv_layout import KVLayout, TokenMajorKV
 from eagerlm.kernels import quantized
 quantized.PROMPT_RUNS = sys.argv[2] == "runs"
-quantized.PROMPT_PANELS = sys.argv[2] == "panels"
+quantized.PROMPT_PANELS = quantized.SIGNED_PANELS = sys.argv[2] == "panels"
 def compiled():
     kernels = {q.name: {name: len(getattr(cpu_kernel_registry.kernels(q), name).signatures)
                         for name in ("gemv", "dequant", "pack_panels", "panel_product")}

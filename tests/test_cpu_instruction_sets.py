@@ -46,9 +46,12 @@ ROWS, COLS = 48, 512
 # what an older x86-64 has: the AVX2 generation (no AVX-512, no VNNI: the same bits as
 # this machine's), and SSSE3 only (no FMA either: multiply-adds round twice, so within the
 # products' derived bounds instead, tests/test_cpu_quantized.py)
+_AVX2 = "+sse2,+sse3,+ssse3,+sse4.1,+sse4.2,+popcnt,+cx16,+avx,+avx2,+fma,+f16c,+bmi,+bmi2," \
+    "+lzcnt,+movbe"
 CPUS = {
-    "avx2": ("haswell", "+sse2,+sse3,+ssse3,+sse4.1,+sse4.2,+popcnt,+cx16,+avx,+avx2,+fma,"
-                        "+f16c,+bmi,+bmi2,+lzcnt,+movbe"),
+    "avx2": ("haswell", _AVX2),
+    # AVX-512 without VNNI (Skylake-SP): the AVX2 panels, their other operations 512 bits
+    "avx512": ("skylake-avx512", _AVX2 + ",+avx512f,+avx512bw,+avx512vl,+avx512dq,+avx512cd"),
     "ssse3": ("core2", "+sse2,+sse3,+ssse3,+cx16"),
 }
 
@@ -57,7 +60,7 @@ import sys
 import numpy as np
 from eagerlm.kernels import quantized
 from eagerlm.kernels.quantized import quantized_linear
-quantized.PROMPT_PANELS, quantized.PROMPT_RUNS = True, False
+quantized.PROMPT_PANELS, quantized.SIGNED_PANELS = True, True
 from tests.test_cpu_instruction_sets import every_half, inputs
 out = {"halves": every_half()}
 for qtype, w, xs in inputs():
@@ -109,7 +112,7 @@ def test_an_older_cpus_kernels_agree_with_this_machines(cpu, tmp_path, monkeypat
     theirs = np.load(out)
     assert len(theirs.files) == 3 * len(TYPES) - len(FLOAT_TYPES) + 1
     monkeypatch.setattr(quantized, "PROMPT_PANELS", True)
-    monkeypatch.setattr(quantized, "PROMPT_RUNS", False)
+    monkeypatch.setattr(quantized, "SIGNED_PANELS", True)
     # numpy's float16 conversion, the independent reference: the same bits but for the
     # NaNs, NaNs either way (F16C's conversion quiets a signalling NaN, numpy's does not)
     halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)

@@ -257,7 +257,7 @@ def test_each_types_panels_equal_float64_dequantize_then_matmul(qtype, monkeypat
     panel (so each core's share takes several), the last panel part-filled (37 rows);
     rows of three blocks, not a whole 256 values of x's padded codes."""
     monkeypatch.setattr(quantized, "PROMPT_PANELS", True)
-    monkeypatch.setattr(quantized, "PROMPT_RUNS", False)  # (IQ4_XS keeps them on AVX2)
+    monkeypatch.setattr(quantized, "SIGNED_PANELS", True)  # (not on every machine)
     monkeypatch.setattr(quantized, "PANEL_TILE_BYTES", PANEL * IN_FEATURES)
     rng = np.random.default_rng(int(qtype) + 7)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
@@ -313,7 +313,7 @@ def test_a_prompt_row_gives_the_same_bits_in_any_prompt(qtype, monkeypatch):
     same bits whatever the other rows, however many (a row block's padding, a second
     pass over the panels)."""
     monkeypatch.setattr(quantized, "PROMPT_PANELS", True)
-    monkeypatch.setattr(quantized, "PROMPT_RUNS", False)
+    monkeypatch.setattr(quantized, "SIGNED_PANELS", True)
     rng = np.random.default_rng(int(qtype) + 8)
     w = random_matrix(qtype, OUT_FEATURES, IN_FEATURES, rng)
     x = rng.standard_normal((X_CHUNK_BYTES // IN_FEATURES + 5, IN_FEATURES)).astype(np.float32)

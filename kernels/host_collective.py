@@ -60,7 +60,7 @@ class CollectiveStats:
 
 # the exchange's control words, one a cache line (8 int64) so that no two devices write
 # one line: the arrivals of the two slot sets, the abort flag, then per rank its
-# all-reduces so far, and its cycles waiting for the others and summing
+# exchanges so far, and its cycles waiting for the others and summing
 _LINE = 8
 _ARRIVED, _ABORT, _PER_RANK = 0, 2, 3
 # floats per slot: an all-reduce of more goes in pieces (a decode batch of 8 rows of
@@ -94,7 +94,8 @@ class Exchange:
         return bool(self.control[_LINE * _ABORT])
 
     def counts(self, rank: int) -> tuple[int, int, int]:
-        """Device `rank`'s all-reduces so far, and its cycles waiting and summing."""
+        """Device `rank`'s exchanges so far (an all-reduce of more than `capacity` floats
+        is several), and its cycles waiting and summing."""
         at = _LINE * (_PER_RANK + rank)
         step = _LINE * self.size
         return (int(self.control[at]), int(self.control[at + step]),

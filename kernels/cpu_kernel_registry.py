@@ -78,8 +78,9 @@ class BlockType:
     # llama.cpp's own distance from the exact logits (KL; every other type 0.4-1.05x), so
     # its prompts keep float32 tiles (tests/test_types_vs_llama_cpp.py, 2026-11-28)
     panels: bool = True
-    # whether its codes are signed (-128..127): their panels cost AVX2 an instruction more
-    # per product (kernels/cpu_panel_gemm.py), so a signed type with runs keeps them there
+    # whether its codes are signed (-128..127): AVX2's panels multiply them as magnitudes
+    # and signs (kernels/cpu_panel_gemm.py), slower than the type's other path where it
+    # has one (kernels/quantized.py's `SIGNED_PANELS`)
     signed: bool = False
 
 

@@ -52,7 +52,16 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, register_model
 
-from eagerlm.kernels.cpu_simd import VectorModel, VectorType, element_ptr, host_features, splat
+from eagerlm.kernels.cpu_simd import (
+    VectorModel,
+    VectorType,
+    abs_and_sign,
+    element_ptr,
+    host_features,
+    pmaddubsw,
+    pmaddwd,
+    splat,
+)
 
 PANEL = 32  # weight rows interleaved: two 16-lane vectors
 # rows of x whose codes one pass over a tile's panels keeps in the core's L2 (the
@@ -121,9 +130,10 @@ def _dpbusd(builder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.
 
 
 def _halves(builder, fn, a: ir.Value, b: ir.Value) -> ir.Value:
-    """A 256-bit x86 intrinsic `fn` of two 512-bit operands, one half at a time."""
+    """`fn(builder, a', b')`, an IR builder of 256-bit operands (kernels/cpu_simd.py's), on
+    each half of two 512-bit operands, the results joined."""
     count = a.type.count // 2
-    parts = [builder.call(fn, [builder.shuffle_vector(v, v, ir.Constant(
+    parts = [fn(builder, *[builder.shuffle_vector(v, v, ir.Constant(
         ir.VectorType(_I32, count), list(range(h * count, h * count + count)))) for v in (a, b)])
         for h in range(2)]
     total = 2 * parts[0].type.count
@@ -131,56 +141,21 @@ def _halves(builder, fn, a: ir.Value, b: ir.Value) -> ir.Value:
                                   ir.Constant(ir.VectorType(_I32, total), list(range(total))))
 
 
-def _avx2(builder, name: str, result: ir.VectorType, operand: ir.VectorType):
-    return builder.module.declare_intrinsic(
-        f"llvm.x86.avx2.{name}", fnty=ir.FunctionType(result, [operand, operand]))
-
-
-def _pair_sums(builder, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
-    """`vpmaddubsw` of 64 bytes: adjacent products of `unsigned` (zero-extended) and
-    `signed` summed into 32 int16 lanes (saturating on x86; the callers keep them within)."""
-    b32, w16 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16)
-    if PANEL_ISA == "avx2":
-        return _halves(builder, _avx2(builder, "pmadd.ub.sw", w16, b32), unsigned, signed)
-    w32 = ir.VectorType(_I16, 64)
-    products = builder.mul(builder.zext(unsigned, w32), builder.sext(signed, w32))
-    even, odd = (ir.Constant(ir.VectorType(_I32, 32), list(range(j, 64, 2))) for j in (0, 1))
-    return builder.add(builder.shuffle_vector(products, products, even),
-                       builder.shuffle_vector(products, products, odd))
+def _bytes_times_x(builder, codes: ir.Value, x: ir.Value, signed: bool) -> ir.Value:
+    """The int16 pair sums (`vpmaddubsw`) of 64 code bytes times x's 4 bytes (broadcast).
+    Codes past 127 would saturate them: `signed` codes (the signed types' codes plus 128,
+    less 128 again) multiply x as their magnitudes with their signs, which sums to the
+    codes times x; the caller adds 128 * x's sum back (`_x_sum_times_128`)."""
+    def half(b, q, xs):
+        if signed:
+            q, xs = abs_and_sign(b, q, xs)
+        return pmaddubsw(b, q, xs)
+    return _halves(builder, half, builder.bitcast(codes, _VB), builder.bitcast(x, _VB))
 
 
 def _widen(builder, pairs: ir.Value) -> ir.Value:
     """`vpmaddwd` by ones: 32 int16 lanes summed in adjacent pairs into 16 int32 lanes."""
-    w16, d8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
-    if PANEL_ISA == "avx2":
-        ones = ir.Constant(_VW, [1] * 32)
-        return _halves(builder, _avx2(builder, "pmadd.wd", d8, w16), pairs, ones)
-    wide = builder.sext(pairs, ir.VectorType(_I32, 32))
-    even, odd = (ir.Constant(ir.VectorType(_I32, 16), list(range(j, 32, 2))) for j in (0, 1))
-    return builder.add(builder.shuffle_vector(wide, wide, even),
-                       builder.shuffle_vector(wide, wide, odd))
-
-
-def _sign(builder, a: ir.Value, b: ir.Value) -> ir.Value:
-    """`vpsignb`: the bytes of a negated where b's are negative, zeroed where b's are 0."""
-    b32 = ir.VectorType(_I8, 32)
-    if PANEL_ISA == "avx2":
-        return _halves(builder, _avx2(builder, "psign.b", b32, b32), a, b)
-    zero = ir.Constant(_VB, None)
-    negated = builder.select(builder.icmp_signed("<", b, zero), builder.sub(zero, a), a)
-    return builder.select(builder.icmp_signed("==", b, zero), zero, negated)
-
-
-def _bytes_times_x(builder, codes: ir.Value, magnitudes: ir.Value | None,
-                   x: ir.Value) -> ir.Value:
-    """The int16 pair sums of 64 code bytes times x's 4 bytes (broadcast) for `vpmaddubsw`.
-    Codes past 127 would saturate them: those (`magnitudes` given: |codes - 128|) multiply
-    x carrying their signs instead, which sums to (codes - 128) * x; the caller adds
-    128 * x's sum back (`_x_sum_times_128`)."""
-    x = builder.bitcast(x, _VB)
-    if magnitudes is None:
-        return _pair_sums(builder, builder.bitcast(codes, _VB), x)
-    return _pair_sums(builder, magnitudes, _sign(builder, x, codes))
+    return _halves(builder, pmaddwd, pairs, ir.Constant(_VW, [1] * 32))
 
 
 def _x_sum_times_128(builder, x_bytes: ir.Value) -> ir.Value:
@@ -253,17 +228,16 @@ def group_mac(typingctx, accs, rows, steps, int16, codes, c0, xq, x0, x_stride, 
         for step in range(n_steps):
             w = [builder.load(at(4, builder.add(c_at, const(step * PANEL + 16 * h)), _VI),
                               align=4) for h in range(2)]
-            magnitudes = [None, None]
-            if not vnni and not n_int16:  # the signed codes, -128..127, and |them|
+            signed = not vnni and not n_int16
+            if signed:  # the signed codes, -128..127
                 w = [builder.xor(builder.bitcast(v, _VB), flip) for v in w]
-                magnitudes = [_sign(builder, v, v) for v in w]
             for i in range(n_rows):
                 x = splat(builder, builder.load(at(6, x_at(i, 4 * step), _I32), align=1), _VI)
                 for h in range(2):
                     if vnni:
                         sums[i][h] = _dpbusd(builder, sums[i][h], w[h], x)
                         continue
-                    p = _bytes_times_x(builder, w[h], magnitudes[h], x)
+                    p = _bytes_times_x(builder, w[h], x, signed)
                     pairs[i][h] = p if step % chunk == 0 else builder.add(pairs[i][h], p)
                     if (step + 1) % chunk == 0:
                         sums[i][h] = builder.add(sums[i][h], _widen(builder, pairs[i][h]))

@@ -382,7 +382,7 @@ _register_operators(float32x8, _FLOAT_OPS, (types.Float, types.Integer))
 
 # -- integer dot products -----------------------------------------------------------------------
 
-def _pmaddwd(builder, a: ir.Value, b: ir.Value) -> ir.Value:
+def pmaddwd(builder, a: ir.Value, b: ir.Value) -> ir.Value:
     """Two `<16 x i16>`: adjacent products summed into `<8 x i32>`."""
     if _X86_AVX2:
         fn = builder.module.declare_intrinsic(
@@ -403,7 +403,7 @@ def _pairs(builder, a: ir.Value, b: ir.Value, wide: ir.VectorType, extend_a) -> 
     return builder.add(parts[0], parts[1])
 
 
-def _pmaddubsw(builder, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+def pmaddubsw(builder, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
     """Two `<32 x i8>`, the first unsigned: adjacent products summed into `<16 x i16>`
     (saturating on x86; the callers' codes keep every pair sum within int16)."""
     if _X86_AVX2:
@@ -414,7 +414,7 @@ def _pmaddubsw(builder, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
 
 
 def _dpbusd(builder, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
-    """`_pmaddwd(_pmaddubsw(unsigned, signed), ones)` in one VNNI instruction (`vpdpbusd`),
+    """`pmaddwd(pmaddubsw(unsigned, signed), ones)` in one VNNI instruction (`vpdpbusd`),
     one multiply instead of two: four adjacent products summed into each int32 lane, with
     no int16 pair sums in between (nothing to saturate). Not used for the scaled dot
     products: LLVM splits their `vpdpwssd` back into `vpmaddwd` + `vpaddd` on Intel cores
@@ -426,7 +426,7 @@ def _dpbusd(builder, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
                              builder.bitcast(signed, i32x8)])
 
 
-def _abs_and_sign(builder, codes: ir.Value, acts: ir.Value) -> tuple[ir.Value, ir.Value]:
+def abs_and_sign(builder, codes: ir.Value, acts: ir.Value) -> tuple[ir.Value, ir.Value]:
     """|codes| and acts with the codes' signs (zero where a code is 0): their products are
     codes * acts with the codes unsigned, as `vpmaddubsw` wants them."""
     if _X86_AVX2:
@@ -449,11 +449,11 @@ def _dot(signed_codes: bool):
                                          signature.args[2], _V32), align=1)
             q = args[0]
             if signed_codes:
-                q, x = _abs_and_sign(builder, q, x)
+                q, x = abs_and_sign(builder, q, x)
             if _X86_VNNI:
                 return _dpbusd(builder, q, x)
-            pairs = _pmaddubsw(builder, q, x)
-            return _pmaddwd(builder, pairs, ir.Constant(_vec(_I16, 16), [1] * 16))
+            pairs = pmaddubsw(builder, q, x)
+            return pmaddwd(builder, pairs, ir.Constant(_vec(_I16, 16), [1] * 16))
         return int32x8(codes, acts, offset), codegen
     return dot
 
@@ -470,14 +470,14 @@ def _scaled_dot(signed_codes: bool):
                                          signature.args[2], _V32), align=1)
             q = args[0]
             if signed_codes:
-                q, x = _abs_and_sign(builder, q, x)
-            pairs = _pmaddubsw(builder, q, x)
+                q, x = abs_and_sign(builder, q, x)
+            pairs = pmaddubsw(builder, q, x)
             raw = builder.load(element_ptr(context, builder, signature.args[3], args[3],
                                            args[4], signature.args[4], _vec(_I8, 2)), align=1)
             wide = builder.sext(raw, _vec(_I16, 2))
             lanes = [0] * 8 + [1] * 8 if two else [0] * 16
             scale = builder.shuffle_vector(wide, wide, _constant_lanes(_vec(_I32, 16), lanes))
-            return _pmaddwd(builder, pairs, scale)
+            return pmaddwd(builder, pairs, scale)
         return int32x8(codes, acts, offset, scales, at, pair), codegen
     return dot
 

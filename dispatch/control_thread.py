@@ -181,12 +181,11 @@ class ControlThread(OwnedThread):
         # stream; the control thread only says when to rebuild or forget a session's
         self._sampler_state = SamplerState(transformer.config.vocab_size)
         self._forget: list[int] = []
-        # not over several devices yet: a graph's padded rows would make device 0's
-        # collectives other sizes than the followers' (docs/tensor_parallel.md)
-        self._graphs: DecodeRounds | None = None if followers is not None else \
-            self.backend.decode_graphs(transformer, self._token_buf, max_batch=sc.max_batch,
-                                       max_context=context_length, layout=self.layout,
-                                       enabled=config.cuda_graphs)
+        # over several devices each follower has its own, padded to the buckets this
+        # thread's rounds take (`RoundOrder.fixed`)
+        self._graphs: DecodeRounds | None = self.backend.decode_graphs(
+            transformer, self._token_buf, max_batch=sc.max_batch, max_context=context_length,
+            layout=self.layout, enabled=config.cuda_graphs)
         self._records: list[_RoundRecord | None] = [None] * n_slots
         self.round_id = 0
         self.last_event: Event | None = None
@@ -392,8 +391,10 @@ class ControlThread(OwnedThread):
         # a decode round: fixed buffers (one with constrained rows replays the forward
         # only, then samples its free rows before waiting for the masks; one with
         # speculating sessions runs their steps there too)
+        # (over several devices, not a speculative round: its steps are device 0's alone)
         if self._graphs is not None and plan.n_decode == n_seqs and (
-                n_rows == n_seqs if spec is None else draft is None):
+                n_rows == n_seqs if spec is None else
+                draft is None and self.followers is None):
             run.graph = (self._graphs, rows.copy())
         self._forget = []
         if self.followers is None:
@@ -404,7 +405,7 @@ class ControlThread(OwnedThread):
                 [r.session.region.rid for r in plan.rows],  # type: ignore[union-attr]
                 [seq_rows[i][0] + seq_rows[i][1] - 1 - plan.rows[i].n_draft + j
                  for _, _, i in sampled_rows for j in range(1 + plan.rows[i].n_draft)],
-                speculative=spec is not None)
+                speculative=spec is not None, fixed=run.fixed_kind())
             self.compute.launch(self.followers.guard(run))
         done = self.compute.record(self.device.event())
         trace.device_end = done

@@ -127,8 +127,10 @@ class Dispatcher:
                 FollowerThread(r, group.devices[r], group.transformers[r],
                                self.capacity.n_pages, layout, max_batch=sc.max_batch,
                                max_round_tokens=sc.max_round_tokens, n_slots=n_slots,
-                               failure=failure, to_service=to_service,
-                               context=contexts[r] if contexts else None)
+                               max_context=self.context_length, failure=failure,
+                               to_service=to_service,
+                               context=contexts[r] if contexts else None,
+                               cuda_graphs=ctl.cuda_graphs)
                 for r in range(1, group.size)]
         self.control = ControlThread(
             device, transformer, self.pool, ctl, to_control, to_service, self.lookahead,

@@ -36,7 +36,7 @@ import numpy as np
 from eagerlm.dispatch.messages import ControlStopped, Shutdown
 from eagerlm.dispatch.owned_thread import OwnedThread
 from eagerlm.dispatch.region_journal import JournaledPool, RegionMirror, RegionOp
-from eagerlm.kernels.backend import RoundBackend
+from eagerlm.kernels.backend import DecodeKind, DecodeRounds, RoundBackend
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.model import Transformer
 from eagerlm.vmm.device import Device, Event, Stream, StreamError
@@ -78,6 +78,10 @@ class RoundOrder:
     # speculating sessions: their draft rows' tokens and their positions are device 0's,
     # broadcast at the start of the round (`RoundBackend.broadcast_round`)
     speculative: bool = False
+    # the leader runs this decode round through its fixed buffers as this kind (cuda),
+    # padded to a bucket: the follower runs its share padded alike, through its own
+    # (`DecodeRounds.forward_shard`), so that the collectives have the same sizes
+    fixed: DecodeKind | None = None
 
 
 @dataclass(frozen=True)
@@ -172,15 +176,26 @@ class FollowerWork:
 
     def __init__(self, transformer: Transformer, meta: Any, token_buf: Any, n_rows: int,
                  seq_rows: list[tuple[int, int, int]], kvs: list[Any],
-                 logit_rows: np.ndarray, speculative: bool = False) -> None:
+                 logit_rows: np.ndarray, speculative: bool = False,
+                 fixed: tuple[DecodeRounds, np.ndarray, DecodeKind] | None = None) -> None:
+        """`fixed`: (this device's decode rounds, the round's host rows, the leader's
+        kind) where the leader runs the round through its fixed buffers."""
         self.transformer = transformer
         self.meta, self.token_buf, self.n_rows = meta, token_buf, n_rows
         self.seq_rows, self.kvs, self.logit_rows = seq_rows, kvs, logit_rows
         self.speculative = speculative
+        self.fixed = fixed
 
     def __call__(self) -> None:
         backend: RoundBackend = self.transformer.ops
         seq_rows = self.seq_rows
+        if self.fixed is not None:
+            graphs, rows, kind = self.fixed
+            graphs.forward_shard(rows, [past for _, _, past in seq_rows], self.kvs,
+                                 self.logit_rows.tolist(), kind)
+            self.kvs = []
+            backend.broadcast_tokens(self.token_buf)
+            return
         if self.speculative:  # device 0's proposals and positions
             pasts = backend.broadcast_round(self.meta, self.n_rows, None)
             seq_rows = [(st, n, past) for (st, n, _), past in zip(seq_rows, pasts,
@@ -199,8 +214,10 @@ class FollowerThread(OwnedThread):
 
     def __init__(self, rank: int, device: Device, transformer: Transformer, n_pages: int,
                  layout: KVLayout, *, max_batch: int, max_round_tokens: int, n_slots: int,
-                 failure: GroupFailure, to_service: queue.Queue,
-                 context: DeviceContext | None = None) -> None:
+                 max_context: int, failure: GroupFailure, to_service: queue.Queue,
+                 context: DeviceContext | None = None, cuda_graphs: bool = True) -> None:
+        """`max_context`, `cuda_graphs`: as the leader's, whose decode buckets this
+        device's fixed-buffer rounds follow."""
         self.rank, self.device, self.transformer = rank, device, transformer
         self.backend: RoundBackend = transformer.ops
         self.failure = failure
@@ -219,6 +236,9 @@ class FollowerThread(OwnedThread):
         self._meta_host = [device.alloc_host(meta_ints * 4) for _ in range(n_slots)]
         self._meta_dev = device.alloc(meta_ints * 4)
         self._token_buf = device.alloc(max_batch * 4)
+        self.graphs: DecodeRounds | None = self.backend.decode_graphs(
+            transformer, self._token_buf, max_batch=max_batch, max_context=max_context,
+            layout=layout, enabled=cuda_graphs)
         self.error: str | None = None
         # its rounds, newest last (read by the profiler as the leader's RoundTraces are)
         self.traces: collections.deque[DeviceRound] = collections.deque(maxlen=100_000)
@@ -250,14 +270,20 @@ class FollowerThread(OwnedThread):
 
     def _launch(self, order: RoundOrder) -> None:
         self.mirror.apply(order.ops)
-        host = self._meta_host[order.round_id % len(self._meta_host)]
-        host.array.view(np.int32)[:order.meta.size] = order.meta
-        self.compute.copy_h2d(self._meta_dev, host, order.meta.nbytes)
+        fixed = None
+        if order.fixed is not None:  # the rows go in the graph's blob
+            assert self.graphs is not None, "the leader's backend has decode graphs, so has ours"
+            fixed = (self.graphs, order.meta[:order.n_rows * 2].reshape(order.n_rows, 2),
+                     order.fixed)
+        else:
+            host = self._meta_host[order.round_id % len(self._meta_host)]
+            host.array.view(np.int32)[:order.meta.size] = order.meta
+            self.compute.copy_h2d(self._meta_dev, host, order.meta.nbytes)
         kvs = [self.backend.session_kv(self.mirror.regions[r]) for r in order.regions]
         start = self.compute.record(self.device.event())
         self.compute.launch(Guarded(FollowerWork(
             self.transformer, self._meta_dev, self._token_buf, order.n_rows, order.seq_rows,
-            kvs, order.logit_rows, order.speculative), self.failure, self.rank))
+            kvs, order.logit_rows, order.speculative, fixed), self.failure, self.rank))
         self.traces.append(DeviceRound(order.round_id, start,
                                        self.compute.record(self.device.event())))
 
@@ -273,6 +299,9 @@ class FollowerThread(OwnedThread):
         self.mirror.close()
         with contextlib.suppress(StreamError):
             self._drain_device()
+        if self.graphs is not None:
+            with contextlib.suppress(Exception):  # a failed device: nothing to destroy
+                self.graphs.close()
         self._leave()
         if self._owns_compute:
             self.compute.close()
@@ -297,13 +326,14 @@ class Followers:
 
     def send_round(self, round_id: int, meta: np.ndarray, n_rows: int,
                    seq_rows: list[tuple[int, int, int]], regions: list[int],
-                   logit_rows: list[int], speculative: bool = False) -> None:
+                   logit_rows: list[int], speculative: bool = False,
+                   fixed: DecodeKind | None = None) -> None:
         meta = meta.copy()
         meta.flags.writeable = False
         logit_rows = np.array(logit_rows, np.int64)
         logit_rows.flags.writeable = False
         order = RoundOrder(round_id, self.pool.take_journal(), meta, n_rows, list(seq_rows),
-                           list(regions), logit_rows, speculative)
+                           list(regions), logit_rows, speculative, fixed)
         for t in self.threads:
             t.inbox.put(order)
 

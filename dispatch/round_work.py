@@ -28,7 +28,7 @@ import numpy as np
 
 from eagerlm.dispatch.mask_board import MaskBoard
 from eagerlm.dispatch.messages import RoundTrace, SpecOutput
-from eagerlm.kernels.backend import DecodeRounds, RoundBackend
+from eagerlm.kernels.backend import DecodeKind, DecodeRounds, RoundBackend
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import SamplingParams
@@ -270,19 +270,31 @@ class RoundWork:
         buffers (a replay, or their launches one by one), which also count penalized
         sessions' inputs and write logprobs where asked; False when it must take the
         general path."""
-        if not all(w.samples for w in self.seq_work):
-            return False
         if self.spec is not None:
-            return self._replay_spec(graphs, rows)
+            return all(w.samples for w in self.seq_work) and self._replay_spec(graphs, rows)
+        kind = self.fixed_kind()
+        if kind is None:
+            return False
         counts = [None if c is None else (c, split)
                   for c, split in zip(self._session_counts(), self._prompt_rows(),
                                       strict=True)]
-        if any(w.params.constrained for w in self.seq_work):
+        if kind.forward_only:
             return self._replay_forward(graphs, rows, counts)
         return graphs.run(rows, [past for _, _, past in self.seq_rows], self.kvs,
                           [w.params for w in self.seq_work], self.sampled,
                           [w.slot for w in self.seq_work], counts, self.logprob_out,
                           self._session_biases())
+
+    def fixed_kind(self) -> DecodeKind | None:
+        """The fixed-buffer variant this round takes (not speculating: every session
+        sampling its one row), None for the general path. Known before the round runs:
+        over several devices the leader sends it with the round's order, and each
+        follower runs its share padded to the same bucket (`DecodeRounds.forward_shard`)."""
+        if self.graph is None or self.spec is not None or not all(
+                w.samples for w in self.seq_work):
+            return None
+        return self.graph[0].kind([w.params for w in self.seq_work],
+                                  constrained=any(w.params.constrained for w in self.seq_work))
 
     def _replay_spec(self, graphs: DecodeRounds, rows: np.ndarray) -> bool:
         """A decode round with speculating sessions through the graphs' speculative rounds

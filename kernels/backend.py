@@ -20,6 +20,7 @@ back to the backend, so they are `Any` here.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -38,10 +39,31 @@ if TYPE_CHECKING:
 A = TypeVar("A")  # a backend's array type (np.ndarray, DeviceTensor)
 
 
+@dataclass(frozen=True)
+class DecodeKind:
+    """Which variant of its bucket's fixed-buffer round a decode round takes: beside the
+    forward and the draw, whether it counts inputs and adjusts logits (penalties, a logit
+    bias), whether it writes logprobs, or whether it stops after the forward (constrained
+    rows, sampled once the host has their masks). Over several devices the leader sends
+    its round's kind to the followers (`RoundOrder.fixed`): each captures its own graph
+    of its share at the same rounds as the leader, because a capture's warm-up runs the
+    forward, whose collectives meet the other devices' (docs/tensor_parallel.md)."""
+
+    adjusted: bool
+    logprobs: bool
+    forward_only: bool = False
+
+
 @runtime_checkable
 class DecodeRounds(Protocol):
     """Pure-decode rounds through fixed buffers (cuda: kernels/cuda_graphs.py's
     `DecodeGraphs`), as `RoundWork` runs them and the control thread closes them."""
+
+    def kind(self, params: Sequence[SamplingParams], constrained: bool) -> DecodeKind | None:
+        """The variant a decode round of one row per session with `params` takes
+        (`constrained`: some row waits for a mask: the forward only); None when it fits
+        no bucket and takes the general path."""
+        ...
 
     def run(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
             params: Sequence[SamplingParams], out: Any, out_slots: Sequence[int],
@@ -59,6 +81,14 @@ class DecodeRounds(Protocol):
         """The decode round's forward only (a round with constrained rows, whose sampling
         waits for the host): its logits [n, vocab], row j of session `order[j]`; None when
         it does not fit a bucket."""
+        ...
+
+    def forward_shard(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
+                      logit_rows: Sequence[int], leader: DecodeKind) -> None:
+        """A follower device's share of a decode round its leader runs as `leader`: the
+        forward only, padded to the same bucket (its collectives the leader's sizes), its
+        logit rows the leader's (`logit_rows`: the all-gathered logits' row order); its
+        graph captured at the rounds the leader's of that kind is."""
         ...
 
     def run_spec(self, rows: np.ndarray, seq_rows: Sequence[tuple[int, int, int]],

@@ -43,6 +43,11 @@ same launches are made one by one. So turning graphs off changes how the kernels
 launched, never which kernels run on which shapes: a GEMM's rounding may depend on its row
 count, and a batch padded to its bucket must not sample differently from the same batch
 unpadded. The tests compare both paths token for token and logprob for logprob.
+
+Over several devices (tensor parallelism) each device has its own: device 0's sample, and
+a follower replays its share of each round (`forward_shard`: the forward alone, padded to
+device 0's bucket, with device 0's logit rows), captured at the same rounds as device 0's,
+so that every device's collectives meet (docs/tensor_parallel.md).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from eagerlm.kernels.backend import DecodeKind
 from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.cuda_attention import SEQ_DESC, BatchMeta
 from eagerlm.kernels.cuda_ops import CudaOps
@@ -135,26 +141,18 @@ DECODE_FIELDS = (("rows", 8), ("seqs", SEQ_DESC.itemsize), ("row_seq", 4), ("pos
                  ("logprob_n", 4))
 
 
-@dataclass(frozen=True)
-class _Kind:
-    """Which steps beside the forward and the draw a graph holds."""
-
-    adjusted: bool  # count_tokens and penalize_rows (penalties, logit bias)
-    logprobs: bool  # token_logprobs
-    forward_only: bool = False  # no sampling: the logits are left in `_Step.logits`
-
-
 @dataclass
 class _Step:
-    """One (batch bucket, context bucket, kind): its fixed buffers, its launches, and once
-    captured, their graph."""
+    """One (batch bucket, context bucket, kind, shard): its fixed buffers, its launches,
+    and once captured, their graph. A shard step is a follower device's share of its
+    leader's rounds of that kind: the forward alone (tensor parallelism)."""
 
     batch: int
     context: int
-    kind: _Kind
+    kind: DecodeKind
     launch: Callable[[], None]  # the round's kernels, reading every input from `inputs`
     inputs: Any  # DeviceBuffer: the blob
-    out: Any  # DeviceBuffer: int32 [batch] sampled tokens
+    out: Any  # DeviceBuffer: int32 [batch] sampled tokens (None: a shard step)
     lp_values: Any  # DeviceBuffer: float32 [batch, 1 + MAX_LOGPROBS] (logprob kinds)
     lp_ids: Any  # DeviceBuffer: int32 [batch, MAX_LOGPROBS]
     logits: Any = None  # DeviceBuffer: float32 [batch, vocab] (forward-only kinds)
@@ -175,18 +173,29 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.enabled = enabled
         self.scratch = ContiguousDeviceKV(ops, layout, 1)  # what padding rows attend over
-        # keyed by (batch bucket, context bucket, kind)
-        self.steps: dict[tuple[int, int, _Kind], _Step] = {}
-        self.failures: dict[tuple[int, int, _Kind], str] = {}
+        # keyed by (batch bucket, context bucket, kind, shard)
+        self.steps: dict[tuple[int, int, DecodeKind, bool], _Step] = {}
+        self.failures: dict[tuple[int, int, DecodeKind, bool], str] = {}
         self.replays = 0
         self.adjusted_replays = 0  # of which, of graphs with penalties or a logit bias
         self.logprob_replays = 0  # and of graphs with logprobs
         self.forward_replays = 0  # and of forward-only graphs (rounds with constraints)
+        self.shard_replays = 0  # and of a follower's shares of its leader's rounds
         self.captured = 0
         self.eager_rounds = 0  # rounds through the fixed buffers launched one by one
         self.spec: Any = None  # speculative rounds' buffers and graphs (cuda_spec_graphs)
 
     # -- per round -----------------------------------------------------------------------
+
+    def kind(self, params: Sequence[SamplingParams], constrained: bool) -> DecodeKind | None:
+        """The variant of its bucket a round of one row per session with `params` takes;
+        None past the largest bucket."""
+        if not params or len(params) > self.buckets[-1]:
+            return None
+        adjusted = any(p.adjusts_logits for p in params)
+        if constrained:
+            return DecodeKind(adjusted, False, forward_only=True)
+        return DecodeKind(adjusted, any(p.logprobs is not None for p in params))
 
     def run(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
             params: Sequence[SamplingParams], out: Any, out_slots: Sequence[int],
@@ -206,10 +215,9 @@ class DecodeGraphs:
         made one by one. False only when the round has no bucket (the caller runs it
         through the general path)."""
         n = len(n_pasts)
-        if n == 0 or n > self.buckets[-1]:
+        kind = self.kind(params, constrained=False)
+        if kind is None:
             return False
-        kind = _Kind(any(p.adjusts_logits for p in params),
-                     any(p.logprobs is not None for p in params))
         if kind.logprobs and logprobs_out is None:
             raise ValueError("a round with logprobs needs buffers for them")
         step = self._launch(kind, rows, n_pasts, kvs, params, out_slots, counts, biases)
@@ -232,51 +240,72 @@ class DecodeGraphs:
         after this round's sampling); logits row j is row `order[j]`'s (default: row j's).
         None when the round has no bucket."""
         n = len(n_pasts)
-        if n == 0 or n > self.buckets[-1]:
+        kind = self.kind(params, constrained=True)
+        if kind is None:
             return None
-        kind = _Kind(any(p.adjusts_logits for p in params), False, forward_only=True)
         step = self._launch(kind, rows, n_pasts, kvs, params, [-1] * n, counts, None,
                             penalties=False, order=order)
         vocab = self.transformer.config.vocab_size
         return DeviceTensor(step.logits.ptr, (n, vocab), "f32", step.logits)
 
-    def _launch(self, kind: _Kind, rows: np.ndarray, n_pasts: Sequence[int],
-                kvs: Sequence[Any], params: Sequence[SamplingParams],
+    def forward_shard(self, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
+                      logit_rows: Sequence[int], leader: DecodeKind) -> None:
+        """A follower's share of a round its leader runs as `leader` (through its own
+        `run` or `forward`): the same bucket, so every collective has the leader's size,
+        and the leader's logit rows, so the all-gathered logits are its rows'. Keyed by the
+        leader's kind, this device warms up and captures exactly when the leader does:
+        a warm-up runs the forward, and its collectives must meet the leader's."""
+        self._launch(leader, rows, n_pasts, kvs, None, [-1] * len(n_pasts), None, None,
+                     penalties=False, order=logit_rows, shard=True)
+
+    def _key(self, n: int, n_pasts: Sequence[int], kind: DecodeKind,
+             shard: bool) -> tuple[int, int, DecodeKind, bool]:
+        b = next(x for x in self.buckets if x >= n)
+        return b, context_bucket(max(n_pasts) + 1, self.max_context), kind, shard
+
+    def _launch(self, kind: DecodeKind, rows: np.ndarray, n_pasts: Sequence[int],
+                kvs: Sequence[Any], params: Sequence[SamplingParams] | None,
                 out_slots: Sequence[int],
                 counts: Sequence[tuple[DeviceTensor, int] | None] | None,
                 biases: Sequence[DeviceTensor | None] | None, *,
-                penalties: bool = True, order: Sequence[int] | None = None) -> _Step:
+                penalties: bool = True, order: Sequence[int] | None = None,
+                shard: bool = False) -> _Step:
         """Fill the bucket's blob and replay its graph (or make its launches);
-        `penalties`: whether the graph adjusts the logits (a forward-only one does not)."""
-        n = len(n_pasts)
-        b = next(x for x in self.buckets if x >= n)
-        key = (b, context_bucket(max(n_pasts) + 1, self.max_context), kind)
+        `penalties`: whether the graph adjusts the logits (a forward-only one does not);
+        `params` None: a shard's round (no sampling)."""
+        key = self._key(len(n_pasts), n_pasts, kind, shard)
+        b = key[0]
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = self._step(*key)
         if self.enabled and step.exec is None and key not in self.failures:
-            self.capture(step, self._blob(step.batch, np.zeros((0, 2), np.int32), [], [], []),
-                         key)
+            warm = None if params is None else []
+            self.capture(step, self._blob(b, np.zeros((0, 2), np.int32), [], [], warm), key)
         blob = self._blob(b, rows, n_pasts, kvs, params, out_slots, counts, biases,
                           penalties=penalties, order=order)
         self.ops._ring.upload(blob, DeviceTensor(step.inputs.ptr, (blob.size,), "u8"))
         if step.exec is not None:
             self.replay(step)
             self.replays += 1
-            self.adjusted_replays += kind.adjusted
-            self.logprob_replays += kind.logprobs
-            self.forward_replays += kind.forward_only
+            if shard:
+                self.shard_replays += 1
+            else:
+                self.adjusted_replays += kind.adjusted
+                self.logprob_replays += kind.logprobs
+                self.forward_replays += kind.forward_only
         else:
             step.launch()
             self.eager_rounds += 1
         return step
 
     def _blob(self, b: int, rows: np.ndarray, n_pasts: Sequence[int], kvs: Sequence[Any],
-              params: Sequence[SamplingParams], out_slots: Sequence[int] = (),
+              params: Sequence[SamplingParams] | None, out_slots: Sequence[int] = (),
               counts: Sequence[tuple[DeviceTensor, int] | None] | None = None,
               biases: Sequence[DeviceTensor | None] | None = None, *,
               penalties: bool = True, order: Sequence[int] | None = None) -> np.ndarray:
-        """The graph's inputs for this round; rows past the real ones are padding."""
+        """The graph's inputs for this round; rows past the real ones are padding.
+        `params` None: a shard's round, which samples nothing (its sampling fields stay
+        zero: no kernel of its graph reads them)."""
         n = len(n_pasts)
         lay = BlobLayout(b, DECODE_FIELDS)
         blob = np.zeros(lay.nbytes, np.uint8)
@@ -301,6 +330,8 @@ class DecodeGraphs:
         logit_rows[:] = np.arange(b, dtype=np.int64)
         if order is not None:  # a forward-only round's logits in its sampling order
             logit_rows[:n] = order
+        if params is None:
+            return blob
         vocab = self.transformer.config.vocab_size
         table = field("params", SAMPLE_PARAMS)
         table[:n] = sample_table(params, [p + 1 for p in n_pasts], vocab)
@@ -324,16 +355,19 @@ class DecodeGraphs:
 
     # -- the fixed launches and their capture ---------------------------------------------
 
-    def _step(self, b: int, ctx: int, kind: _Kind) -> _Step:
+    def _step(self, b: int, ctx: int, kind: DecodeKind, shard: bool) -> _Step:
         """The bucket's buffers and its round: every launch reads its inputs from them."""
         ops = self.ops
         lay = BlobLayout(b, DECODE_FIELDS)
         inputs = ops.device.alloc(lay.nbytes)
-        out_buf = ops.device.alloc(b * 4)
-        lp_values = ops.device.alloc(b * (1 + MAX_LOGPROBS) * 4) if kind.logprobs else None
-        lp_ids = ops.device.alloc(b * MAX_LOGPROBS * 4) if kind.logprobs else None
         vocab = self.transformer.config.vocab_size
-        logits_buf = ops.device.alloc(b * vocab * 4) if kind.forward_only else None
+        samples = not shard
+        out_buf = ops.device.alloc(b * 4) if samples else None
+        lp_values = ops.device.alloc(b * (1 + MAX_LOGPROBS) * 4) \
+            if samples and kind.logprobs else None
+        lp_ids = ops.device.alloc(b * MAX_LOGPROBS * 4) if samples and kind.logprobs else None
+        logits_buf = ops.device.alloc(b * vocab * 4) if samples and kind.forward_only \
+            else None
 
         def tensor(name: str, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
             return lay.tensor(inputs, name, shape, dtype)
@@ -351,7 +385,7 @@ class DecodeGraphs:
         batch.logit_rows = tensor("logit_rows", (b,), "i64")  # type: ignore[assignment]
         params = tensor("params", (b * SAMPLE_PARAMS.itemsize,), "u8")
         slots = tensor("out_slots", (b,), "i32")
-        out = DeviceTensor(out_buf.ptr, (b,), "i32", out_buf)
+        out = DeviceTensor(out_buf.ptr, (b,), "i32", out_buf) if out_buf is not None else None
 
         spans = tensor("count_spans", (b * COUNT_SPAN.itemsize,), "u8")
         penalties = tensor("penalties", (b * PENALTY_ROW.itemsize,), "u8")
@@ -359,6 +393,9 @@ class DecodeGraphs:
         want = tensor("logprob_n", (b,), "i32")
 
         def launch() -> None:  # as RoundWork's eager round, with every input in the blob
+            if shard:  # the leader samples; this device's logits meet its in the gather
+                self.transformer.forward(batch)
+                return
             if kind.adjusted:
                 ops.count_inputs_device(ids, spans, b, vocab)
             logits = self.transformer.forward(batch)

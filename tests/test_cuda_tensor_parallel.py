@@ -175,41 +175,63 @@ def test_the_emulated_gpus_nccl_holds_calls_to_nccl4pys_signatures_and_rules():
 
 
 def test_the_dispatcher_over_two_emulated_gpus_gives_each_request_its_run_alone(tmp_path):
-    """Phase 2 on cuda, below the engine (open_model still refuses cuda with N > 1): one
-    control thread per emulated GPU, NCCL's all-reduces and the token broadcast through
-    the fake NCCL, no decode graphs. Each request's tokens are its run alone through the
-    sequential loop over the same two GPUs (the emulated GEMM computes each row alone, so
-    batching changes no bit), and every GPU's pages come back."""
+    """Phase 2 on cuda: one control thread per emulated GPU, NCCL's all-reduces and the
+    token broadcast through the fake NCCL, decode rounds through each device's own graphs.
+    Each request's tokens are its run alone through the sequential loop over the same two
+    GPUs (the emulated GEMM computes each row alone, so batching and padding change no
+    bit), and every GPU's pages come back.
+
+    The graphs: device 1 replays its share of every round device 0 replays, of every
+    kind (penalties, logprobs, and a constrained request's forward-only rounds, whose
+    logit rows are in sampling order: a follower gathering its rows in another order
+    would hand the free requests other rows' logits), capturing at the same rounds."""
+    import re
+
     from eagerlm.dispatch.follower_thread import DeviceGroup
     from eagerlm.dispatch.speculation import SpeculationConfig
     from eagerlm.errors import InvalidParameters
-    from eagerlm.kernels.sampling import SamplingParams
+    from eagerlm.kernels.sampling import Constraint, SamplingParams
     from tests.emulated_gpu.gpu_emulator import emulated_gpu_for_test
     from tests.test_dispatcher import run_workload
     from tests.test_tensor_parallel_dispatch import alone, make
 
     spec = tiny_spec("qwen3", n_layers=2, context_length=96)
     model = ModelFile.open(write_synthetic_model(tmp_path / "q.gguf", spec))
+    pattern = "(cat|mat|sat)( (cat|mat|sat)){2}"
     with emulated_gpu_for_test(row_exact_gemm=True, devices=2):
         group = cuda_group(model, 2)
         try:
             devices = [tf.ops.device for tf in group.transformers]
+            # a penalized request and the constrained one end first: the batch's bucket (8)
+            # then sees rounds of other kinds, each captured at its first round
             reqs = [(k, model.tokenizer.encode(f"the cat {k} sat on the mat"),
                      SamplingParams(temperature=0.0 if k % 2 else 0.8, seed=k,
-                                    max_tokens=6 + k, ignore_eos=True)) for k in range(4)]
+                                    max_tokens=3 if k == 4 else 14, ignore_eos=True,
+                                    frequency_penalty=0.7 if k == 4 else 0.0,
+                                    logprobs=2 if k == 5 else None)) for k in range(6)]
+            constrained = (6, model.tokenizer.encode("say it:"),
+                           SamplingParams(temperature=0.0, max_tokens=20,
+                                          constraint=Constraint.regex(pattern)))
             with pytest.raises(InvalidParameters, match="speculative"):  # not on cuda yet
                 make((model, group), devices=devices, budget=None, memory_fraction=0.02,
                      speculation=SpeculationConfig("ngram"))
             d = make((model, group), devices=devices, budget=None, memory_fraction=0.02)
             assert isinstance(d.group, DeviceGroup)
             try:
-                col = run_workload(d, reqs)
+                col = run_workload(d, [constrained, *reqs])
                 d.flush()
                 assert all(p.n_free == p.n_pages for p in d.pools)
+                leader, follower = d.control._graphs, d.followers[0].graphs
+                assert leader.adjusted_replays and leader.logprob_replays
+                assert leader.forward_replays
+                assert len({key[:2] for key in leader.steps}) < len(leader.steps)
+                assert follower.shard_replays == leader.replays
+                assert follower.captured == leader.captured and not follower.failures
             finally:
                 d.shutdown()
             for key, prompt, params in reqs:
                 assert col.result(key) == alone((model, group), prompt, params), key
+            assert re.fullmatch(pattern, col.result(6)[1]), col.result(6)[1]
         finally:
             group.close()
 

@@ -54,6 +54,7 @@ from eagerlm.dispatch.prefix_cache import PrefixCache
 from eagerlm.dispatch.round_costs import RoundCosts
 from eagerlm.dispatch.round_speculation import RoundSpeculation, drafts
 from eagerlm.dispatch.round_work import (
+    DraftRound,
     RoundWork,
     SamplerState,
     SeqWork,
@@ -65,6 +66,7 @@ from eagerlm.dispatch.speculation import (
     SpeculationConfig,
     kv_layouts,
     linear_cost,
+    step_bytes,
 )
 from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.model import Transformer
@@ -103,9 +105,9 @@ class _RoundRecord:
     copied: Event
     spec: SpecRound | None = None  # its speculating sessions
     harvested: bool = False
-    # what the round costs are learned from: its device events, rows, and whether it had
-    # draft rows (None: it prefilled, a cost of another kind)
-    timing: tuple[Event, Event, int, bool] | None = None
+    # what the round costs are learned from: its device events, rows, whether it had
+    # draft rows, and the draft model's part (None: it prefilled, a cost of another kind)
+    timing: tuple[Event, Event, int, bool, DraftRound | None] | None = None
 
 
 class ControlThread(OwnedThread):
@@ -138,6 +140,13 @@ class ControlThread(OwnedThread):
         if spec.adaptive:
             self.scheduler.round_cost = (linear_cost(spec.row_cost)
                                          if spec.row_cost is not None else self.round_costs)
+            # a draft-model forward, until one is measured: the bytes it reads over ours
+            prior = 0.0 if draft is None else step_bytes(draft) / step_bytes(transformer)
+            if self.round_costs is not None:
+                self.round_costs.draft_prior = prior
+                self.scheduler.draft_step = self.round_costs.draft_step
+            else:
+                self.scheduler.draft_step = lambda: prior
         self.scheduler.resolve_tokens = self._generated_tokens
         self.cache = PrefixCache(config.prefix_cache_entries) if config.prefix_cache else None
         self.scheduler.evict_cached = self._evict_cached
@@ -428,11 +437,12 @@ class ControlThread(OwnedThread):
         host_out = self._tokens_host[slot].array.view(np.int32)[:n_copy]
         rec_rows = [(s, g) for s, g, _ in sampled_rows]
         n_prefill = plan.n_tokens - plan.n_decode - plan.n_draft
-        # timed for the learned round costs: rounds that prefill nothing and run no draft
-        # model (its forwards would price prompt lookup's draft rows, which do not pay
-        # them: after a draft model's rounds, prompt lookup stopped drafting)
-        timing = None if n_prefill or draft is not None or trace.device_start is None else (
-            trace.device_start, done, plan.n_decode + plan.n_draft, plan.n_draft > 0)
+        # timed for the learned round costs: rounds that prefill nothing, the draft
+        # model's forwards apart (in a round's time they would price prompt lookup's
+        # draft rows, which do not pay them: after a draft model's rounds, prompt lookup
+        # stopped drafting)
+        timing = None if n_prefill or trace.device_start is None else (
+            trace.device_start, done, plan.n_decode + plan.n_draft, plan.n_draft > 0, draft)
         self._records[slot] = _RoundRecord(rec_rows, host_out, copied, spec, timing=timing)
         trace.launch_end = time.perf_counter()
         trace.n_decode = plan.n_decode
@@ -460,8 +470,13 @@ class ControlThread(OwnedThread):
             return
         rec.copied.synchronize()
         if rec.timing is not None and self.round_costs is not None:
-            start, end, rows, drafted = rec.timing
-            self.round_costs.observe(rows, drafted, start.elapsed_ms(end) / 1e3)
+            start, end, rows, drafted, draft = rec.timing
+            seconds = start.elapsed_ms(end) / 1e3
+            spent = None if draft is None or rec.spec is None else draft.elapsed()
+            if spent is not None and draft is not None and rec.spec is not None:
+                self.round_costs.observe_draft(draft.forwards(rec.spec.seqs), spent)
+                seconds -= spent
+            self.round_costs.observe(rows, drafted, seconds)
         tokens = rec.host_tokens.tolist()
         if rec.spec is None:
             for (s, gen), token in zip(rec.rows, tokens, strict=True):

@@ -138,7 +138,6 @@ class SpecOutput:
     entry_of: list[int]
     counts: np.ndarray  # int32 [entries]: tokens accepted (the drafts' and one more)
     stats: np.ndarray  # int32 [entries, 3]: proposals checked, accepted, shadow match
-    drafts: list[int]  # per entry: its draft rows
 
     def tokens_of(self, j: int, tokens: list[int]) -> list[int]:
         """Sampled session j's tokens, from the round's output as a list."""

@@ -23,6 +23,12 @@ and prices a round by it:
 A size the plan never chooses keeps the prior's price, so learning corrects the prices
 of what speculation does, which is where a price that is too low costs: rounds it chose
 that did not pay are seen, priced up, and chosen less.
+
+A round that runs the draft model has its draft forwards timed apart on the device
+(`DraftRound.elapsed`): the rest of its time is its rows' (`observe`), and the draft's,
+per forward (`observe_draft`), priced in one-row rounds, is `draft_step`; before
+`MIN_ROUNDS` rounds of it, `draft_prior` (the control thread's: the bytes the draft reads
+per step over the model's).
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ class RoundCosts:
     # kind, the sizes seen and their costs in one-row rounds; and the prices asked since
     _points: dict[bool, tuple[list[int], list[float]]] | None = None
     _prices: dict[tuple[int, bool], float] = field(default_factory=dict)
+    # a draft-model forward's price in one-row rounds until enough are measured
+    draft_prior: float = 0.0
+    _draft_mean: float = 0.0  # seconds per draft-model forward
+    _draft_count: int = 0
 
     def observe(self, rows: int, drafted: bool, seconds: float) -> None:
         """A harvested round of `rows` rows (with draft rows among them: `drafted`)
@@ -65,6 +75,29 @@ class RoundCosts:
         self._mean[key] = weight * mean + (1 - weight) * seconds
         self._count[key] = n + 1
         self._points = None
+
+    def observe_draft(self, forwards: int, seconds: float) -> None:
+        """A harvested round's `forwards` forwards of the draft model took `seconds` on
+        the device."""
+        if forwards < 1 or not seconds > 0:
+            return
+        n = self._draft_count
+        weight = min(self.decay, n / (n + 1))
+        self._draft_mean = weight * self._draft_mean + (1 - weight) * seconds / forwards
+        self._draft_count = n + 1
+
+    @property
+    def draft_rounds(self) -> int:
+        """How many rounds' draft forwards it was told of."""
+        return self._draft_count
+
+    def draft_step(self) -> float:
+        """A draft-model forward's price in one-row rounds (`allocate_drafts`' `draft_step`):
+        measured after `min_rounds` rounds with the draft model, else `draft_prior`."""
+        unit = self._unit()
+        if unit is None or self._draft_count < self.min_rounds:
+            return self.draft_prior
+        return self._draft_mean / unit
 
     def rounds(self, rows: int, drafted: bool) -> int:
         """How many rounds of the kind it was told of."""

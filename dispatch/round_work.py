@@ -21,6 +21,7 @@ accepted runs update their lengths, histories and next inputs (`spec_accept`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from eagerlm.kernels.batch import ForwardBatch, SeqSlice
 from eagerlm.kernels.model import Transformer
 from eagerlm.kernels.sampling import SamplingParams
 from eagerlm.kernels.speculative import SPEC_STATS, SpecBuffers, SpecSeq
+from eagerlm.vmm.device import Event
 
 
 @dataclass
@@ -71,7 +73,7 @@ class SpecRound:
         return SpecOutput(self.offsets, self.entry_of,
                           host_out[self.counts_at:self.counts_at + n],
                           host_out[self.stats_at:self.stats_at + n * SPEC_STATS].reshape(
-                              n, SPEC_STATS), [e.k for e in self.seqs])
+                              n, SPEC_STATS))
 
 
 class SamplerState:
@@ -131,7 +133,13 @@ class RoundWork:
                 backend.broadcast_round(self.meta, self.n_rows,
                                         [past for _, _, past in seq_rows])
         if self.draft is not None:
+            stream = self.backend.stream
+            start, t = stream.record() if stream is not None else None, time.perf_counter()
             self._draft_steps(seq_rows, past_of is not None)
+            if start is not None and stream is not None:
+                self.draft.events = (start, stream.record())
+            else:
+                self.draft.seconds = time.perf_counter() - t
         tokens = backend.round_inputs(self.meta, self.n_rows, self.token_buf)
         slices = [SeqSlice(st, n, past, kv)
                   for (st, n, past), kv in zip(seq_rows, self.kvs, strict=True)]
@@ -398,6 +406,24 @@ class DraftRound:
     kvs: list[Any | None]
     prefill: list[int]
     entries: list[int]
+    # the draft's forwards' time, as `RoundWork` measures it for the learned prices
+    # (dispatch/round_costs.py): device events around them on a backend's own stream
+    # (cuda), else the host's seconds (cpu: the round's work runs as it is called)
+    events: tuple[Event, Event] | None = None
+    seconds: float | None = None
+
+    def elapsed(self) -> float | None:
+        """Seconds the draft's forwards took on the device (once the round is done)."""
+        if self.events is not None:
+            return self.events[0].elapsed_ms(self.events[1]) / 1e3
+        return self.seconds
+
+    def forwards(self, seqs: list[SpecSeq]) -> int:
+        """How many forwards of the draft model the round runs (`RoundWork._draft_steps`):
+        one, then one per draft token past the first of its longest run of them."""
+        if not self.entries:
+            return 1 if self.prefill else 0
+        return max(1, max(seqs[j].k for j in self.entries))
 
 
 def sampled_order(rows: list[Any]) -> list[Any]:

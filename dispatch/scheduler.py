@@ -131,6 +131,8 @@ class Scheduler:
         # round, by which speculating sessions' draft rows are chosen; None: always the
         # most each session allows (dispatch/speculation.py)
         self.round_cost: RoundCost | None = None
+        # and a draft-model forward's cost in the same units (0: none, or not priced)
+        self.draft_step: Callable[[], float] = lambda: 0.0
 
     # -- planning ----------------------------------------------------------------------
 
@@ -174,9 +176,11 @@ class Scheduler:
         if self.round_cost is None:
             ks = caps
         else:
+            drafter = [r.session.spec.method == "draft" for r in spec]
             ks = allocate_drafts([r.session.spec.rate for r in spec], caps, len(rows),
                                  len(rows), self.round_cost,
-                                 self.config.max_round_tokens - len(rows))
+                                 self.config.max_round_tokens - len(rows), drafter=drafter,
+                                 draft_step=self.draft_step() if any(drafter) else 0.0)
         budget = self.config.max_round_tokens - len(rows)
         for r, k in zip(spec, ks, strict=True):
             s = r.session

@@ -200,7 +200,9 @@ class ServiceThread(OwnedThread):
         stats = rd.spec.stats
         drafted = int(stats[:, 0].sum())
         accepted = int(stats[:, 1].sum())
-        self.stats.drafts += sum(1 for k in rd.spec.drafts if k)
+        # vLLM's num_drafts: entries whose proposals were checked (rows given to a
+        # prompt's last chunk, or a lookup that found nothing, proposed none)
+        self.stats.drafts += int((stats[:, 0] > 0).sum())
         self.stats.draft_tokens += drafted
         self.stats.accepted_tokens += accepted
         if rd.trace is not None:

@@ -27,7 +27,7 @@ cost and speculation resumes when proposals start matching again.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from eagerlm.errors import InvalidParameters
@@ -129,7 +129,8 @@ def linear_cost(row_cost: float) -> RoundCost:
 
 
 def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: int,
-                    cost: RoundCost, budget: int, margin: float = MARGIN) -> list[int]:
+                    cost: RoundCost, budget: int, margin: float = MARGIN, *,
+                    drafter: Sequence[bool] = (), draft_step: float = 0.0) -> list[int]:
     """Draft rows per speculating session (rates[i], at most caps[i]) in a round that
     already has `n_decode` decoding sessions and `n_rows` rows, costing `cost(rows,
     drafted)` relative to a one-row round (dispatch/round_costs.py: a round with draft
@@ -139,27 +140,56 @@ def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: 
     tokens per unit of cost, and none unless that beats the round without drafts by
     `margin` (the rates are estimates: a draft row that only just pays on paper costs
     where the estimate is high, as on free text after a few lucky matches). (The cost need
-    not be linear: the cpu backend's grows in steps of four rows, kernels/numpy_ops.py.)"""
+    not be linear: the cpu backend's grows in steps of four rows, kernels/numpy_ops.py.)
+
+    A session with `drafter[i]` takes its drafts from the draft model, whose forwards
+    cost `draft_step` one-row rounds each: one a round whatever its drafts (step 0: the
+    proposal of its first token, a shadow one without draft rows, which also keeps the
+    draft's KV current), and one more per draft token past the first of the round's
+    longest run of them (the draft's steps are batched over its sessions). Such a row's
+    gain ranks as gain / (1 + draft_step) (as if a row cost one round, its forward
+    another draft_step), so cheaper rows of other sessions come first."""
+    drafted_by = [bool(drafter) and drafter[i] for i in range(len(rates))]
+
+    def rank(i: int, j: int, gain: float) -> float:  # the heap's key: j-th row of i
+        return gain / (1 + draft_step) if drafted_by[i] and j > 1 else gain
+
     order: list[int] = []
-    heap = [(-rates[i], i, 1) for i in range(len(rates)) if caps[i] > 0 and rates[i] > 0]
+    heap = [(-rates[i], i, 1, rates[i]) for i in range(len(rates))
+            if caps[i] > 0 and rates[i] > 0]
     heapq.heapify(heap)
     gains, tokens = [], float(n_decode)
     while heap and len(order) < budget:
-        neg_gain, i, j = heapq.heappop(heap)
+        _, i, j, gain = heapq.heappop(heap)
         order.append(i)
-        gains.append(-neg_gain)
+        gains.append(gain)
         if j < caps[i]:
-            heapq.heappush(heap, (neg_gain * rates[i], i, j + 1))
-    best_n, best = 0, margin * tokens / cost(n_rows, False)
-    for m, gain in enumerate(gains, 1):
+            heapq.heappush(heap, (-rank(i, j + 1, gain * rates[i]), i, j + 1,
+                                  gain * rates[i]))
+    steps = draft_step if any(drafted_by) else 0.0  # what every round pays, drafts or not
+    best_n, best = 0, margin * tokens / (cost(n_rows, False) + steps)
+    runs, longest = [0] * len(rates), 0
+    for m, (gain, i) in enumerate(zip(gains, order, strict=True), 1):
         tokens += gain
-        ratio = tokens / cost(n_rows + m, True)
+        runs[i] += 1
+        if drafted_by[i]:
+            longest = max(longest, runs[i])
+        ratio = tokens / (cost(n_rows + m, True) + steps * max(1, longest))
         if ratio > best:
             best_n, best = m, ratio
     ks = [0] * len(rates)
     for i in order[:best_n]:
         ks[i] += 1
     return ks
+
+
+def step_bytes(transformer: Transformer) -> int:
+    """The weight bytes a decode step of `transformer` reads (every tensor but a token
+    embedding that is not also its lm head): the draft model's forwards are priced by its
+    over the model's until they are measured, a decode step being bound by them."""
+    w = transformer.weights
+    return max(1, sum(h.nbytes for h in w.handles()
+                      if h is not w.token_embd or h is w.output))
 
 
 def kv_layouts(transformer: Transformer,

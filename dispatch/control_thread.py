@@ -144,9 +144,9 @@ class ControlThread(OwnedThread):
             prior = 0.0 if draft is None else step_bytes(draft) / step_bytes(transformer)
             if self.round_costs is not None:
                 self.round_costs.draft_prior = prior
-                self.scheduler.draft_step = self.round_costs.draft_step
+                self.scheduler.draft_prices = self.round_costs.draft_prices
             else:
-                self.scheduler.draft_step = lambda: prior
+                self.scheduler.draft_prices = lambda: (prior, prior)
         self.scheduler.resolve_tokens = self._generated_tokens
         self.cache = PrefixCache(config.prefix_cache_entries) if config.prefix_cache else None
         self.scheduler.evict_cached = self._evict_cached

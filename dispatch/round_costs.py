@@ -25,10 +25,15 @@ of what speculation does, which is where a price that is too low costs: rounds i
 that did not pay are seen, priced up, and chosen less.
 
 A round that runs the draft model has its draft forwards timed apart on the device
-(`DraftRound.elapsed`): the rest of its time is its rows' (`observe`), and the draft's,
-per forward (`observe_draft`), priced in one-row rounds, is `draft_step`; before
-`MIN_ROUNDS` rounds of it, `draft_prior` (the control thread's: the bytes the draft reads
-per step over the model's).
+(`DraftRound.elapsed`): the rest of its time is its rows' (`observe`), and the draft's
+(`observe_draft`) prices its first forward and each further one apart (`draft_prices`,
+in one-row rounds): the first takes two rows per session (the catch-up row), the others
+one, and the first is paid in every round while the others are what drafts add. Rounds
+of one forward give the first's price; rounds of K give the others' as (time - the
+first's) / (K - 1), or time / K while no one-forward round was seen. A price not yet
+measured in `MIN_ROUNDS` rounds is `draft_prior` (the control thread's: the bytes the
+draft reads per step over the model's), so drafts the plan has not tried are priced
+by the draft's size, not by the dearer first forward, and get tried.
 """
 
 from __future__ import annotations
@@ -59,8 +64,9 @@ class RoundCosts:
     _prices: dict[tuple[int, bool], float] = field(default_factory=dict)
     # a draft-model forward's price in one-row rounds until enough are measured
     draft_prior: float = 0.0
-    _draft_mean: float = 0.0  # seconds per draft-model forward
-    _draft_count: int = 0
+    # seconds: the draft's first forward of a round, each further one ([mean, rounds])
+    _first: list[float] = field(default_factory=lambda: [0.0, 0])
+    _more: list[float] = field(default_factory=lambda: [0.0, 0])
 
     def observe(self, rows: int, drafted: bool, seconds: float) -> None:
         """A harvested round of `rows` rows (with draft rows among them: `drafted`)
@@ -81,23 +87,35 @@ class RoundCosts:
         the device."""
         if forwards < 1 or not seconds > 0:
             return
-        n = self._draft_count
+        if forwards == 1:
+            self._update(self._first, seconds)
+        elif self._first[1] >= self.min_rounds:
+            self._update(self._more, max(0.0, seconds - self._first[0]) / (forwards - 1))
+        else:
+            self._update(self._more, seconds / forwards)
+
+    def _update(self, stat: list[float], seconds: float) -> None:
+        """A decayed mean ([mean, count]) told of one more round."""
+        mean, n = stat
         weight = min(self.decay, n / (n + 1))
-        self._draft_mean = weight * self._draft_mean + (1 - weight) * seconds / forwards
-        self._draft_count = n + 1
+        stat[0], stat[1] = weight * mean + (1 - weight) * seconds, n + 1
 
     @property
     def draft_rounds(self) -> int:
         """How many rounds' draft forwards it was told of."""
-        return self._draft_count
+        return int(self._first[1] + self._more[1])
 
-    def draft_step(self) -> float:
-        """A draft-model forward's price in one-row rounds (`allocate_drafts`' `draft_step`):
-        measured after `min_rounds` rounds with the draft model, else `draft_prior`."""
+    def draft_prices(self) -> tuple[float, float]:
+        """The draft model's first forward of a round and each further one, in one-row
+        rounds (`allocate_drafts`' `draft_first`, `draft_step`): measured after
+        `min_rounds` rounds that show each, else `draft_prior`."""
         unit = self._unit()
-        if unit is None or self._draft_count < self.min_rounds:
-            return self.draft_prior
-        return self._draft_mean / unit
+
+        def price(stat: list[float]) -> float:
+            if unit is None or stat[1] < self.min_rounds:
+                return self.draft_prior
+            return stat[0] / unit
+        return price(self._first), price(self._more)
 
     def rounds(self, rows: int, drafted: bool) -> int:
         """How many rounds of the kind it was told of."""

@@ -131,8 +131,9 @@ class Scheduler:
         # round, by which speculating sessions' draft rows are chosen; None: always the
         # most each session allows (dispatch/speculation.py)
         self.round_cost: RoundCost | None = None
-        # and a draft-model forward's cost in the same units (0: none, or not priced)
-        self.draft_step: Callable[[], float] = lambda: 0.0
+        # and a draft model's first forward of a round and each further one, in the same
+        # units (0: none, or not priced)
+        self.draft_prices: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0)
 
     # -- planning ----------------------------------------------------------------------
 
@@ -177,10 +178,11 @@ class Scheduler:
             ks = caps
         else:
             drafter = [r.session.spec.method == "draft" for r in spec]
+            first, step = self.draft_prices() if any(drafter) else (0.0, 0.0)
             ks = allocate_drafts([r.session.spec.rate for r in spec], caps, len(rows),
                                  len(rows), self.round_cost,
                                  self.config.max_round_tokens - len(rows), drafter=drafter,
-                                 draft_step=self.draft_step() if any(drafter) else 0.0)
+                                 draft_first=first, draft_step=step)
         budget = self.config.max_round_tokens - len(rows)
         for r, k in zip(spec, ks, strict=True):
             s = r.session

@@ -130,7 +130,8 @@ def linear_cost(row_cost: float) -> RoundCost:
 
 def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: int,
                     cost: RoundCost, budget: int, margin: float = MARGIN, *,
-                    drafter: Sequence[bool] = (), draft_step: float = 0.0) -> list[int]:
+                    drafter: Sequence[bool] = (), draft_first: float = 0.0,
+                    draft_step: float = 0.0) -> list[int]:
     """Draft rows per speculating session (rates[i], at most caps[i]) in a round that
     already has `n_decode` decoding sessions and `n_rows` rows, costing `cost(rows,
     drafted)` relative to a one-row round (dispatch/round_costs.py: a round with draft
@@ -143,12 +144,13 @@ def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: 
     not be linear: the cpu backend's grows in steps of four rows, kernels/numpy_ops.py.)
 
     A session with `drafter[i]` takes its drafts from the draft model, whose forwards
-    cost `draft_step` one-row rounds each: one a round whatever its drafts (step 0: the
-    proposal of its first token, a shadow one without draft rows, which also keeps the
-    draft's KV current), and one more per draft token past the first of the round's
-    longest run of them (the draft's steps are batched over its sessions). Such a row's
-    gain ranks as gain / (1 + draft_step) (as if a row cost one round, its forward
-    another draft_step), so cheaper rows of other sessions come first."""
+    are priced in one-row rounds: its first of the round, `draft_first`, paid whatever
+    the drafts (step 0: the proposal of the first token, a shadow one without draft rows,
+    which also keeps the draft's KV current), then `draft_step` per draft token past the
+    first of the round's longest run of them (the draft's steps are batched over its
+    sessions). Such a row's gain ranks as gain / (1 + draft_step) (as if a row cost one
+    round, its forward another draft_step), so cheaper rows of other sessions come
+    first."""
     drafted_by = [bool(drafter) and drafter[i] for i in range(len(rates))]
 
     def rank(i: int, j: int, gain: float) -> float:  # the heap's key: j-th row of i
@@ -166,15 +168,15 @@ def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: 
         if j < caps[i]:
             heapq.heappush(heap, (-rank(i, j + 1, gain * rates[i]), i, j + 1,
                                   gain * rates[i]))
-    steps = draft_step if any(drafted_by) else 0.0  # what every round pays, drafts or not
-    best_n, best = 0, margin * tokens / (cost(n_rows, False) + steps)
+    first = draft_first if any(drafted_by) else 0.0  # every round pays it, drafts or not
+    best_n, best = 0, margin * tokens / (cost(n_rows, False) + first)
     runs, longest = [0] * len(rates), 0
     for m, (gain, i) in enumerate(zip(gains, order, strict=True), 1):
         tokens += gain
         runs[i] += 1
         if drafted_by[i]:
             longest = max(longest, runs[i])
-        ratio = tokens / (cost(n_rows + m, True) + steps * max(1, longest))
+        ratio = tokens / (cost(n_rows + m, True) + first + draft_step * max(0, longest - 1))
         if ratio > best:
             best_n, best = m, ratio
     ks = [0] * len(rates)

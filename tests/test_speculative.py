@@ -156,51 +156,66 @@ def test_round_costs_are_learned_from_the_rounds_run():
 
 
 def test_a_draft_models_forwards_are_priced_beside_the_rows_they_add():
-    """A draft model's session pays one draft forward a round whatever its drafts (the
-    proposal of its first token, which keeps the draft's KV current), and one more per
-    draft token past the first. Worked by hand, rows at 0.2 of a one-row round, a session
-    accepting 90%, its drafts from a model whose forward costs 0.5 of a one-row round:
-    expected tokens / cost are 1 / 1.5 without drafts (0.8 with the 1.2 margin), then
-    1.9 / 1.7 = 1.118, 2.71 / 2.4 = 1.129, 3.439 / 3.1 = 1.109 for 1, 2, 3 drafts: 2."""
+    """A draft model's session pays the draft's first forward every round whatever its
+    drafts (the proposal of its first token, which keeps the draft's KV current), and one
+    more per draft token past the first. Worked by hand, rows at 0.2 of a one-row round,
+    a session accepting 90%, every draft forward at 0.5 of a one-row round: expected
+    tokens / cost are 1 / 1.5 without drafts (0.8 with the 1.2 margin), then 1.9 / 1.7 =
+    1.118, 2.71 / 2.4 = 1.129, 3.439 / 3.1 = 1.109 for 1, 2, 3 drafts: 2."""
     lin = linear_cost(0.2)
-    assert allocate_drafts([0.9], [8], 1, 1, lin, 100, drafter=[True]) == [7]  # unpriced
-    assert allocate_drafts([0.9], [8], 1, 1, lin, 100, drafter=[True], draft_step=0.5) == [2]
-    # prompt lookup's drafts are not priced by the draft model's forwards
-    assert allocate_drafts([0.9], [8], 1, 1, lin, 100, drafter=[False],
-                           draft_step=0.5) == [7]
-    # however dear its forward, a first draft costs only a row: its forward runs anyway
-    # (1.9 / 6.2 beats 1.2 * 1 / 6; two drafts: 2.71 / 11.4 do not)
-    assert allocate_drafts([0.9], [8], 1, 1, lin, 100, drafter=[True], draft_step=5.0) == [1]
+
+    def alloc(first: float, step: float, drafter: bool = True) -> list[int]:
+        return allocate_drafts([0.9], [8], 1, 1, lin, 100, drafter=[drafter],
+                               draft_first=first, draft_step=step)
+    assert alloc(0.0, 0.0) == [7]  # unpriced: as prompt lookup's
+    assert alloc(0.5, 0.5) == [2]
+    assert alloc(0.5, 0.5, drafter=False) == [7]  # prompt lookup's drafts: no draft model
+    # however dear its forwards, a first draft costs only a row: the first forward runs
+    # anyway (1.9 / 3.2 beats 1.2 * 1 / 3; two drafts: 2.71 / 5.4 do not)
+    assert alloc(2.0, 2.0) == [1]
+    # a dear first forward (two rows a session, every round) and cheap further ones: the
+    # first is paid either way, so the further ones decide (8 drafts: 6.125 / 6.0)
+    assert alloc(2.0, 0.2) == [8]
     # beside a prompt-lookup session accepting as often, the draft model's drafts past
     # its first rank after the other's: with rows free and a draft forward as dear as a
     # round, (2 + 0.9 + 0.81 + 0.729 + 0.656 + 0.9) / 2 = 3.0 beats any with more of the
     # draft model's (its second: 5.42 / 3 with two of the other's)
     assert allocate_drafts([0.9, 0.9], [4, 4], 2, 2, linear_cost(0.0), 100,
-                           drafter=[False, True], draft_step=1.0) == [4, 1]
+                           drafter=[False, True], draft_first=1.0, draft_step=1.0) == [4, 1]
 
 
 def test_a_draft_forwards_price_is_learned_from_the_rounds_that_ran_it():
-    """A draft-model forward's price in one-row rounds: `draft_prior` until MIN_ROUNDS
-    rounds' draft forwards were timed, then their decayed mean per forward over a
-    one-row round's time. Here a one-row round takes 10 ms, a draft forward 4 ms, later
-    8 ms."""
+    """The draft model's first forward of a round and each further one, in one-row
+    rounds: `draft_prior` until MIN_ROUNDS rounds show each; rounds of one forward give
+    the first's, rounds of K the further ones' as (time - the first's) / (K - 1). Here a
+    one-row round takes 10 ms, the draft's first forward 20 ms, each further one 4 ms,
+    later 8 ms."""
     costs = RoundCosts(NumpyOps().round_cost, draft_prior=0.25)
-    assert costs.draft_step() == 0.25
+    assert costs.draft_prices() == (0.25, 0.25)
     for _ in range(4):
         costs.observe(1, False, 0.010)
     for _ in range(3):
-        costs.observe_draft(2, 2 * 0.004)
-    assert costs.draft_step() == 0.25  # three rounds: not yet trusted
-    costs.observe_draft(3, 3 * 0.004)
-    assert costs.draft_step() == pytest.approx(0.4)
-    for _ in range(40):  # the draft got dearer
-        costs.observe_draft(1, 0.008)
-    assert costs.draft_step() == pytest.approx(0.8, rel=0.05)
-    # with no round's time to price it in, the prior
+        costs.observe_draft(1, 0.020)
+    assert costs.draft_prices() == (0.25, 0.25)  # three rounds: not yet trusted
+    costs.observe_draft(1, 0.020)
+    assert costs.draft_prices() == (pytest.approx(2.0), 0.25)  # the further ones: untried
+    for _ in range(4):
+        costs.observe_draft(3, 0.020 + 2 * 0.004)
+    assert costs.draft_prices() == (pytest.approx(2.0), pytest.approx(0.4))
+    for _ in range(40):  # the further forwards got dearer
+        costs.observe_draft(5, 0.020 + 4 * 0.008)
+    assert costs.draft_prices()[1] == pytest.approx(0.8, rel=0.05)
+    # no one-forward round seen: every forward alike
+    alike = RoundCosts(NumpyOps().round_cost, draft_prior=0.25)
+    for _ in range(4):
+        alike.observe(1, False, 0.010)
+        alike.observe_draft(4, 4 * 0.006)
+    assert alike.draft_prices() == (0.25, pytest.approx(0.6))
+    # with no round's time to price them in, the prior
     unseen = RoundCosts(NumpyOps().round_cost, draft_prior=0.25)
     for _ in range(8):
-        unseen.observe_draft(2, 0.008)
-    assert unseen.draft_step() == 0.25
+        unseen.observe_draft(1, 0.008)
+    assert unseen.draft_prices() == (0.25, 0.25)
 
 
 def test_draft_rows_go_by_expected_gain_while_they_pay_for_themselves():

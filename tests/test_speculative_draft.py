@@ -78,7 +78,7 @@ def test_adaptive_drafting_prices_the_draft_models_forwards(model, bad_draft):
     reqs = [(key, repetitive_prompt(model, key), params) for key in range(2)]
     with make(model, spec=SpeculationConfig("draft", 4), draft=bad_draft) as d:
         prior = step_bytes(bad_draft) / step_bytes(model[1])
-        assert 0 < prior < 1 and d.control.scheduler.draft_step() == prior
+        assert 0 < prior < 1 and d.control.scheduler.draft_prices() == (prior, prior)
         col = run(d, reqs)
         costs = d.control.round_costs
         assert costs is not None and costs.draft_rounds > 0

@@ -462,7 +462,9 @@ class NumpyOps:
     def replay(self, transformer: Transformer, batch: ForwardBatch) -> np.ndarray | None:
         """A batch of n rows whose logits are all wanted (every session one new row, or
         a speculative round's verification rows: a session's rows, each at its own
-        position, attend as rows alone do) from the recording of the first such forward
+        position, attend as rows alone do), or at least half of them (a draft model's
+        first forward of a round: every row's, then those), from the recording of the
+        first such forward
         (kernels/cpu_decode_program.py: one compiled call instead of ~16 per layer; on a
         device of a tensor-parallel group, one between each two of its collectives); None
         for any other batch, ops whose class changes one of these ops' arithmetic (a
@@ -474,10 +476,20 @@ class NumpyOps:
             return None
         decode = DecodeRows.of(batch)
         n = len(batch.tokens)
-        if (decode is None or len(decode.rows) != n or len(batch.logit_rows) != n
-                or not np.array_equal(decode.rows, np.arange(n))
-                or not np.array_equal(batch.logit_rows, np.arange(n))):
+        if decode is None or len(decode.rows) != n or not np.array_equal(decode.rows,
+                                                                          np.arange(n)):
             return None
+        wanted = batch.logit_rows
+        if not np.array_equal(wanted, np.arange(n)):
+            # at least half the rows' logits wanted (a draft model's first forward of a
+            # round: two rows a session, the last's): every row's, then those, costs
+            # less than the forward op by op (prompts, one row wanted, never come here)
+            if len(wanted) == 0 or 2 * len(wanted) < n or wanted.min() < 0 \
+                    or wanted.max() >= n:
+                return None
+            logits = self.replay(transformer, ForwardBatch(batch.tokens, batch.seqs,
+                                                           np.arange(n, dtype=np.int64)))
+            return None if logits is None else logits[wanted]
         key = (id(transformer), n)
         if key not in self._programs or self._owners.get(key) is not transformer:
             self._programs[key] = record(transformer, batch, decode, self.collective)

@@ -122,6 +122,29 @@ def test_a_sessions_several_rows_replay_with_the_logits_of_the_ops(tmp_path):
         np.testing.assert_allclose(a.data, b.data, rtol=1e-4, atol=1e-5)
 
 
+def test_half_the_rows_logits_or_more_replay_with_the_ops_logits_of_those_rows(tmp_path):
+    """A draft model's first forward of a round (two rows a session, the last's logits
+    wanted) and any batch wanting at least half its rows' logits: replayed for every row,
+    then those rows, each within float32 rounding of the ops' (which compute only them)."""
+    tf = loaded(ModelFile.open(write_synthetic_model(tmp_path / "m.gguf",
+                                                     tiny_spec("llama", n_layers=2))))
+    (replayed, by_ops), positions = prefilled(tf)
+
+    def batch(caches, rows):
+        return ForwardBatch(np.array([11, 12, 13, 14, 15, 16], np.int32),
+                            [SeqSlice(2 * i, 2, positions[i] - 1, caches[i])
+                             for i in range(3)], np.array(rows))
+    for rows in ([1, 3, 5], [0, 1, 2, 5]):
+        got = tf.ops.replay(tf, batch(replayed, rows))
+        assert got is not None and tf.ops._programs[(id(tf), 6)] is not None
+        want = tf.run(batch(by_ops, rows), tf.ops)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        np.testing.assert_array_equal(got.argmax(axis=1), want.argmax(axis=1))
+    for a, b in zip(replayed, by_ops, strict=True):
+        np.testing.assert_allclose(a.data, b.data, rtol=1e-4, atol=1e-5)
+    assert tf.ops.replay(tf, batch(replayed, [5])) is None  # one row of six: op by op
+
+
 @pytest.mark.parametrize("n_rows", [1, 3])
 @pytest.mark.parametrize("arch, expert_type", [("qwen3moe", Q.Q8_0), ("qwen3moe", Q.Q4_K),
                                                ("qwen3moe", Q.Q6_K), ("gpt-oss", Q.MXFP4)])
@@ -152,20 +175,15 @@ def test_a_mixture_of_experts_replays_with_the_bits_of_the_ops(tmp_path, arch, e
 
 
 def test_what_the_table_cannot_express_runs_op_by_op(tmp_path):
-    """A prompt (the logits of its last row only) and logits of some rows only take the
+    """A prompt (the logits of its last row only: fewer than half the rows') takes the
     ops; float32 experts (the tiny specs' default) are not recorded (tried once, not
     again)."""
     model = ModelFile.open(write_synthetic_model(tmp_path / "m.gguf", tiny_spec("llama")))
     tf = loaded(model)
     (caches,), positions = prefilled(tf, 1)
     tokens = np.array([11, 12, 13], np.int32)
-    mixed = ForwardBatch(np.array([11, 12, 13, 14], np.int32),
-                         [SeqSlice(0, 1, 5, caches[0]), SeqSlice(1, 2, 19, caches[1]),
-                          SeqSlice(3, 1, 30, caches[2])], np.array([0, 2, 3]))
-    assert tf.ops.replay(tf, mixed) is None
-    some = decode_batch(tokens, caches, positions)
-    some.logit_rows = np.array([0, 2])
-    assert tf.ops.replay(tf, some) is None
+    prompt = ForwardBatch.single(np.array([11, 12, 13, 14], np.int32), 19, caches[1])
+    assert tf.ops.replay(tf, prompt) is None
     assert tf.ops._programs == {}
 
     for arch in ("qwen3moe", "gpt-oss"):  # float32 experts

@@ -30,7 +30,8 @@ in the ops). A row's replayed forward is therefore the same bits as the ops give
 any batch wherever the ops' are (docs/architecture.md, "Batch invariance"). A forward the table
 cannot express is not recorded and runs op by op as before: a matrix without a row
 kernel, or more rows than its kernel takes; float32 experts, or a mixture's shared
-expert; a batch with prompt rows, or logits wanted for some rows only. A device of a
+expert; a batch with prompt rows, or logits wanted for some rows only (but where at
+least half are: `NumpyOps.replay` takes every row's, then those). A device of a
 tensor-parallel group records its share of the forward the same way, each all-reduce a
 REDUCE step (kernels/host_collective.py's `exchange_sum` on the rows in the arena: the
 devices meet in compiled code, the table never returning to Python for it); a split lm

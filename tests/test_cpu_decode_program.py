@@ -4,7 +4,8 @@ Transformer's `run` with the same ops, on copies of the same caches): logits and
 it appends, within float32 rounding (the same bits but for the float32 products' order
 and the activation's exp), for every architecture it records, a mixture of experts with
 quantized experts included (the same bits); and what the recording cannot express (float32
-experts, prompt rows, logits of some rows only) runs op by op."""
+experts, prompt rows, logits of fewer than half the rows) runs op by op; logits of at
+least half the rows replay (every row's, then those)."""
 
 from __future__ import annotations
 

@@ -258,11 +258,6 @@ class DecodeGraphs:
         self._launch(leader, rows, n_pasts, kvs, None, [-1] * len(n_pasts), None, None,
                      penalties=False, order=logit_rows, shard=True)
 
-    def _key(self, n: int, n_pasts: Sequence[int], kind: DecodeKind,
-             shard: bool) -> tuple[int, int, DecodeKind, bool]:
-        b = next(x for x in self.buckets if x >= n)
-        return b, context_bucket(max(n_pasts) + 1, self.max_context), kind, shard
-
     def _launch(self, kind: DecodeKind, rows: np.ndarray, n_pasts: Sequence[int],
                 kvs: Sequence[Any], params: Sequence[SamplingParams] | None,
                 out_slots: Sequence[int],
@@ -273,8 +268,8 @@ class DecodeGraphs:
         """Fill the bucket's blob and replay its graph (or make its launches);
         `penalties`: whether the graph adjusts the logits (a forward-only one does not);
         `params` None: a shard's round (no sampling)."""
-        key = self._key(len(n_pasts), n_pasts, kind, shard)
-        b = key[0]
+        b = next(x for x in self.buckets if x >= len(n_pasts))
+        key = (b, context_bucket(max(n_pasts) + 1, self.max_context), kind, shard)
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = self._step(*key)

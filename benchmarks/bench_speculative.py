@@ -25,6 +25,8 @@ tokens/s over the whole batch.
 draft model (`draft_model=` the same file, `speculative="draft"`). It is a check of the
 mechanics, not a speed-up: a draft as large as the target costs a forward per draft token,
 but its proposals are the target's own greedy tokens, so nearly all must be accepted.
+`--draft PATH` adds the same configuration with another file (one vocabulary) as the draft
+model: a smaller model, or a smaller quantization of the target.
 
 The physical limit of batch-1 decode is memory bandwidth: a forward reads every weight once,
 so tokens/s <= bandwidth / weight bytes (measured: numpy copy of 512 MiB, read + write).
@@ -37,8 +39,8 @@ accepted / drafts verified) and the steady-decode bubble of eagerlm's rounds are
 per workload.
 
 Run: `python benchmarks/bench_speculative.py [--model PATH] [--tokens 128] [--repeats 3]
-[--k 8] [--no-peer] [--draft-self] [--json OUT]`. The llama.cpp columns need llama-cpp-python
-(`pip install 'eagerlm[reference]'`).
+[--k 8] [--no-peer] [--draft-self | --draft PATH] [--json OUT]`. The llama.cpp columns
+need llama-cpp-python (`pip install 'eagerlm[reference]'`).
 """
 
 from __future__ import annotations
@@ -227,9 +229,13 @@ def main() -> None:
                     help="llama.cpp lookup: num_pred_tokens (its README: 2 for CPU)")
     ap.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     ap.add_argument("--no-concurrent", action="store_true", help="skip the 8-request run")
-    ap.add_argument("--draft-self", action="store_true",
-                    help="add eagerlm with the model as its own draft model (a mechanics "
-                         "check: nearly every draft must be accepted)")
+    drafts = ap.add_mutually_exclusive_group()
+    drafts.add_argument("--draft-self", action="store_true",
+                        help="add eagerlm with the model as its own draft model (a "
+                             "mechanics check: nearly every draft must be accepted)")
+    drafts.add_argument("--draft", default=None,
+                        help="add eagerlm with this GGUF (the model's vocabulary) as its "
+                             "draft model")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
 
@@ -246,7 +252,9 @@ def main() -> None:
     engine = SyncEngine.open(path, max_batch=8)
     # the draft configuration on an engine of its own, so the others' KV and rounds are
     # those of an engine without a draft model
-    draft_engine = SyncEngine.open(path, max_batch=8, draft_model=path) if args.draft_self else None
+    draft_path = path if args.draft_self else args.draft
+    draft_engine = (SyncEngine.open(path, max_batch=8, draft_model=draft_path)
+                    if draft_path else None)
     peer = None if args.no_peer else LlamaCppPeer(path, args.threads, args.peer_draft,
                                                   n_ctx=1024)
     configs = (["eagerlm", "eagerlm ngram"] + ([] if draft_engine is None else ["eagerlm draft"])

@@ -59,8 +59,7 @@ from eagerlm.service.measure.workload import PlannedRequest
 
 def bytes_per_token(loaded, context: int) -> int:
     """Weights read by one decode step, plus the KV cache of `context` positions."""
-    w = loaded.transformer.weights
-    total = sum(t.nbytes for t in w.handles() if t is not w.token_embd or t is w.output)
+    total = loaded.transformer.weights.decode_bytes()
     cfg = loaded.model.config
     kv = context * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
     return total + kv

@@ -66,7 +66,6 @@ from eagerlm.dispatch.speculation import (
     SpeculationConfig,
     kv_layouts,
     linear_cost,
-    step_bytes,
 )
 from eagerlm.kernels.backend import DecodeRounds, RoundBackend
 from eagerlm.kernels.model import Transformer
@@ -141,7 +140,8 @@ class ControlThread(OwnedThread):
             self.scheduler.round_cost = (linear_cost(spec.row_cost)
                                          if spec.row_cost is not None else self.round_costs)
             # a draft-model forward, until one is measured: the bytes it reads over ours
-            prior = 0.0 if draft is None else step_bytes(draft) / step_bytes(transformer)
+            prior = 0.0 if draft is None else (draft.weights.decode_bytes()
+                                               / max(1, transformer.weights.decode_bytes()))
             if self.round_costs is not None:
                 self.round_costs.draft_prior = prior
                 self.scheduler.draft_prices = self.round_costs.draft_prices
@@ -472,8 +472,8 @@ class ControlThread(OwnedThread):
         if rec.timing is not None and self.round_costs is not None:
             start, end, rows, drafted, draft = rec.timing
             seconds = start.elapsed_ms(end) / 1e3
-            spent = None if draft is None or rec.spec is None else draft.elapsed()
-            if spent is not None and draft is not None and rec.spec is not None:
+            if draft is not None and rec.spec is not None and (
+                    spent := draft.elapsed()) is not None:
                 self.round_costs.observe_draft(draft.forwards(rec.spec.seqs), spent)
                 seconds -= spent
             self.round_costs.observe(rows, drafted, seconds)

@@ -185,15 +185,6 @@ def allocate_drafts(rates: list[float], caps: list[int], n_decode: int, n_rows: 
     return ks
 
 
-def step_bytes(transformer: Transformer) -> int:
-    """The weight bytes a decode step of `transformer` reads (every tensor but a token
-    embedding that is not also its lm head): the draft model's forwards are priced by its
-    over the model's until they are measured, a decode step being bound by them."""
-    w = transformer.weights
-    return max(1, sum(h.nbytes for h in w.handles()
-                      if h is not w.token_embd or h is w.output))
-
-
 def kv_layouts(transformer: Transformer,
                draft: Transformer | None = None) -> tuple[KVLayout, KVLayout | None]:
     """The sessions' KV layout, and the draft model's beside it in the same cache (one

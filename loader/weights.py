@@ -101,6 +101,13 @@ class ModelWeights(Generic[T]):
                 seen.add(id(w))
                 yield w
 
+    def decode_bytes(self) -> int:
+        """The bytes of the weights a decode step reads: every handle's but a token
+        embedding's that is not also the lm head (a step looks up a row or two of it).
+        A mixture's experts count whole, of which a step reads a few."""
+        return sum(getattr(h, "nbytes", 0) for h in self.handles()
+                   if h is not self.token_embd or h is self.output)
+
 
 def _layer_handles(lw: LayerWeights[T]) -> Iterator[T | None]:
     for fl in fields(lw):

@@ -70,14 +70,12 @@ def test_the_model_as_its_own_draft_accepts_nearly_every_greedy_draft(model):
 
 def test_adaptive_drafting_prices_the_draft_models_forwards(model, bad_draft):
     """With adaptive drafting, the plan prices the draft model's forwards: before any is
-    measured at the bytes it reads over the model's (`step_bytes`), then from the rounds
-    that ran it; the output stays the request's run alone."""
-    from eagerlm.dispatch.speculation import step_bytes
-
+    measured at the bytes it reads over the model's (`ModelWeights.decode_bytes`), then
+    from the rounds that ran it; the output stays the request's run alone."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     reqs = [(key, repetitive_prompt(model, key), params) for key in range(2)]
     with make(model, spec=SpeculationConfig("draft", 4), draft=bad_draft) as d:
-        prior = step_bytes(bad_draft) / step_bytes(model[1])
+        prior = bad_draft.weights.decode_bytes() / model[1].weights.decode_bytes()
         assert 0 < prior < 1 and d.control.scheduler.draft_prices() == (prior, prior)
         col = run(d, reqs)
         costs = d.control.round_costs

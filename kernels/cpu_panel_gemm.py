@@ -221,6 +221,7 @@ def group_mac(typingctx, accs, rows, steps, int16, codes, c0, xq, x0, x_stride, 
             return builder.add(builder.add(x0, builder.mul(x_step, const(i))), const(byte))
         c_at, x0, x_step, s_at, g_at, g_step = (index(i) for i in (5, 7, 8, 11, 14, 15))
         vnni = PANEL_ISA == "avx512vnni"
+        signed = not vnni and not n_int16  # codes past 127: magnitudes and signs
         chunk = max(1, n_int16)
         flip = splat(builder, ir.Constant(_I8, 0x80), _VB)
         sums = [[ir.Constant(_VI, None)] * 2 for _ in range(n_rows)]
@@ -228,7 +229,6 @@ def group_mac(typingctx, accs, rows, steps, int16, codes, c0, xq, x0, x_stride, 
         for step in range(n_steps):
             w = [builder.load(at(4, builder.add(c_at, const(step * PANEL + 16 * h)), _VI),
                               align=4) for h in range(2)]
-            signed = not vnni and not n_int16
             if signed:  # the signed codes, -128..127
                 w = [builder.xor(builder.bitcast(v, _VB), flip) for v in w]
             for i in range(n_rows):
@@ -241,7 +241,7 @@ def group_mac(typingctx, accs, rows, steps, int16, codes, c0, xq, x0, x_stride, 
                     pairs[i][h] = p if step % chunk == 0 else builder.add(pairs[i][h], p)
                     if (step + 1) % chunk == 0:
                         sums[i][h] = builder.add(sums[i][h], _widen(builder, pairs[i][h]))
-        if not vnni and not n_int16:
+        if signed:
             group = ir.VectorType(_I8, 4 * n_steps)
             for i in range(n_rows):
                 shift = _x_sum_times_128(builder, builder.load(at(6, x_at(i, 0), group),
